@@ -1,0 +1,35 @@
+"""graphpass: an automatic-parallelism compiler for PyTorch training.
+
+    import graphpass as gp
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=(idx, targets))
+    loss = dmodel.train_step(idx, targets)
+
+See README.md for the concepts, the API and how to read the dumps.
+"""
+
+from graphpass.api import compile
+from graphpass.capture import CaptureError, capture
+from graphpass.cluster import Cluster, DeviceSpec, LinkSpec, presets
+from graphpass.pass_manager import PassError, PassRecord
+from graphpass.plan import Plan, Strategy
+from graphpass.runtime.launch import RankError, launch
+from graphpass.runtime.module import DistributedModule
+
+__all__ = [
+    "CaptureError",
+    "Cluster",
+    "DeviceSpec",
+    "DistributedModule",
+    "LinkSpec",
+    "PassError",
+    "PassRecord",
+    "Plan",
+    "RankError",
+    "Strategy",
+    "capture",
+    "compile",
+    "launch",
+    "presets",
+]
+
+__version__ = "0.1.0"

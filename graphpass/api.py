@@ -1,0 +1,187 @@
+"""The public entry point: ``graphpass.compile``.
+
+``compile(model, cluster, example_inputs=..., strategy=...)`` runs on every rank (SPMD): it
+resolves the strategy into a :class:`~graphpass.plan.Plan`, captures the model at this rank's
+batch shape, runs the pass pipeline (dumping each graph when asked), and wraps the result in a
+:class:`~graphpass.runtime.module.DistributedModule`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from graphpass import meta
+from graphpass.capture import capture, check_example_inputs
+from graphpass.cluster import Cluster
+from graphpass.dump import Dumper, resolve_dump_dir
+from graphpass.pass_manager import PassContext, run_passes
+from graphpass.passes import PIPELINE
+from graphpass.plan import Plan, Strategy
+from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.module import (
+    DistributedModule,
+    batch_shards,
+    broadcast_replicated_state,
+    check_divisible,
+)
+
+log = logging.getLogger(__name__)
+
+StrategyLike = Union[str, Strategy, Plan]
+
+
+def _process_group_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy | None, Plan | None, list[str]]:
+    """Turn the user's ``strategy=`` into a checked Strategy, or a given Plan, plus reasons.
+
+    Raises:
+        TypeError: not ``"auto"``, a Strategy or a Plan.
+        ValueError / NotImplementedError: from :meth:`Strategy.check`.
+    """
+    if isinstance(strategy, str):
+        if strategy != "auto":
+            raise ValueError(f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {strategy!r}")
+        chosen = Strategy(dp=world_size)
+        return chosen, None, [
+            f"strategy='auto' chose data parallel over all {world_size} ranks "
+            "(the cost-model planner is not built yet)"
+        ]
+    if isinstance(strategy, Strategy):
+        strategy.check(world_size)
+        return strategy, None, ["uniform strategy given by the user"]
+    if isinstance(strategy, Plan):
+        if strategy.world_size != world_size:
+            raise ValueError(
+                f"the given Plan's mesh {dict(strategy.mesh)} needs {strategy.world_size} ranks, "
+                f"but world_size is {world_size}"
+            )
+        if strategy.strategy is not None:
+            strategy.strategy.check(world_size)
+        return strategy.strategy, strategy, []
+    raise TypeError(
+        f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {type(strategy).__name__}"
+    )
+
+
+def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
+    """The plan a uniform strategy implies for a captured graph.
+
+    Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
+    and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean).
+    """
+    mesh = {"dp": strategy.dp}
+    placements: dict[str, dict[str, str]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            placements[node.name] = {"dp": "Shard(0)"}
+        elif node.op == "get_attr":
+            placements[node.name] = {"dp": "Replicate()"}
+    output = gm.graph.find_nodes(op="output")[0]
+    loss = output.args[0][meta.get(output, meta.ROLE)["loss"]]
+    placements[loss.name] = {"dp": "Partial(avg)"}
+    return Plan(mesh=mesh, placements=placements, strategy=strategy, reasons=tuple(reasons))
+
+
+def _check_plan_nodes(plan: Plan, gm: fx.GraphModule) -> None:
+    names = {n.name for n in gm.graph.nodes}
+    unknown = [name for name in plan.placements if name not in names]
+    if unknown:
+        raise ValueError(
+            f"the Plan places nodes {unknown[:5]} that are not in the captured graph of this model "
+            "(was the plan made for another model or batch shape?)"
+        )
+
+
+def compile(  # noqa: A001 - the public name the contract uses
+    model: nn.Module,
+    cluster: Cluster | None = None,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    strategy: StrategyLike = "auto",
+    dump_dir: str | os.PathLike | None = None,
+) -> DistributedModule:
+    """Compile ``model`` into this rank's distributed training program.
+
+    Every rank calls this with the same arguments (SPMD). ``example_inputs`` is one *global*
+    batch; each rank captures the model at its own share of it.
+
+    Args:
+        model: an ``nn.Module`` whose ``forward(*inputs)`` returns a scalar mean loss.
+        cluster: the devices (default ``Cluster.local()``: the running process group).
+        example_inputs: a tuple of tensors, the model's positional arguments for one global batch.
+        strategy: ``"auto"``, a :class:`Strategy`, or a saved :class:`Plan`.
+        dump_dir: write the graph after every pass there (default: ``GRAPHPASS_DUMP_DIR``).
+
+    Returns:
+        the :class:`DistributedModule` for this rank.
+
+    Raises:
+        TypeError: bad ``model``, ``cluster``, ``example_inputs`` or ``strategy`` type.
+        ValueError: inconsistent sizes (world size, batch divisibility), a non-scalar loss.
+        NotImplementedError: a strategy field graphpass does not implement yet.
+        graphpass.CaptureError: the model cannot be captured.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs = check_example_inputs(example_inputs)
+    rank, world_size = _process_group_size()
+    if cluster is None:
+        cluster = Cluster.local()
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a graphpass.Cluster, got {type(cluster).__name__}")
+    if cluster.world_size != world_size:
+        raise ValueError(
+            f"cluster describes {cluster.world_size} devices but this process group has {world_size} "
+            "ranks; compile on every rank of a launched job (torchrun or graphpass.launch) with "
+            "graphpass.Cluster.local()"
+        )
+    chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
+    dp = given_plan.mesh.get("dp", 1) if given_plan is not None else chosen.dp  # type: ignore[union-attr]
+
+    # Capture at this rank's share of the batch: shapes are specialised in the graph.
+    names = _input_names_guess(len(inputs))
+    check_divisible(inputs, names, [["dp"] if dp > 1 else []] * len(inputs), Plan(mesh={"dp": dp}))
+    local_inputs = tuple(t.narrow(0, 0, t.shape[0] // dp) if dp > 1 else t for t in inputs)
+    captured = capture(model, local_inputs)
+    gm = captured.gm
+    plan = given_plan if given_plan is not None else plan_from_strategy(gm, chosen, reasons)  # type: ignore[arg-type]
+    _check_plan_nodes(plan, gm)
+    input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
+
+    dumper = Dumper(resolve_dump_dir(dump_dir), rank)
+    dumper.graph(0, "capture", gm, f"after 00 capture via {captured.route} ({captured.seconds * 1e3:.1f} ms) | nodes {len(gm.graph.nodes)}")
+    ctx = PassContext(rank=rank, world_size=world_size, example_inputs=local_inputs)
+    gm, records = run_passes(gm, plan, ctx, PIPELINE, on_record=dumper.record)
+    dumper.finish(plan, captured.route, captured.seconds, records)
+    if dumper.root is not None and rank == 0:
+        log.info("graphpass dumps written to %s", dumper.root)
+
+    device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
+    process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type)
+    broadcast_replicated_state(gm, process_mesh)
+    return DistributedModule(
+        gm,
+        plan,
+        process_mesh,
+        records,
+        [t.shape for t in local_inputs],
+        model,
+        captured.route,
+    )
+
+
+def _input_names_guess(n: int) -> list[str]:
+    return [f"example_inputs[{i}]" for i in range(n)]

@@ -1,0 +1,440 @@
+"""Capture: an ``nn.Module`` plus example inputs → the one IR every pass works on.
+
+The IR (STYLE.md) is a functional *forward* ``torch.fx.GraphModule``:
+
+- user inputs are ``placeholder`` nodes, parameters and buffers are ``get_attr`` nodes whose
+  target is the original module path (``h.0.attn.q.weight``), tied weights are one ``get_attr``
+  whose ``gp.state_keys`` lists every ``state_dict`` key it stands for;
+- every op is a ``call_function``; every tensor-valued node carries a FakeTensor in
+  ``meta["val"]`` and its module path / repeated-layer index / source line in ``gp.*`` meta;
+- the output node returns a tuple whose first element is the scalar loss; in-place buffer updates
+  (BatchNorm statistics) are explicit ``aten.copy_`` nodes before the output.
+
+Two routes reach it. ``torch.export.export(strict=False)`` is tried first: its training IR keeps
+``aten.linear``, ``aten.layer_norm`` and ``aten.scaled_dot_product_attention`` whole, and it
+handles Hugging Face models. ``torch.fx.symbolic_trace`` (tracing through every submodule, so
+parameters become ``get_attr`` and methods become functions) is the fallback for models export
+rejects. When both fail, :class:`CaptureError` names each route, the user source line and why.
+
+Before/after (export route, one linear)::
+
+    p_fc_weight = placeholder[PARAMETER fc.weight]     fc_weight = get_attr[target=fc.weight]
+    x = placeholder                              →     x = placeholder
+    linear = aten.linear(x, p_fc_weight)               linear = aten.linear(x, fc_weight)
+    return (sum,)                                      return (sum,)   # meta: gp.role loss=0
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from graphpass import meta
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("export", "symbolic_trace")
+
+
+class CaptureError(RuntimeError):
+    """Neither capture route could turn the model into a graph; the message says why per route."""
+
+
+@dataclass
+class CaptureResult:
+    """What capture produced: the IR graph, the route that made it, and how long it took."""
+
+    gm: fx.GraphModule
+    route: str
+    seconds: float
+    failures: dict[str, str]
+
+
+def check_example_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    """Validate ``example_inputs``: a tuple/list of tensors, the model's positional arguments.
+
+    Raises:
+        TypeError: naming the offending position and its type.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError(
+            "example_inputs must be a tuple of tensors (the model's positional arguments), "
+            "got a single Tensor; write example_inputs=(x,)"
+        )
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(
+            f"example_inputs must be a tuple of tensors, got {type(example_inputs).__name__}"
+        )
+    for i, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"example_inputs[{i}] must be a torch.Tensor, got {type(value).__name__}; "
+                "graphpass captures tensor arguments only (bind other arguments in the module)"
+            )
+    return tuple(example_inputs)
+
+
+def capture(
+    model: nn.Module, example_inputs: Sequence[torch.Tensor], *, route: str = "auto"
+) -> CaptureResult:
+    """Capture ``model(*example_inputs)`` into the graphpass IR.
+
+    Args:
+        model: any module whose ``forward`` returns a scalar loss. Parameters may live on the meta
+            device (nothing is allocated: shapes flow as fake tensors).
+        example_inputs: positional arguments of one forward call (the per-rank batch).
+        route: ``"auto"`` (export, then symbolic_trace), ``"export"`` or ``"symbolic_trace"``.
+
+    Raises:
+        TypeError: bad ``example_inputs``.
+        ValueError: the forward does not return a scalar loss, or mutates its inputs.
+        CaptureError: no route could capture the model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs = check_example_inputs(example_inputs)
+    if route not in ("auto",) + ROUTES:
+        raise ValueError(f"capture route must be 'auto', 'export' or 'symbolic_trace', got {route!r}")
+    routes = ROUTES if route == "auto" else (route,)
+    failures: dict[str, str] = {}
+    for name in routes:
+        start = time.perf_counter()
+        try:
+            gm = _export(model, inputs) if name == "export" else _symbolic_trace(model, inputs)
+        except _BadModel:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure is reported per route below
+            failures[name] = _describe_failure(exc)
+            log.info("capture route %s failed: %s", name, failures[name])
+            continue
+        _check_loss_output(gm, model)
+        seconds = time.perf_counter() - start
+        log.info(
+            "captured %s via %s in %.2f s: %d nodes",
+            type(model).__name__, name, seconds, len(gm.graph.nodes),
+        )
+        return CaptureResult(gm, name, seconds, failures)
+    details = "\n".join(f"  - {name}: {why}" for name, why in failures.items())
+    raise CaptureError(f"could not capture {type(model).__name__}:\n{details}")
+
+
+class _BadModel(ValueError):
+    """A user error found during capture (not a reason to try the other route)."""
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """One readable line: exception type, first message line, and the user's source line."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if len(first) > 300:
+        first = first[:300] + "..."
+    user_frame = None
+    torch_dir = os.path.dirname(torch.__file__)
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not frame.filename.startswith(torch_dir) and "graphpass" not in frame.filename:
+            user_frame = frame
+    text = f"{type(exc).__name__}: {first}"
+    match = re.search(r'File "([^"]+)", line (\d+)', str(exc))
+    if user_frame is not None:
+        text += f" (at {user_frame.filename}:{user_frame.lineno}: {user_frame.line})"
+    elif match:
+        text += f" (at {match.group(1)}:{match.group(2)})"
+    return text
+
+
+# --------------------------------------------------------------------------- export route
+
+
+def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    ep = torch.export.export(model, inputs, strict=False)
+    src = ep.graph_module
+    sig = ep.graph_signature
+    tensors = _named_tensors(model)
+    for name, value in ep.constants.items():
+        if isinstance(value, torch.Tensor):
+            tensors.setdefault(name, (value, "buffer"))
+
+    holder = nn.Module()
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    canonical = _canonical_names(tensors)
+    attr_nodes: dict[str, fx.Node] = {}
+    placeholders = [n for n in src.graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind == InputKind.USER_INPUT:
+            new = graph.placeholder(node.name)
+            new.meta.update(node.meta)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            target = canonical[spec.target]
+            if target not in attr_nodes:
+                tensor, kind = tensors[target]
+                _set_attr(holder, target, tensor, kind)
+                new = graph.get_attr(target)
+                new.meta[meta.VAL] = node.meta.get(meta.VAL)
+                new.meta[meta.ATTR_KIND] = kind
+                new.meta[meta.STATE_KEYS] = tuple(
+                    k for k, c in canonical.items() if c == target and k in _state_keys(model)
+                )
+                attr_nodes[target] = new
+            new = attr_nodes[target]
+        else:
+            raise NotImplementedError(
+                f"graphpass cannot capture input {node.name!r} of kind {spec.kind.name}"
+            )
+        env[node] = new
+    # Parameters first (sorted as captured), then the computation.
+    output_node = None
+    for node in src.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            output_node = node
+            break
+        new = graph.node_copy(node, lambda n: env[n])
+        env[node] = new
+    assert output_node is not None
+    outputs = list(output_node.args[0])
+    user_outputs = []
+    for value, spec in zip(outputs, sig.output_specs):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            user_outputs.append(env[value] if isinstance(value, fx.Node) else value)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            buf = attr_nodes[canonical[spec.target]]
+            copy = graph.call_function(torch.ops.aten.copy_.default, (buf, env[value]))
+            meta.copy_meta(env[value], copy)
+            copy.meta[meta.VAL] = buf.meta.get(meta.VAL)
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            raise _BadModel(
+                f"{type(model).__name__}.forward mutates its input {spec.target!r} in place; "
+                "graphpass needs forward to leave its inputs unchanged"
+            )
+        else:
+            raise NotImplementedError(f"graphpass cannot capture an output of kind {spec.kind.name}")
+    _set_output(graph, user_outputs)
+    gm = fx.GraphModule(holder, graph, class_name=type(model).__name__)
+    _annotate(gm)
+    return gm
+
+
+def _named_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
+    out: dict[str, tuple[torch.Tensor, str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = (p, "parameter")
+    for name, b in model.named_buffers(remove_duplicate=False):
+        out[name] = (b, "buffer")
+    return out
+
+
+def _state_keys(model: nn.Module) -> set[str]:
+    keys = getattr(model, "_gp_state_keys", None)
+    if keys is None:
+        keys = set(model.state_dict(keep_vars=True).keys())
+    return keys
+
+
+def _canonical_names(tensors: dict[str, tuple[torch.Tensor, str]]) -> dict[str, str]:
+    """Map every name to the first name of the same tensor object (tied weights share one)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, (tensor, _) in tensors.items():
+        out[name] = first.setdefault(id(tensor), name)
+    return out
+
+
+def _set_attr(root: nn.Module, target: str, tensor: torch.Tensor, kind: str) -> None:
+    *path, leaf = target.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if kind == "parameter":
+        module.register_parameter(leaf, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
+    else:
+        module.register_buffer(leaf, tensor)
+
+
+def _set_output(graph: fx.Graph, user_outputs: list[Any]) -> None:
+    out = graph.output(tuple(user_outputs))
+    out.meta[meta.ROLE] = {"loss": 0}
+
+
+# --------------------------------------------------------------------------- symbolic_trace route
+
+
+class _DeepTracer(fx.Tracer):
+    """Traces through every submodule so that parameters appear as ``get_attr`` nodes."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return False
+
+
+def _symbolic_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
+    tracer = _DeepTracer()
+    tracer.record_stack_traces = True
+    graph = tracer.trace(model)
+    traced = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+    tensors = _named_tensors(model)
+    canonical = _canonical_names(tensors)
+    holder = nn.Module()
+    new_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attr_nodes: dict[str, fx.Node] = {}
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        raise TypeError(
+            f"{type(model).__name__}.forward takes {len(placeholders)} tensor arguments "
+            f"({', '.join(p.target for p in placeholders)}) but example_inputs has {len(inputs)}"
+        )
+    outputs: list[Any] = []
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = new_graph.placeholder(node.target)
+            env[node].meta.update(node.meta)
+        elif node.op == "get_attr":
+            if node.target in canonical:
+                target = canonical[node.target]
+                if target not in attr_nodes:
+                    tensor, kind = tensors[target]
+                    _set_attr(holder, target, tensor, kind)
+                    new = new_graph.get_attr(target)
+                    new.meta[meta.ATTR_KIND] = kind
+                    new.meta[meta.STATE_KEYS] = tuple(
+                        k for k, c in canonical.items() if c == target and k in _state_keys(model)
+                    )
+                    attr_nodes[target] = new
+                env[node] = attr_nodes[target]
+            else:  # a tensor constant fx lifted (e.g. torch.tensor(...) in forward)
+                value = _fetch(traced, node.target)
+                _set_attr(holder, node.target, value, "buffer")
+                env[node] = new_graph.get_attr(node.target)
+                env[node].meta[meta.ATTR_KIND] = "buffer"
+                env[node].meta[meta.STATE_KEYS] = ()
+        elif node.op == "call_method":
+            fn = getattr(torch.Tensor, node.target)
+            env[node] = new_graph.call_function(fn, *_map(env, (node.args, node.kwargs)))
+            env[node].meta.update(node.meta)
+        elif node.op == "call_function":
+            env[node] = new_graph.node_copy(node, lambda n: env[n])
+        elif node.op == "call_module":
+            raise NotImplementedError(f"symbolic_trace left call_module {node.target!r}")
+        elif node.op == "output":
+            result = _map(env, node.args[0])
+            outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    _set_output(new_graph, outputs)
+    gm = fx.GraphModule(holder, new_graph, class_name=type(model).__name__)
+    propagate_fake(gm, inputs)
+    _annotate(gm)
+    return gm
+
+
+def _fetch(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _map(env: dict[fx.Node, fx.Node], value: Any) -> Any:
+    return fx.node.map_arg(value, lambda n: env[n])
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _annotate(gm: fx.GraphModule) -> None:
+    """Write module path, repeated-layer index and source line on every node."""
+    for node in gm.graph.nodes:
+        path = _module_path(node)
+        node.meta[meta.MODULE_PATH] = path
+        node.meta[meta.LAYER] = layer_index(path)
+        source = _user_source(node.meta.get("stack_trace"))
+        if source:
+            node.meta[meta.SOURCE] = source
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+
+
+def _user_source(stack_trace: str | None) -> str | None:
+    """``file:line: code`` of the innermost frame outside torch (the user's model code)."""
+    if not stack_trace:
+        return None
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [m for m in _FRAME_RE.finditer(stack_trace) if not m.group(1).startswith(torch_dir)]
+    if not frames:
+        return None
+    file, line, code = frames[-1].groups()
+    return f"{file}:{line}: {code.strip()}"
+
+
+def _module_path(node: fx.Node) -> str:
+    if node.op == "get_attr":
+        return node.target.rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # symbolic_trace records the qualified name; export records it as the first tuple element.
+    return path if isinstance(path, str) else ""
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_index(module_path: str) -> int | None:
+    """The index of the repeated layer a module path sits in: ``"h.3.attn"`` → 3, ``"wte"`` → None."""
+    match = _LAYER_RE.search(module_path)
+    return int(match.group(1)) if match else None
+
+
+def propagate_fake(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
+    """Recompute ``meta["val"]`` for every node by running ``gm`` on fake tensors.
+
+    Inputs and attributes may be real, meta or fake tensors; nothing is allocated.
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = [mode.from_tensor(t) if not _is_fake(t) else t for t in inputs]
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _check_loss_output(gm: fx.GraphModule, model: nn.Module) -> None:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = list(out.args[0])
+    what = None
+    if len(values) != 1:
+        what = f"{len(values)} outputs"
+    else:
+        value = values[0]
+        val = value.meta.get(meta.VAL) if isinstance(value, fx.Node) else value
+        if not isinstance(val, torch.Tensor):
+            what = f"a {type(val).__name__}"
+        elif val.dim() != 0:
+            what = f"a tensor of shape {tuple(val.shape)}"
+        elif not val.is_floating_point():
+            what = f"a {val.dtype} scalar"
+    if what is not None:
+        raise ValueError(
+            f"{type(model).__name__}.forward must return the scalar loss (a 0-dim floating tensor) "
+            f"but returned {what}; wrap the model so that forward returns e.g. "
+            "F.cross_entropy(logits, targets) or outputs.loss"
+        )

@@ -1,0 +1,525 @@
+"""What the planner knows about the machines: devices, links and their sizes.
+
+A `Cluster` is plain data: one `DeviceSpec` (every rank has the same kind of
+device), a node grid (``num_nodes x devices_per_node``), one `LinkSpec` for the
+links inside a node and one for the links between nodes, and the
+``torch.distributed`` backend. The cost model reads it; nothing here measures.
+
+Where the figures come from:
+
+* **Presets** (`Cluster.preset`) are public spec-sheet figures for SXM parts:
+  peak dense tensor-core TFLOP/s (no 2:4 sparsity) per dtype, memory size,
+  HBM bandwidth, NVLink bandwidth per GPU per direction, and a typical
+  InfiniBand rail per GPU. Sources are named next to each number below. They
+  are peaks, not achievable rates: the cost model applies its own efficiency.
+* **Local clusters** (`Cluster.local`) take what torch reports (device name,
+  device memory, world size) and, for a GPU that matches a preset, that
+  preset's compute and link figures. Everything else (CPU compute, CPU links,
+  unknown GPUs) is a *default, unprofiled* placeholder until the profiler
+  measures it; the cluster's ``name`` says so.
+
+Units follow the names: ``_tflops`` is 1e12 FLOP/s, ``_gbps`` is GB/s (1e9
+bytes per second, not gigabits), ``_bytes`` bytes, ``_s`` seconds. Link
+bandwidth is what one GPU can send in one direction (the beta of the
+alpha-beta model); latency is the alpha.
+
+Example::
+
+    >>> c = Cluster.preset("a100-80g", nodes=2, gpus_per_node=8)
+    >>> str(c)
+    '16 x a100-80g (2 nodes x 8), nvlink 300 GB/s, ib 25 GB/s'
+    >>> Cluster.from_json(c.to_json()) == c
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+__all__ = ["DeviceSpec", "LinkSpec", "Cluster", "presets"]
+
+logger = logging.getLogger(__name__)
+
+DEVICE_KINDS = ("cuda", "cpu")
+BACKENDS = ("nccl", "gloo")
+
+GiB = 2**30
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _check_number(owner: str, name: str, value: Any, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}.{name} must be {bound}, got {value!r}")
+    return float(value)
+
+
+def _check_str(owner: str, name: str, value: Any, choices: tuple[str, ...] | None = None) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{owner}.{name} must be a str, got {value!r}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _from_fields(cls: type, data: Any, what: str) -> dict[str, Any]:
+    """Checks that ``data`` is a dict with exactly the dataclass's keys (defaults optional)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a dict, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    unknown = sorted(set(data) - names)
+    missing = sorted(required - set(data))
+    if unknown:
+        raise ValueError(f"{what} has unknown keys {unknown}; expected {sorted(names)}")
+    if missing:
+        raise ValueError(f"{what} is missing keys {missing}")
+    return dict(data)
+
+
+# --------------------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank's share of the host).
+
+    Attributes:
+        name: Short name, e.g. ``"a100-80g"``, ``"cpu"``, or torch's device name.
+        kind: ``"cuda"`` or ``"cpu"``.
+        peak_tflops: Peak dense TFLOP/s per dtype (``"bf16"``, ``"fp16"``, ``"fp32"``,
+            ``"tf32"``), no structured sparsity.
+        memory_bytes: Device memory (for a CPU rank: its share of host RAM).
+        memory_bandwidth_gbps: HBM (or DRAM) bandwidth in GB/s.
+    """
+
+    name: str
+    kind: str
+    peak_tflops: dict[str, float]
+    memory_bytes: int
+    memory_bandwidth_gbps: float
+
+    def __post_init__(self) -> None:
+        _check_str("DeviceSpec", "name", self.name)
+        _check_str("DeviceSpec", "kind", self.kind, DEVICE_KINDS)
+        if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
+            raise ValueError(
+                f"DeviceSpec.peak_tflops must be a non-empty dict of dtype -> TFLOP/s, "
+                f"got {self.peak_tflops!r}"
+            )
+        peaks = {}
+        for dtype, value in self.peak_tflops.items():
+            if not isinstance(dtype, str):
+                raise ValueError(f"DeviceSpec.peak_tflops keys must be dtype names, got {dtype!r}")
+            peaks[dtype] = _check_number("DeviceSpec", f"peak_tflops[{dtype!r}]", value)
+        # A private copy, so that mutating the caller's dict cannot change a frozen spec.
+        object.__setattr__(self, "peak_tflops", peaks)
+        _check_positive_int("DeviceSpec", "memory_bytes", self.memory_bytes)
+        object.__setattr__(
+            self,
+            "memory_bandwidth_gbps",
+            _check_number("DeviceSpec", "memory_bandwidth_gbps", self.memory_bandwidth_gbps),
+        )
+
+    def __hash__(self) -> int:  # the dict field would make the generated hash fail
+        return hash(
+            (self.name, self.kind, tuple(sorted(self.peak_tflops.items())), self.memory_bytes,
+             self.memory_bandwidth_gbps)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-ready dict; `from_dict` inverts it exactly."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "peak_tflops": dict(self.peak_tflops),
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
+        """Builds a spec from `to_dict` output; unknown or missing keys raise ValueError."""
+        return cls(**_from_fields(cls, data, "DeviceSpec"))
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One level of interconnect, priced by the alpha-beta model ``t = latency_s + bytes / bw``.
+
+    Attributes:
+        bandwidth_gbps: Usable GB/s per GPU per direction.
+        latency_s: Per-message latency (alpha), seconds.
+        name: Label for summaries, e.g. ``"nvlink"``, ``"ib"``, ``"loopback"``.
+    """
+
+    bandwidth_gbps: float
+    latency_s: float
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "bandwidth_gbps", _check_number("LinkSpec", "bandwidth_gbps", self.bandwidth_gbps)
+        )
+        object.__setattr__(
+            self, "latency_s", _check_number("LinkSpec", "latency_s", self.latency_s, allow_zero=True)
+        )
+        _check_str("LinkSpec", "name", self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-ready dict; `from_dict` inverts it exactly."""
+        return {"bandwidth_gbps": self.bandwidth_gbps, "latency_s": self.latency_s, "name": self.name}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LinkSpec:
+        """Builds a link from `to_dict` output; unknown or missing keys raise ValueError."""
+        return cls(**_from_fields(cls, data, "LinkSpec"))
+
+
+# --------------------------------------------------------------------------- preset figures
+
+# Latencies (alpha). NCCL's own tuning model (src/graph/tuning.cc) charges a
+# base latency of a few µs per collective plus ~0.5-3.4 µs per NVLink step and
+# several µs more per network step; nccl-tests small-message all_reduce on one
+# DGX node measures in the tens of µs for a whole 8-GPU ring. We price one
+# message: 5 µs inside a node, 15 µs across InfiniBand (RDMA one-way ~2 µs plus
+# NCCL proxy and kernel launch overheads).
+_NVLINK_LATENCY_S = 5e-6
+_IB_LATENCY_S = 15e-6
+
+# NVLink, per GPU per direction: A100 NVLink3 is 600 GB/s bidirectional total
+# (12 links x 50 GB/s) = 300 GB/s each way; H100/H200 NVLink4 is 900 GB/s
+# bidirectional (18 links x 50 GB/s) = 450 GB/s each way (NVIDIA data sheets).
+_NVLINK3 = LinkSpec(bandwidth_gbps=300.0, latency_s=_NVLINK_LATENCY_S, name="nvlink")
+_NVLINK4 = LinkSpec(bandwidth_gbps=450.0, latency_s=_NVLINK_LATENCY_S, name="nvlink")
+# Inter-node, per GPU per direction: one NIC per GPU is the DGX layout.
+# DGX A100: 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU; DGX H100/H200:
+# 8 x 400 Gb/s NDR (ConnectX-7) = 50 GB/s per GPU.
+_IB_HDR = LinkSpec(bandwidth_gbps=25.0, latency_s=_IB_LATENCY_S, name="ib")
+_IB_NDR = LinkSpec(bandwidth_gbps=50.0, latency_s=_IB_LATENCY_S, name="ib")
+
+# Compute, dense tensor-core peaks (the data sheets quote "with sparsity" at 2x).
+# A100 SXM (NVIDIA A100 data sheet): bf16/fp16 312, tf32 156, fp32 (non-tensor) 19.5.
+_A100_TFLOPS = {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5, "tf32": 156.0}
+# H100 SXM (NVIDIA H100 data sheet): bf16/fp16 989 (1979 sparse), tf32 494 (989 sparse),
+# fp32 67. H200 SXM has the same GH100 compute (NVIDIA H200 data sheet).
+_H100_TFLOPS = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "tf32": 494.0}
+
+# name -> (DeviceSpec, intra-node link, inter-node link)
+_PRESETS: dict[str, tuple[DeviceSpec, LinkSpec, LinkSpec]] = {
+    # "40GB" HBM2 is 40 GiB of DRAM (nvidia-smi reports 40960 MiB); 1555 GB/s.
+    "a100-40g": (
+        DeviceSpec("a100-40g", "cuda", _A100_TFLOPS, 40 * GiB, 1555.0),
+        _NVLINK3,
+        _IB_HDR,
+    ),
+    # "80GB" HBM2e is 80 GiB (nvidia-smi: 81920 MiB); 2039 GB/s on the SXM part.
+    "a100-80g": (
+        DeviceSpec("a100-80g", "cuda", _A100_TFLOPS, 80 * GiB, 2039.0),
+        _NVLINK3,
+        _IB_HDR,
+    ),
+    # H100 SXM "80GB" HBM3: 80 GiB (nvidia-smi shows slightly less, 81559 MiB, after
+    # reserved space; the cost model keeps its own headroom); 3350 GB/s.
+    "h100-80g": (
+        DeviceSpec("h100-80g", "cuda", _H100_TFLOPS, 80 * GiB, 3350.0),
+        _NVLINK4,
+        _IB_NDR,
+    ),
+    # H200 SXM: NVIDIA quotes "141GB" HBM3e at 4.8 TB/s. Taken as 141e9 bytes, the
+    # conservative reading: unlike the GiB-sized parts above, the usable size torch
+    # reports on an H200 is larger (about 139-140 GiB, ~150e9 bytes), not smaller.
+    "h200": (
+        DeviceSpec("h200", "cuda", _H100_TFLOPS, 141 * 10**9, 4800.0),
+        _NVLINK4,
+        _IB_NDR,
+    ),
+}
+
+
+def presets() -> list[str]:
+    """Returns the names accepted by `Cluster.preset`, sorted."""
+    return sorted(_PRESETS)
+
+
+# --------------------------------------------------------------------------- local defaults
+
+# CPU ranks: default, unprofiled placeholders until the profiler measures them.
+# 0.1 TFLOP/s is roughly what a few AVX2/AVX-512 cores sustain on fp32 GEMM; bf16
+# and fp16 are no faster on CPUs without AMX, so all dtypes share the figure.
+_CPU_PEAK_TFLOPS = {"bf16": 0.1, "fp16": 0.1, "fp32": 0.1, "tf32": 0.1}
+# One rank's share of DRAM bandwidth (a socket gives ~50-100 GB/s to all ranks).
+_CPU_MEMORY_BANDWIDTH_GBPS = 10.0
+# gloo over loopback TCP. Measured here (DESIGN.md): a 16 MB all_reduce takes ~15 ms
+# on 2 ranks. A ring all_reduce sends 2 (n-1)/n x 16 MB = 16 MB per rank at n = 2,
+# so 16e6 B / 15e-3 s ~ 1.07 GB/s (4 ranks: 24 MB in ~30 ms = 0.8 GB/s); we take
+# 1 GB/s. 50 µs is a loopback TCP round trip plus gloo's per-op overhead.
+_LOOPBACK = LinkSpec(bandwidth_gbps=1.0, latency_s=50e-6, name="loopback")
+
+# A GPU that matches no preset: conservative, default, unprofiled figures (below a
+# V100's 15.7 fp32 / 125 fp16 TFLOP/s and 900 GB/s), PCIe Gen4 x16 (~25 GB/s usable
+# of 32) between devices, and a 100 Gb/s Ethernet/IB NIC (12.5 GB/s) between nodes.
+_GPU_DEFAULT_TFLOPS = {"bf16": 50.0, "fp16": 50.0, "fp32": 10.0, "tf32": 10.0}
+_GPU_DEFAULT_MEMORY_BANDWIDTH_GBPS = 500.0
+_PCIE = LinkSpec(bandwidth_gbps=25.0, latency_s=10e-6, name="pcie")
+_NET_DEFAULT = LinkSpec(bandwidth_gbps=12.5, latency_s=_IB_LATENCY_S, name="net")
+
+_UNPROFILED = "default, unprofiled"
+
+
+def _preset_for_gpu(device_name: str) -> str | None:
+    """Maps torch's device name ("NVIDIA A100-SXM4-80GB", "NVIDIA H200", ...) to a preset.
+
+    PCIe and NVL boards have lower clocks or other links than the SXM parts the
+    presets describe; H100 PCIe and H100 NVL get no preset. A100 PCIe keeps the
+    A100 compute peaks (the same 312 TFLOP/s), which is why it still matches.
+    """
+    upper = device_name.upper()
+    if "H200" in upper:
+        return "h200"
+    if "H100" in upper:
+        return None if ("PCIE" in upper or "NVL" in upper) else "h100-80g"
+    if "A100" in upper:
+        return "a100-80g" if "80G" in upper else "a100-40g"
+    return None
+
+
+def _env_int(var: str) -> int | None:
+    raw = os.environ.get(var)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {var} must be a positive int, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"environment variable {var} must be a positive int, got {raw!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous grid of ``num_nodes x devices_per_node`` devices.
+
+    Attributes:
+        device: The device every rank runs on.
+        num_nodes: Number of nodes.
+        devices_per_node: Ranks (devices) per node.
+        intra_node: Link between devices of one node (NVLink, loopback).
+        inter_node: Link between nodes (InfiniBand, RoCE, Ethernet).
+        backend: ``"nccl"`` or ``"gloo"``.
+        name: Free-form label, e.g. the preset name.
+    """
+
+    device: DeviceSpec
+    num_nodes: int
+    devices_per_node: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    backend: str
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, DeviceSpec):
+            raise ValueError(f"Cluster.device must be a DeviceSpec, got {type(self.device).__name__}")
+        _check_positive_int("Cluster", "num_nodes", self.num_nodes)
+        _check_positive_int("Cluster", "devices_per_node", self.devices_per_node)
+        for name in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, name), LinkSpec):
+                raise ValueError(
+                    f"Cluster.{name} must be a LinkSpec, got {type(getattr(self, name)).__name__}"
+                )
+        _check_str("Cluster", "backend", self.backend, BACKENDS)
+        _check_str("Cluster", "name", self.name)
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks: ``num_nodes * devices_per_node``."""
+        return self.num_nodes * self.devices_per_node
+
+    # ---- serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-ready dict; `from_dict` inverts it exactly."""
+        return {
+            "name": self.name,
+            "device": self.device.to_dict(),
+            "num_nodes": self.num_nodes,
+            "devices_per_node": self.devices_per_node,
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+            "backend": self.backend,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        """Builds a cluster from `to_dict` output; unknown or missing keys raise ValueError."""
+        kwargs = _from_fields(cls, data, "Cluster")
+        kwargs["device"] = DeviceSpec.from_dict(kwargs["device"])
+        kwargs["intra_node"] = LinkSpec.from_dict(kwargs["intra_node"])
+        kwargs["inter_node"] = LinkSpec.from_dict(kwargs["inter_node"])
+        return cls(**kwargs)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Serialises to JSON text; ``Cluster.from_json(c.to_json()) == c``."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Cluster:
+        """Parses `to_json` output."""
+        return cls.from_dict(json.loads(text))
+
+    # ---- summaries
+
+    def explain(self) -> str:
+        """One line, e.g. ``"4 x a100-80g (1 node x 4), nvlink 300 GB/s, ib 25 GB/s"``."""
+        nodes = f"{self.num_nodes} node{'s' if self.num_nodes != 1 else ''}"
+        intra = self.intra_node.name or "intra-node"
+        inter = self.inter_node.name or "inter-node"
+        text = (
+            f"{self.world_size} x {self.device.name} ({nodes} x {self.devices_per_node}), "
+            f"{intra} {self.intra_node.bandwidth_gbps:g} GB/s, "
+            f"{inter} {self.inter_node.bandwidth_gbps:g} GB/s"
+        )
+        if _UNPROFILED in self.name:
+            text += f" [{_UNPROFILED}]"
+        return text
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    # ---- constructors
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster:
+        """A cluster of identical SXM GPUs from public spec-sheet figures.
+
+        Args:
+            name: One of `presets()`: ``"a100-40g"``, ``"a100-80g"``, ``"h100-80g"``, ``"h200"``.
+            nodes: Number of nodes.
+            gpus_per_node: GPUs per node (8 in a DGX/HGX node).
+
+        Raises:
+            ValueError: Unknown name (the message lists the known ones), or a count
+                that is not a positive int.
+        """
+        if name not in _PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; known presets: {', '.join(presets())}")
+        for field_name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Cluster.preset: {field_name} must be a positive int, got {value!r}")
+        device, intra, inter = _PRESETS[name]
+        return cls(
+            device=device,
+            num_nodes=nodes,
+            devices_per_node=gpus_per_node,
+            intra_node=intra,
+            inter_node=inter,
+            backend="nccl",
+            name=name,
+        )
+
+    @classmethod
+    def local(cls, world_size: int | None = None) -> Cluster:
+        """Describes the ranks of this job on this machine.
+
+        The world size comes from, in order: the initialised default process group,
+        the ``WORLD_SIZE`` environment variable (set by torchrun and `gp.launch`), the
+        argument, else 1. A ``world_size`` argument that disagrees with either source
+        raises. With CUDA, ranks are grouped ``min(device_count, world_size)`` per node
+        (``LOCAL_WORLD_SIZE`` overrides when set); on CPU all ranks are one node and
+        share the host's RAM. Figures the hardware does not report are presets (for a
+        known GPU) or default, unprofiled placeholders (the ``name`` then says so).
+
+        Args:
+            world_size: Expected number of ranks; None to take it from the environment.
+
+        Raises:
+            ValueError: ``world_size`` not a positive int or in conflict with the running
+                group or ``WORLD_SIZE``; a world size that does not fill whole nodes.
+        """
+        import torch  # lazily: planning code imports this module without torch
+        import torch.distributed as dist
+
+        if world_size is not None:
+            _check_positive_int("Cluster.local", "world_size", world_size)
+
+        backend: str | None = None
+        if dist.is_available() and dist.is_initialized():
+            running = dist.get_world_size()
+            if world_size is not None and world_size != running:
+                raise ValueError(
+                    f"Cluster.local(world_size={world_size}) conflicts with the initialised "
+                    f"process group's world_size={running}; drop the argument or pass {running}"
+                )
+            world_size = running
+            # A multi-device backend string reads like "cpu:gloo,cuda:nccl".
+            backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+        else:
+            env = _env_int("WORLD_SIZE")
+            if env is not None:
+                if world_size is not None and world_size != env:
+                    raise ValueError(
+                        f"Cluster.local(world_size={world_size}) conflicts with environment "
+                        f"variable WORLD_SIZE={env}; drop the argument or unset WORLD_SIZE"
+                    )
+                world_size = env
+            elif world_size is None:
+                world_size = 1
+
+        use_cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
+        if use_cuda:
+            return cls._local_cuda(torch, world_size)
+        return cls._local_cpu(world_size)
+
+    @classmethod
+    def _local_cuda(cls, torch: Any, world_size: int) -> Cluster:
+        device_name = torch.cuda.get_device_name(0)
+        memory_bytes = int(torch.cuda.get_device_properties(0).total_memory)
+        per_node = _env_int("LOCAL_WORLD_SIZE") or min(torch.cuda.device_count(), world_size)
+        if world_size % per_node:
+            raise ValueError(
+                f"Cluster.local: world_size={world_size} is not a multiple of the ranks per node "
+                f"({per_node}); set LOCAL_WORLD_SIZE or launch whole nodes"
+            )
+        preset = _preset_for_gpu(device_name)
+        if preset is not None:
+            spec, intra, inter = _PRESETS[preset]
+            peaks, bandwidth, name = spec.peak_tflops, spec.memory_bandwidth_gbps, "local"
+        else:
+            logger.warning(
+                "GPU %r matches no preset (%s); using %s figures",
+                device_name, ", ".join(presets()), _UNPROFILED,
+            )
+            peaks, bandwidth = _GPU_DEFAULT_TFLOPS, _GPU_DEFAULT_MEMORY_BANDWIDTH_GBPS
+            intra, inter, name = _PCIE, _NET_DEFAULT, f"local ({_UNPROFILED})"
+        device = DeviceSpec(device_name, "cuda", peaks, memory_bytes, bandwidth)
+        return cls(device, world_size // per_node, per_node, intra, inter, "nccl", name)
+
+    @classmethod
+    def _local_cpu(cls, world_size: int) -> Cluster:
+        ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        device = DeviceSpec(
+            name="cpu",
+            kind="cpu",
+            peak_tflops=_CPU_PEAK_TFLOPS,
+            memory_bytes=max(1, ram_bytes // world_size),
+            memory_bandwidth_gbps=_CPU_MEMORY_BANDWIDTH_GBPS,
+        )
+        return cls(device, 1, world_size, _LOOPBACK, _LOOPBACK, "gloo", f"local ({_UNPROFILED})")

@@ -1,0 +1,66 @@
+"""Every ``node.meta`` key graphpass reads or writes, declared once, with typed getters.
+
+Passes and analyses never spell a key as a string literal: they import the constant from here and
+read it through :func:`get`, which raises a clear error naming the node when a required key is
+missing. :func:`copy_meta` is the one way a pass carries metadata from a replaced node to the node
+that replaces it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+#: FakeTensor (or tuple of them) describing the node's output; torch's own key.
+VAL = "val"
+#: Fully qualified module path that produced the node, e.g. ``"h.3.attn.q"``; ``""`` for the root.
+MODULE_PATH = "gp.module_path"
+#: Index of the repeated layer (``h.3`` → 3) the node belongs to, or None outside repeated layers.
+LAYER = "gp.layer"
+#: For a parameter/buffer ``get_attr`` node: the original ``state_dict`` keys it stands for
+#: (a tuple: tied weights have several).
+STATE_KEYS = "gp.state_keys"
+#: For a ``get_attr`` node: ``"parameter"`` or ``"buffer"``.
+ATTR_KIND = "gp.attr_kind"
+#: The user source line that produced the node (last frame of the capture's stack trace).
+SOURCE = "gp.source"
+#: Name of the pass that created the node (absent on captured nodes).
+CREATED_BY = "gp.created_by"
+#: Placement of the node's output on each mesh axis, e.g. ``{"dp": "Shard(0)"}``.
+PLACEMENT = "gp.placement"
+#: Pipeline stage index of the node.
+STAGE = "gp.stage"
+#: For collective nodes: the mesh axis they communicate over.
+AXIS = "gp.axis"
+#: For the graph's output node: which output is the loss the runtime differentiates.
+ROLE = "gp.role"
+
+_MISSING = object()
+
+
+def get(node: fx.Node, key: str, default: Any = _MISSING) -> Any:
+    """Return ``node.meta[key]``; without a default, a missing key raises naming the node.
+
+    Raises:
+        KeyError: the key is absent and no default was given.
+    """
+    if key in node.meta:
+        return node.meta[key]
+    if default is not _MISSING:
+        return default
+    raise KeyError(
+        f"node {node.name!r} ({node.op} {node.target}) has no meta[{key!r}]; "
+        "it was created without copy_meta or before the analysis that sets it"
+    )
+
+
+def copy_meta(src: fx.Node, dst: fx.Node, *, exclude: tuple[str, ...] = (VAL,)) -> None:
+    """Copy provenance metadata (module path, layer, source, ...) from ``src`` to ``dst``.
+
+    ``val`` is excluded by default because the replacement usually has a different shape; the
+    pass recomputes it with :func:`graphpass.capture.propagate_fake`.
+    """
+    for key, value in src.meta.items():
+        if key not in exclude and key not in dst.meta:
+            dst.meta[key] = value

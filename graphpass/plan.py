@@ -1,0 +1,244 @@
+"""The plan: plain, frozen data that says how every node is parallelised.
+
+A :class:`Strategy` is what a user writes: one uniform choice of degrees for the whole model
+(``Strategy(dp=4)``). A :class:`Plan` is what passes consume: the device mesh, a placement per
+node on each mesh axis (keyed by the node's stable name in the captured graph), the pipeline
+stages, and the planner's predictions. Plans round-trip through JSON, so a saved plan replays
+without solving, and tests hand-write plans to drive single passes.
+
+Placements use torch's words (``torch.distributed.tensor``): ``Shard(dim)``, ``Replicate()``,
+``Partial()``; in JSON they are those strings.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+#: The only schedule names ``Strategy.schedule`` accepts (they map onto torch.distributed.pipelining).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+#: DDP's default bucket size: large enough to amortise per-collective latency, small enough to
+#: start communicating early in backward.
+DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A uniform parallel strategy: the same choice for every layer.
+
+    Args:
+        dp: data-parallel degree (the batch is split ``dp`` ways).
+        tp: tensor-parallel degree (Megatron column/row splits).
+        pp: pipeline-parallel degree (number of stages).
+        zero: ZeRO stage inside the dp axis: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters.
+        split: OSDP operator-splitting factor for large linears.
+        microbatches: microbatches per step (pipeline / gradient accumulation).
+        schedule: pipeline schedule, one of :data:`SCHEDULES`.
+        recompute: activation checkpointing of every layer.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    split: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "split", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Strategy.{name} must be a positive int, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Strategy.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Strategy.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"Strategy.recompute must be a bool, got {self.recompute!r}")
+
+    @property
+    def degree(self) -> int:
+        """Number of devices the strategy occupies: ``dp * tp * pp``."""
+        return self.dp * self.tp * self.pp
+
+    def check(self, world_size: int) -> None:
+        """Raise if this strategy cannot run on ``world_size`` ranks or uses an unbuilt feature.
+
+        Raises:
+            ValueError: ``dp * tp * pp != world_size``.
+            NotImplementedError: a field asks for a capability graphpass does not have yet.
+        """
+        if self.degree != world_size:
+            raise ValueError(
+                f"Strategy dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.degree} devices, but "
+                f"the cluster has world_size={world_size}; choose degrees whose product is {world_size}"
+                + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
+            )
+        missing = {
+            "tp": self.tp != 1,
+            "pp": self.pp != 1,
+            "zero": self.zero != 0,
+            "split": self.split != 1,
+            "microbatches": self.microbatches != 1,
+            "recompute": self.recompute,
+        }
+        for name, used in missing.items():
+            if used:
+                raise NotImplementedError(
+                    f"Strategy.{name}={getattr(self, name)!r} is not implemented yet: graphpass "
+                    "currently runs data parallel only (dp); leave this field at its default"
+                )
+
+
+def placement_from_str(text: str) -> Placement:
+    """Parse ``"Shard(0)"``, ``"Replicate()"`` or ``"Partial()"`` (also ``"Partial(avg)"``)."""
+    text = text.strip()
+    if text == "Replicate()":
+        return Replicate()
+    match = re.fullmatch(r"Shard\((?:dim=)?(-?\d+)\)", text)
+    if match:
+        return Shard(int(match.group(1)))
+    match = re.fullmatch(r"Partial\((\w*)\)", text)
+    if match:
+        return Partial(match.group(1) or "sum")
+    raise ValueError(f"unknown placement {text!r}; expected Shard(dim), Replicate() or Partial()")
+
+
+def placement_to_str(placement: Placement) -> str:
+    """The JSON spelling of a torch placement."""
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "Replicate()"
+    if isinstance(placement, Partial):
+        op = placement.reduce_op
+        return "Partial()" if op == "sum" else f"Partial({op})"
+    raise TypeError(f"unsupported placement {placement!r}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run one captured graph on a mesh.
+
+    Attributes:
+        mesh: ordered mesh axes and sizes, e.g. ``{"dp": 4}``; the product is the world size.
+        placements: node name → {axis → placement string} for every input, parameter and the loss.
+        stages: node names of each pipeline stage's first node (one stage: ``("*",)``).
+        strategy: the uniform strategy this plan was made from, if any.
+        bucket_cap_bytes: size cap of one gradient all-reduce bucket.
+        predicted_step_time_s: the cost model's step time, None until the planner prices it.
+        predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
+        reasons: human-readable lines saying why the plan is what it is (shown by ``explain``).
+    """
+
+    mesh: Mapping[str, int]
+    placements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    stages: tuple[str, ...] = ("*",)
+    strategy: Strategy | None = None
+    bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+    predicted_step_time_s: float | None = None
+    predicted_peak_memory_bytes: int | None = None
+    reasons: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for axis, size in self.mesh.items():
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"Plan.mesh[{axis!r}] must be a positive int, got {size!r}")
+        for node, by_axis in self.placements.items():
+            for axis, text in by_axis.items():
+                if axis not in self.mesh:
+                    raise ValueError(
+                        f"Plan.placements[{node!r}] uses mesh axis {axis!r}, which is not in "
+                        f"Plan.mesh {dict(self.mesh)}"
+                    )
+                placement_from_str(text)
+
+    @property
+    def world_size(self) -> int:
+        """Product of the mesh sizes."""
+        size = 1
+        for n in self.mesh.values():
+            size *= n
+        return size
+
+    def placement(self, node: str, axis: str) -> Placement:
+        """Placement of ``node`` on ``axis`` (Replicate when the plan does not mention it)."""
+        text = self.placements.get(node, {}).get(axis)
+        return Replicate() if text is None else placement_from_str(text)
+
+    # ------------------------------------------------------------------ serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (what ``to_json`` writes)."""
+        data = asdict(self)
+        data["mesh"] = dict(self.mesh)
+        data["placements"] = {k: dict(v) for k, v in self.placements.items()}
+        data["stages"] = list(self.stages)
+        data["reasons"] = list(self.reasons)
+        return data
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """JSON text; ``Plan.from_json(plan.to_json()) == plan``."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Plan fields {sorted(unknown)}; known fields: {sorted(known)}")
+        kwargs = dict(data)
+        if kwargs.get("strategy") is not None:
+            kwargs["strategy"] = Strategy(**kwargs["strategy"])
+        kwargs["stages"] = tuple(kwargs.get("stages", ("*",)))
+        kwargs["reasons"] = tuple(kwargs.get("reasons", ()))
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        """Parse a plan written by :meth:`to_json`."""
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------------ reading
+
+    def explain(self) -> str:
+        """A readable account: the mesh, what each kind of node gets, predictions and reasons."""
+        lines = [f"mesh: {' x '.join(f'{a}={n}' for a, n in self.mesh.items())} ({self.world_size} devices)"]
+        if self.strategy is not None:
+            lines.append(f"strategy: {self.strategy}")
+        groups: dict[str, list[str]] = {}
+        for node, by_axis in self.placements.items():
+            key = ", ".join(f"{a}: {p}" for a, p in by_axis.items())
+            groups.setdefault(key, []).append(node)
+        for key, nodes in groups.items():
+            shown = ", ".join(nodes[:4]) + (f", ... ({len(nodes)} nodes)" if len(nodes) > 4 else "")
+            lines.append(f"  [{key}] {shown}")
+        lines.append(f"pipeline stages: {len(self.stages)}")
+        lines.append(f"gradient bucket cap: {self.bucket_cap_bytes / 2**20:.1f} MiB")
+        time_s = self.predicted_step_time_s
+        mem = self.predicted_peak_memory_bytes
+        lines.append("predicted step time: " + ("not priced" if time_s is None else f"{time_s * 1e3:.2f} ms"))
+        lines.append("predicted peak memory: " + ("not priced" if mem is None else f"{mem / 2**30:.2f} GiB"))
+        lines.extend(f"why: {r}" for r in self.reasons)
+        return "\n".join(lines)
+
+    def diff(self, other: "Plan") -> list[str]:
+        """Lines describing how ``other`` differs from this plan (empty when equal)."""
+        out = []
+        if dict(self.mesh) != dict(other.mesh):
+            out.append(f"mesh: {dict(self.mesh)} -> {dict(other.mesh)}")
+        for node in sorted(set(self.placements) | set(other.placements)):
+            a, b = self.placements.get(node), other.placements.get(node)
+            if a != b:
+                out.append(f"{node}: {a} -> {b}")
+        for name in ("stages", "strategy", "bucket_cap_bytes"):
+            if getattr(self, name) != getattr(other, name):
+                out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
+        return out

@@ -1,0 +1,80 @@
+"""insert_collectives: make the graph's placements consistent with explicit collectives.
+
+Contract: reads the plan's placements of inputs and parameters on each mesh axis; for every axis
+over which the batch is sharded (``Shard(0)`` inputs), parameters replicated on that axis have
+partial gradients, so their gradients are all-reduced (bucketed, DDP-style), and the loss — a
+per-rank mean — is averaged over the axis for reporting. Axes of size 1 need nothing (no-op).
+
+Before/after (dp=2)::
+
+    x = placeholder                              x = placeholder
+    w = get_attr[h.0.q.weight]                   sync = grad_sync_begin('dp')
+    linear = aten.linear(x, w)          →        w = get_attr[h.0.q.weight]
+    ...                                          bucket_1 = all_reduce_grads(sync, w, b, bucket=1)
+    return (loss,)                               linear = aten.linear(x, bucket_1[0])
+                                                 loss_avg = all_reduce(loss, 'dp', op='avg')
+                                                 return (loss, loss_avg)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from graphpass import meta
+from graphpass.pass_manager import PassContext, graph_pass
+from graphpass.passes import collectives
+from graphpass.plan import Plan
+
+log = logging.getLogger(__name__)
+
+NAME = "insert_collectives"
+
+
+def batch_axes(gm: fx.GraphModule, plan: Plan) -> list[str]:
+    """Mesh axes (size > 1) over which some graph input is sharded along dim 0."""
+    axes = []
+    inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for axis, size in plan.mesh.items():
+        if size > 1 and any(plan.placement(name, axis) == Shard(0) for name in inputs):
+            axes.append(axis)
+    return axes
+
+
+@graph_pass(NAME, requires=(), provides=("collectives",))
+def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
+    """Insert gradient all-reduces and the loss average for every batch-sharded mesh axis."""
+    axes = batch_axes(gm, plan)
+    if not axes:
+        log.info("%s: no batch-sharded mesh axis of size > 1; nothing to do", NAME)
+        return gm
+    if len(axes) > 1:
+        raise NotImplementedError(
+            f"{NAME}: the batch is sharded over several mesh axes {axes}; only one data-parallel "
+            "axis is supported so far"
+        )
+    axis = axes[0]
+    params = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+        and meta.get(n, meta.ATTR_KIND) == "parameter"
+        and gm.get_parameter(n.target).requires_grad
+        and plan.placement(n.name, axis) == Replicate()
+    ]
+    buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME)
+    output = gm.graph.find_nodes(op="output")[0]
+    roles = dict(meta.get(output, meta.ROLE))
+    values = list(output.args[0])
+    loss = values[roles["loss"]]
+    report = collectives.emit_all_reduce(gm, loss, axis, "avg", NAME)
+    roles["loss_report"] = len(values)
+    output.args = (tuple(values) + (report,),)
+    output.meta[meta.ROLE] = roles
+    log.info(
+        "%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis
+    )
+    gm.recompile()
+    return gm

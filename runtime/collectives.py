@@ -1,0 +1,154 @@
+"""Collective ops that appear as ``call_function`` nodes in compiled graphs.
+
+Each op is an ordinary Python function (so ``torch.fx`` prints and runs it) wrapping an
+``autograd.Function`` that carries its own backward. Ops take the mesh *axis name*; the process
+group comes from the active :class:`~graphpass.runtime.mesh.ProcessMesh`. Only
+``graphpass.passes.collectives`` (the one emitter) inserts these ops into graphs.
+
+Every op is fake-tensor safe: under ``FakeTensorMode`` (shape propagation, planning) it returns
+correctly shaped results without communicating.
+
+Data-parallel gradient synchronisation is DDP's algorithm written as graph nodes::
+
+    sync = grad_sync_begin("dp")                     # backward runs last: waits, writes .grad
+    w2_, b2_ = all_reduce_grads(sync, w2, b2, ...)   # backward: launch async all-reduce of one
+    w1_, b1_ = all_reduce_grads(sync, w1, b1, ...)   #   flat bucket as soon as its grads exist
+
+so communication of late layers overlaps the backward of early layers, as in DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+
+from graphpass.runtime import mesh as mesh_lib
+
+
+def _is_fake(t: Any) -> bool:
+    return isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.device.type == "meta")
+
+
+class GradSync:
+    """State shared by one ``grad_sync_begin`` node and its ``all_reduce_grads`` buckets.
+
+    One object per forward call: buckets append their in-flight all-reduces in backward; the
+    begin node's backward (which autograd runs after every bucket's) waits for them and writes
+    each parameter's ``.grad``.
+    """
+
+    def __init__(self, axis: str, token: torch.Tensor):
+        self.axis = axis
+        self.token = token
+        self.pending: list[tuple[Any, torch.Tensor, tuple[torch.Tensor, ...]]] = []
+
+    def finish(self) -> None:
+        """Wait for every bucket's all-reduce and accumulate the results into ``.grad``."""
+        pending, self.pending = self.pending, []
+        for work, flat, params in pending:
+            if work is not None:
+                work.wait()
+            offset = 0
+            for p in params:
+                grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad += grad
+
+
+class _SyncBegin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, leaf: torch.Tensor, sync_box: list) -> torch.Tensor:
+        ctx.sync_box = sync_box
+        return leaf.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sync_box[0].finish()
+        return None, None
+
+
+def grad_sync_begin(axis: str) -> GradSync:
+    """Open a gradient synchronisation over ``axis`` for this forward call.
+
+    Returns a :class:`GradSync` whose token every ``all_reduce_grads`` bucket consumes, so the
+    backward of this node runs after all buckets have launched their all-reduces.
+    """
+    leaf = torch.zeros((), requires_grad=True)
+    box: list = [None]
+    token = _SyncBegin.apply(leaf, box)
+    sync = GradSync(axis, token)
+    box[0] = sync
+    return sync
+
+
+# Its value is a GradSync, not a tensor: graph verification does not expect a meta["val"].
+grad_sync_begin.returns_tensor = False  # type: ignore[attr-defined]
+
+
+class _AllReduceGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, sync: GradSync, *params: torch.Tensor):
+        ctx.sync = sync
+        ctx.save_for_backward(*params)
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        params = ctx.saved_tensors
+        sync: GradSync = ctx.sync
+        flat = torch.cat(
+            [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
+        )
+        mesh = mesh_lib.current()
+        group = mesh.group(sync.axis)
+        work = None
+        if group is not None:
+            # Average, as DDP does: the loss is a mean over the global batch, split evenly.
+            flat.div_(mesh.axis_size(sync.axis))
+            work = dist.all_reduce(flat, group=group, async_op=True)
+        sync.pending.append((work, flat, params))
+        token_grad = torch.zeros((), dtype=torch.float32)
+        return (token_grad, None) + (None,) * len(params)
+
+
+def all_reduce_grads(sync: GradSync, *params: torch.Tensor, bucket: int = 0) -> tuple[torch.Tensor, ...]:
+    """Identity on ``params`` in forward; in backward, all-reduce their gradients as one bucket.
+
+    Args:
+        sync: the step's :class:`GradSync` (output of ``grad_sync_begin``).
+        params: the bucket's parameters (replicated on ``sync.axis``).
+        bucket: the bucket's index (for dumps and logs; buckets are numbered in launch order).
+    """
+    if any(_is_fake(p) for p in params) or not torch.is_grad_enabled():
+        return tuple(p.view_as(p) for p in params)
+    return _AllReduceGrads.apply(sync.token, sync, *params)
+
+
+def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
+    """All-reduce ``tensor`` over ``axis`` without a gradient path (``op``: ``"sum"`` or ``"avg"``).
+
+    Used for values that are reported, not differentiated (the global-batch loss).
+    """
+    if op not in ("sum", "avg"):
+        raise ValueError(f"all_reduce op must be 'sum' or 'avg', got {op!r}")
+    out = tensor.detach().clone()
+    if _is_fake(tensor):
+        return out
+    mesh = mesh_lib.current()
+    group = mesh.group(axis)
+    if group is None:
+        return out
+    dist.all_reduce(out, group=group)
+    if op == "avg":
+        out /= mesh.axis_size(axis)
+    return out
+
+
+#: Every op the emitter may insert; a test checks that no other function creates collective nodes.
+COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce)

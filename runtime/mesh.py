@@ -1,0 +1,85 @@
+"""The process mesh a compiled program runs on: named axes → process groups.
+
+Graphs name mesh axes (``axis="dp"``) rather than hold process groups, so the dumped code stays
+readable and a plan can be replayed on another launch. :class:`ProcessMesh` builds torch's
+``DeviceMesh`` for the plan's axes; :func:`active` makes it the mesh the collective ops resolve
+axes against while a compiled module runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Mapping
+
+import torch.distributed as dist
+
+
+class ProcessMesh:
+    """Named mesh axes over the default process group (or a single process).
+
+    Args:
+        axes: ordered ``{axis: size}``; the product must equal the world size.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+    """
+
+    def __init__(self, axes: Mapping[str, int], device_type: str = "cpu"):
+        self.axes = dict(axes)
+        size = 1
+        for n in self.axes.values():
+            size *= n
+        self.size = size
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if size != world:
+            raise ValueError(
+                f"mesh {self.axes} needs {size} ranks but the process group has {world}"
+            )
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._device_mesh = None
+        if size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = tuple(self.axes)
+            self._device_mesh = init_device_mesh(
+                device_type, tuple(self.axes.values()), mesh_dim_names=names
+            )
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of ``axis`` (None when the axis has size 1)."""
+        if axis not in self.axes:
+            raise KeyError(f"mesh axis {axis!r} is not in the mesh {self.axes}")
+        if self.axes[axis] == 1 or self._device_mesh is None:
+            return None
+        return self._device_mesh.get_group(axis)
+
+    def axis_size(self, axis: str) -> int:
+        """Number of ranks along ``axis``."""
+        return self.axes[axis]
+
+    def axis_rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        if self._device_mesh is None:
+            return 0
+        return self._device_mesh.get_local_rank(axis)
+
+
+_ACTIVE: list[ProcessMesh] = []
+
+
+@contextlib.contextmanager
+def active(mesh: ProcessMesh) -> Iterator[ProcessMesh]:
+    """Make ``mesh`` the one collective ops resolve axis names against."""
+    _ACTIVE.append(mesh)
+    try:
+        yield mesh
+    finally:
+        _ACTIVE.pop()
+
+
+def current() -> ProcessMesh:
+    """The active mesh; raises when a collective runs outside a compiled module."""
+    if not _ACTIVE:
+        raise RuntimeError(
+            "a graphpass collective ran outside a compiled module: call the graph through "
+            "DistributedModule (train_step / forward), which activates its process mesh"
+        )
+    return _ACTIVE[-1]

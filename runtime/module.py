@@ -1,0 +1,195 @@
+"""DistributedModule: one rank's compiled program, ready to train.
+
+It owns the rank's executable ``GraphModule`` (whose attributes are this rank's parameters), the
+plan, the process mesh, and the pass history. ``train_step(*global_batch)`` takes the *global*
+batch (the same on every rank), keeps this rank's share, runs forward and backward, and returns
+the global-batch loss; any torch optimizer then steps ``dmodel.parameters()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor.placement_types import Shard
+
+from graphpass import meta
+from graphpass.plan import Plan
+from graphpass.runtime import mesh as mesh_lib
+
+log = logging.getLogger(__name__)
+
+
+def batch_shards(plan: Plan, input_names: Sequence[str]) -> list[list[str]]:
+    """For each graph input, the mesh axes its dim 0 is sharded over (in mesh order)."""
+    return [
+        [axis for axis in plan.mesh if plan.mesh[axis] > 1 and plan.placement(name, axis) == Shard(0)]
+        for name in input_names
+    ]
+
+
+def check_divisible(
+    inputs: Sequence[torch.Tensor], input_names: Sequence[str], shards: list[list[str]], plan: Plan
+) -> None:
+    """Raise if a batch-sharded input's dim 0 does not divide by its shard count.
+
+    Raises:
+        ValueError: naming the input, its size and the mesh axes.
+    """
+    for value, name, axes in zip(inputs, input_names, shards):
+        ways = 1
+        for axis in axes:
+            ways *= plan.mesh[axis]
+        if ways > 1 and (value.dim() == 0 or value.shape[0] % ways):
+            size = "a 0-dim tensor" if value.dim() == 0 else f"batch size {value.shape[0]}"
+            raise ValueError(
+                f"input {name!r} has {size}, which does not divide by {' x '.join(axes)} = {ways}; "
+                f"make the global batch a multiple of {ways}"
+            )
+
+
+class DistributedModule(nn.Module):
+    """The compiled, per-rank program returned by :func:`graphpass.compile`.
+
+    Attributes:
+        graph_module: this rank's executable ``torch.fx.GraphModule``.
+        plan: the :class:`~graphpass.plan.Plan` it was built from.
+        history: one :class:`~graphpass.pass_manager.PassRecord` per pass.
+        capture_route: ``"export"`` or ``"symbolic_trace"``.
+    """
+
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        plan: Plan,
+        process_mesh: mesh_lib.ProcessMesh,
+        history: list,
+        local_input_shapes: Sequence[torch.Size],
+        state_dict_source: nn.Module,
+        capture_route: str,
+    ):
+        super().__init__()
+        self.graph_module = graph_module
+        self.plan = plan
+        self.history = list(history)
+        self.capture_route = capture_route
+        self._mesh = process_mesh
+        self._input_names = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
+        self._local_shapes = [torch.Size(s) for s in local_input_shapes]
+        self._shards = batch_shards(plan, self._input_names)
+        output = graph_module.graph.find_nodes(op="output")[0]
+        self._roles = dict(meta.get(output, meta.ROLE))
+        # The original module's state_dict order and the tensors the graph does not use.
+        self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
+        self._extra_state = {
+            k: v for k, v in state_dict_source.state_dict(keep_vars=True).items()
+        }
+        self._attr_of_key: dict[str, str] = {}
+        for node in graph_module.graph.nodes:
+            if node.op == "get_attr":
+                for key in node.meta.get(meta.STATE_KEYS, ()):
+                    self._attr_of_key[key] = node.target
+
+    # ------------------------------------------------------------------ parameters
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's trainable tensors under their original names (first name of tied weights)."""
+        for name, p in self.graph_module.named_parameters(remove_duplicate=remove_duplicate):
+            yield prefix + name, p
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the original ``model.state_dict()`` keys, in its order (copies)."""
+        out = {}
+        for key in self._state_keys:
+            attr = self._attr_of_key.get(key)
+            if attr is not None:
+                tensor = self._attr(attr)
+            else:
+                tensor = self._extra_state[key]
+            out[key] = tensor.detach().clone()
+        return out
+
+    def _attr(self, target: str) -> torch.Tensor:
+        module_path, _, name = target.rpartition(".")
+        return getattr(self.graph_module.get_submodule(module_path), name)
+
+    # ------------------------------------------------------------------ running
+
+    def local_batch(self, *global_batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's share of the global batch (dim 0 sliced along each batch-sharded axis).
+
+        Raises:
+            TypeError/ValueError: wrong number, type or shape of inputs, naming the input.
+        """
+        if len(global_batch) != len(self._input_names):
+            raise TypeError(
+                f"expected {len(self._input_names)} inputs ({', '.join(self._input_names)}), "
+                f"got {len(global_batch)}"
+            )
+        for i, value in enumerate(global_batch):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"input {self._input_names[i]!r} must be a torch.Tensor, got {type(value).__name__}"
+                )
+        check_divisible(global_batch, self._input_names, self._shards, self.plan)
+        local = []
+        for value, name, axes, shape in zip(global_batch, self._input_names, self._shards, self._local_shapes):
+            for axis in axes:
+                ways = self.plan.mesh[axis]
+                chunk = value.shape[0] // ways
+                value = value.narrow(0, self._mesh.axis_rank(axis) * chunk, chunk)
+            if value.shape != shape:
+                raise ValueError(
+                    f"input {name!r}: this rank's share has shape {tuple(value.shape)} but the program "
+                    f"was compiled for {tuple(shape)}; call graphpass.compile again for a new shape"
+                )
+            local.append(value)
+        return tuple(local)
+
+    def train_step(self, *global_batch: torch.Tensor) -> torch.Tensor:
+        """Forward and backward on this rank's share; returns the global-batch loss (detached).
+
+        Gradients land in ``p.grad`` for ``p in self.parameters()``, already synchronised, so the
+        caller's optimizer can step right away.
+        """
+        local = self.local_batch(*global_batch)
+        with mesh_lib.active(self._mesh):
+            outputs = self.graph_module(*local)
+            loss = outputs[self._roles["loss"]]
+            loss.backward()
+        report = outputs[self._roles.get("loss_report", self._roles["loss"])]
+        return report.detach()
+
+    def forward(self, *global_batch: torch.Tensor) -> torch.Tensor:
+        """The global-batch loss without a backward pass (for evaluation)."""
+        local = self.local_batch(*global_batch)
+        with mesh_lib.active(self._mesh), torch.no_grad():
+            outputs = self.graph_module(*local)
+        return outputs[self._roles.get("loss_report", self._roles["loss"])]
+
+
+def broadcast_replicated_state(gm: fx.GraphModule, mesh: mesh_lib.ProcessMesh) -> None:
+    """Make every rank start from rank 0's parameters and buffers, as DDP does at construction.
+
+    Tensors are flattened per dtype so the broadcast is a handful of collectives, not one per tensor.
+    """
+    if mesh.size == 1 or not dist.is_initialized():
+        return
+    tensors = [t for t in list(gm.parameters()) + list(gm.buffers()) if t.device.type != "meta"]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.broadcast(flat, src=0)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
