@@ -335,9 +335,52 @@ def _symbolic_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Gr
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
     _set_output(new_graph, outputs)
     gm = fx.GraphModule(holder, new_graph, class_name=type(model).__name__)
+    _specialize_python_values(gm, inputs)
     propagate_fake(gm, inputs)
     _annotate(gm)
     return gm
+
+
+_LITERALS = (int, float, bool, str, type(None), torch.device, torch.dtype)
+
+
+def _as_literal(value: Any) -> tuple[bool, Any]:
+    """(True, literal) when ``value`` is plain Python data a graph can hold as a constant."""
+    if isinstance(value, torch.Size):
+        return True, tuple(int(v) for v in value)
+    if isinstance(value, _LITERALS):
+        return True, value
+    if isinstance(value, (tuple, list)):
+        items = [_as_literal(v) for v in value]
+        if all(ok for ok, _ in items):
+            return True, type(value)(v for _, v in items)
+    return False, None
+
+
+def _specialize_python_values(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
+    """Fold nodes that compute plain Python values (``x.shape``, ``x.device``, ``B // h``) into
+    constants, as ``torch.export`` does: the IR is specialised to the captured shapes."""
+    values: dict[fx.Node, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            values[n] = result
+            return result
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        Recorder(gm).run(*[mode.from_tensor(t) for t in inputs])
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or isinstance(values.get(node), torch.Tensor):
+            continue
+        ok, literal = _as_literal(values.get(node))
+        if ok:
+            for user in list(node.users):
+                user.args = fx.node.map_arg(user.args, lambda n: literal if n is node else n)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda n: literal if n is node else n)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def _fetch(module: nn.Module, target: str) -> Any:

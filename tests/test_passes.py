@@ -1,0 +1,201 @@
+"""Pass runner, dumps and the data-parallel collective sequence (one process, no communication).
+
+Passes never communicate, so the graphs a 2-rank job would run are built and checked here in a
+single process by handing the pipeline a dp=2 plan.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import operator
+import pathlib
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import graphpass as gp
+from graphpass import meta
+from graphpass.api import plan_from_strategy
+from graphpass.capture import capture
+from graphpass.dump import Dumper
+from graphpass.pass_manager import PassContext, PassError, graph_pass, op_name, run_passes
+from graphpass.passes import PIPELINE
+from graphpass.passes.collectives import is_collective
+from graphpass.runtime import collectives as ops
+
+import zoo
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _dp_graph(name: str = "gpt", dp: int = 2, bucket_cap_bytes: int | None = None, model=None, batch=None):
+    model = model if model is not None else zoo.build(name)
+    batch = batch if batch is not None else zoo.batches(name, 1, 4)[0]
+    gm = capture(model, batch).gm
+    plan = plan_from_strategy(gm, gp.Strategy(dp=dp), ["test"])
+    if bucket_cap_bytes is not None:
+        plan = gp.Plan.from_dict({**plan.to_dict(), "bucket_cap_bytes": bucket_cap_bytes})
+    ctx = PassContext(rank=0, world_size=dp, example_inputs=batch)
+    return run_passes(gm, plan, ctx, PIPELINE)
+
+
+def _collective_sequence(gm: fx.GraphModule) -> list[str]:
+    out = []
+    for node in gm.graph.nodes:
+        if is_collective(node):
+            if node.target is ops.all_reduce_grads:
+                params = [p.target for p in node.args[1:]]
+                out.append(f"all_reduce_grads[{node.kwargs['bucket']}]({', '.join(params)})")
+            else:
+                out.append(f"{op_name(node)}{tuple(a for a in node.args if not isinstance(a, fx.Node))}")
+    return out
+
+
+def test_dp_graph_collective_sequence_is_pinned():
+    gm, records = _dp_graph("gpt")
+    assert _collective_sequence(gm) == [
+        "grad_sync_begin('dp',)",
+        # One bucket (the model is 0.2 MB), parameters in the order backward produces them.
+        "all_reduce_grads[0](ln_f.weight, ln_f.bias, "
+        "h.1.mlp.down.weight, h.1.mlp.down.bias, h.1.mlp.up.weight, h.1.mlp.up.bias, "
+        "h.1.ln_2.weight, h.1.ln_2.bias, h.1.attn.proj.weight, h.1.attn.proj.bias, "
+        "h.1.attn.v.weight, h.1.attn.v.bias, h.1.attn.k.weight, h.1.attn.k.bias, "
+        "h.1.attn.q.weight, h.1.attn.q.bias, h.1.ln_1.weight, h.1.ln_1.bias, "
+        "h.0.mlp.down.weight, h.0.mlp.down.bias, h.0.mlp.up.weight, h.0.mlp.up.bias, "
+        "h.0.ln_2.weight, h.0.ln_2.bias, h.0.attn.proj.weight, h.0.attn.proj.bias, "
+        "h.0.attn.v.weight, h.0.attn.v.bias, h.0.attn.k.weight, h.0.attn.k.bias, "
+        "h.0.attn.q.weight, h.0.attn.q.bias, h.0.ln_1.weight, h.0.ln_1.bias, "
+        "wpe.weight, wte.weight)",
+        "all_reduce('dp',)",
+    ]
+    output = gm.graph.find_nodes(op="output")[0]
+    assert meta.get(output, meta.ROLE) == {"loss": 0, "loss_report": 1}
+    assert [r.name for r in records] == ["insert_collectives"]
+    assert records[0].op_deltas["all_reduce_grads"] == 1
+
+
+def test_every_parameter_use_goes_through_its_bucket():
+    gm, _ = _dp_graph("gpt", bucket_cap_bytes=1)  # one parameter per bucket
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and meta.get(node, meta.ATTR_KIND) == "parameter":
+            assert [u.target for u in node.users] == [ops.all_reduce_grads], node.name
+    buckets = [n for n in gm.graph.nodes if n.target is ops.all_reduce_grads]
+    assert len(buckets) == len(list(zoo.build("gpt").parameters()))
+    # Each bucket sits before the first use of its parameter (and after the sync begin).
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    begin = next(n for n in gm.graph.nodes if n.target is ops.grad_sync_begin)
+    for bucket in buckets:
+        assert order[begin] < order[bucket]
+        first_use = min(order[u] for item in bucket.users for u in item.users)
+        assert order[bucket] < first_use
+
+
+def test_hundreds_of_parameters_do_not_mean_hundreds_of_all_reduces():
+    model = zoo.MLP(width=32, depth=200)  # 402 parameter tensors, 0.85 MB
+    batch = (torch.randn(4, 16), torch.randn(4))
+    gm, _ = _dp_graph(model=model, batch=batch, bucket_cap_bytes=256 * 1024)
+    buckets = [n for n in gm.graph.nodes if n.target is ops.all_reduce_grads]
+    params = sum(len(b.args) - 1 for b in buckets)
+    assert params == len(list(model.parameters())) == 402
+    assert 3 <= len(buckets) <= 5  # 0.85 MB in 256 KiB buckets
+
+
+def test_single_rank_plan_inserts_nothing():
+    gm, records = _dp_graph("gpt", dp=1)
+    assert _collective_sequence(gm) == []
+    assert records[0].op_deltas == {}
+
+
+def test_only_the_emitter_creates_collective_nodes():
+    """No module but passes/collectives.py may reference the runtime's collective ops."""
+    names = {fn.__name__ for fn in ops.COLLECTIVE_OPS}
+    allowed = {REPO / "passes" / "collectives.py", REPO / "runtime" / "collectives.py"}
+    offenders = []
+    for folder in ("graphpass", "passes", "cost", "runtime"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path in allowed:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in names:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} .{node.attr}")
+                if isinstance(node, ast.ImportFrom) and any(a.name in names for a in node.names):
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} import")
+    assert offenders == []
+
+
+def test_dumps_written_for_every_pass(tmp_path):
+    model = zoo.build("gpt")
+    batch = zoo.batches("gpt", 1, 4)[0]
+    gm = capture(model, batch).gm
+    plan = plan_from_strategy(gm, gp.Strategy(dp=2), ["test"])
+    dumper = Dumper(tmp_path, rank=0)
+    dumper.graph(0, "capture", gm, "after 00 capture")
+    gm, records = run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE, on_record=dumper.record)
+    dumper.finish(plan, "export", 0.1, records)
+    files = sorted(p.name for p in (tmp_path / "rank0").iterdir())
+    assert files == ["00_capture.py"] + [f"{i:02d}_{p.pass_name}.py" for i, p in enumerate(PIPELINE, 1)]
+    text = (tmp_path / "rank0" / "01_insert_collectives.py").read_text()
+    header = text.splitlines()[0]
+    assert re.match(r"# after 01 insert_collectives \([\d.]+ ms\) \| nodes (\d+)→(\d+) \| ", header)
+    assert "all_reduce_grads +1" in header and "grad_sync_begin +1" in header
+    assert "created_by=insert_collectives" in text and "h.0.attn.q" in text
+    assert gp.Plan.from_json((tmp_path / "plan.json").read_text()) == plan
+    assert "mesh: dp=2" in (tmp_path / "plan.txt").read_text()
+    assert "insert_collectives" in (tmp_path / "summary.txt").read_text()
+
+
+def test_disabled_pass_is_skipped_loudly(monkeypatch, caplog):
+    monkeypatch.setenv("GRAPHPASS_DISABLE_PASSES", "insert_collectives")
+    gm, records = _dp_graph("gpt")
+    assert records[0].skipped and _collective_sequence(gm) == []
+    assert "disabled by GRAPHPASS_DISABLE_PASSES" in caplog.text
+
+
+@graph_pass("breaks_graph", provides=("broken",))
+def _breaks_graph(gm, plan, ctx):
+    node = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+    node.args = (node.args[0], node.args[0]) + tuple(node.args[2:])  # weight := activation
+    return gm
+
+
+@graph_pass("needs_sharding", requires=("sharded_parameters",))
+def _needs_sharding(gm, plan, ctx):
+    return gm
+
+
+def test_pass_failure_names_the_pass_and_those_before_it():
+    batch = zoo.batches("gpt", 1, 4)[0]
+    gm = capture(zoo.build("gpt"), batch).gm
+    plan = plan_from_strategy(gm, gp.Strategy(dp=2), [])
+    with pytest.raises(PassError, match="pass breaks_graph failed after insert_collectives: "):
+        run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE + (_breaks_graph,))
+    with pytest.raises(PassError, match=r"pass needs_sharding requires \['sharded_parameters'\]"):
+        run_passes(gm, plan, PassContext(0, 2, batch), (_needs_sharding,))
+
+
+def test_compile_single_process_matches_eager_and_records_history(tmp_path):
+    model = zoo.build("gpt")
+    batch = zoo.batches("gpt", 1, 4)[0]
+    expected = model(*batch).item()
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batch, dump_dir=tmp_path)
+    assert isinstance(dmodel.graph_module, fx.GraphModule)
+    assert dmodel.plan.mesh == {"dp": 1}
+    assert [r.name for r in dmodel.history] == [p.pass_name for p in PIPELINE]
+    assert dmodel.train_step(*batch).item() == pytest.approx(expected, rel=1e-6)
+    assert all(p.grad is not None for p in dmodel.parameters())
+    assert [k for k, _ in dmodel.named_parameters()][:2] == ["wte.weight", "wpe.weight"]
+    assert list(dmodel.full_state_dict()) == list(model.state_dict())
+    assert (tmp_path / "rank0" / "00_capture.py").exists() and (tmp_path / "plan.json").exists()
+
+
+def test_compile_rejects_a_cluster_of_another_size():
+    with pytest.raises(ValueError, match="cluster describes 8 devices but this process group has 1"):
+        gp.compile(zoo.build("mlp"), gp.Cluster.preset("a100-80g"), example_inputs=zoo.batches("mlp", 1)[0])
+
+
+def test_compile_rejects_bad_strategy_type():
+    with pytest.raises(TypeError, match="strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got int"):
+        gp.compile(zoo.build("mlp"), example_inputs=zoo.batches("mlp", 1)[0], strategy=4)

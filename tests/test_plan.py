@@ -1,0 +1,74 @@
+"""Strategy and Plan: validation, JSON round trip, explain and diff."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+import graphpass as gp
+from graphpass.plan import placement_from_str, placement_to_str
+
+
+def test_strategy_degrees_must_multiply_to_world_size():
+    with pytest.raises(ValueError, match=r"dp=2 x tp=1 x pp=1 = 2 devices, but the cluster has world_size=4.*Strategy\(dp=4\)"):
+        gp.Strategy(dp=2).check(4)
+    gp.Strategy(dp=4).check(4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"tp": 2}, "tp"), ({"pp": 2}, "pp"), ({"zero": 3}, "zero"), ({"split": 2}, "split"),
+     ({"microbatches": 4}, "microbatches"), ({"recompute": True}, "recompute")],
+)
+def test_unbuilt_strategy_fields_raise_not_implemented_naming_the_field(kwargs, field):
+    strategy = gp.Strategy(**{"dp": 1, **kwargs})
+    world = strategy.degree
+    with pytest.raises(NotImplementedError, match=rf"Strategy\.{field}="):
+        strategy.check(world)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"dp": 0}, "Strategy.dp must be a positive int"), ({"zero": 4}, "Strategy.zero must be 0, 1, 2 or 3"),
+     ({"schedule": "bogus"}, "Strategy.schedule must be one of"), ({"tp": 1.5}, "Strategy.tp")],
+)
+def test_strategy_rejects_bad_fields(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gp.Strategy(**kwargs)
+
+
+def test_plan_json_round_trip_and_explain():
+    plan = gp.Plan(
+        mesh={"dp": 4},
+        placements={"idx": {"dp": "Shard(0)"}, "wte_weight": {"dp": "Replicate()"}, "loss": {"dp": "Partial(avg)"}},
+        strategy=gp.Strategy(dp=4),
+        predicted_step_time_s=0.0125,
+        reasons=("because",),
+    )
+    again = gp.Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.diff(plan) == []
+    text = plan.explain()
+    assert "mesh: dp=4 (4 devices)" in text and "12.50 ms" in text and "why: because" in text
+    assert plan.placement("idx", "dp") == Shard(0)
+    assert plan.placement("unmentioned", "dp") == Replicate()
+
+
+def test_plan_diff_names_changed_nodes():
+    a = gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Shard(0)"}})
+    b = gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Replicate()"}})
+    assert a.diff(b) == ["x: {'dp': 'Shard(0)'} -> {'dp': 'Replicate()'}"]
+
+
+def test_plan_rejects_unknown_axes_fields_and_placements():
+    with pytest.raises(ValueError, match=r"Plan.placements\['x'\] uses mesh axis 'tp'"):
+        gp.Plan(mesh={"dp": 2}, placements={"x": {"tp": "Shard(0)"}})
+    with pytest.raises(ValueError, match="unknown placement 'Sharded'"):
+        gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Sharded"}})
+    with pytest.raises(ValueError, match=r"unknown Plan fields \['meshes'\]"):
+        gp.Plan.from_dict({"mesh": {"dp": 1}, "meshes": 1})
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(2), Replicate(), Partial(), Partial("avg")])
+def test_placement_strings_round_trip(placement):
+    assert placement_from_str(placement_to_str(placement)) == placement

@@ -1,0 +1,123 @@
+"""Models the tests train, each built deterministically from a seed.
+
+``build(name)`` returns a fresh model; ``batches(name, n, batch)`` returns ``n`` global batches.
+Every rank and the single-process reference call these with the same arguments, so they start
+from the same weights and see the same data.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt import GPT, GPTConfig
+
+VOCAB = 256
+SEQ = 32
+
+
+class EncoderLM(nn.Module):
+    """``torch.nn.TransformerEncoder`` with token embeddings and an LM head."""
+
+    def __init__(self, d_model: int = 64, nhead: int = 4, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, nhead, 2 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.encoder(self.emb(idx)))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MLP(nn.Module):
+    """A plain MLP regressor with MSE loss."""
+
+    def __init__(self, width: int = 64, depth: int = 3):
+        super().__init__()
+        dims = [16] + [width] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(self.out(x).squeeze(-1), y)
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM whose forward returns ``outputs.loss``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, labels=labels).loss
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """A fresh model called ``name`` with weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=64))
+    if name == "encoder":
+        return EncoderLM()
+    if name == "mlp":
+        return MLP()
+    if name == "hf_gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )
+        return HFCausalLM(GPT2LMHeadModel(config))
+    if name == "hf_llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )
+        return HFCausalLM(LlamaForCausalLM(config))
+    raise KeyError(f"unknown test model {name!r}")
+
+
+MODELS = ("gpt", "encoder", "mlp", "hf_gpt2", "hf_llama")
+
+
+def batches(name: str, n: int, batch: int = 8, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` global batches of size ``batch`` for model ``name``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        if name == "mlp":
+            out.append((torch.randn(batch, 16, generator=g), torch.randn(batch, generator=g)))
+        else:
+            out.append(
+                (
+                    torch.randint(0, VOCAB, (batch, SEQ), generator=g),
+                    torch.randint(0, VOCAB, (batch, SEQ), generator=g),
+                )
+            )
+    return out
+
+
+def train_reference(name: str, steps: int = 3, batch: int = 8, lr: float = 0.05):
+    """Train ``name`` in this process with SGD+momentum: (losses, state_dict, grads of step 1)."""
+    model = build(name)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses, first_grads = [], None
+    for b in batches(name, steps, batch):
+        loss = model(*b)
+        loss.backward()
+        if first_grads is None:
+            first_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, first_grads
