@@ -1,0 +1,47 @@
+"""Shared pytest fixtures for graphpass tests."""
+
+from __future__ import annotations
+
+# ======================================================================================
+# BEGIN multi-rank pools (owner: runtime/launch.py)
+#
+# `rank_pool` hands out one live RankPool per world size per test module, so a module
+# pays the spawn cost (2-5 s) once. Functions run on the ranks must be module-level.
+# ======================================================================================
+import pathlib
+import sys
+
+import pytest
+
+_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# `import gpt` (and the other example scripts) from tests; ranks inherit sys.path, so the
+# examples import there too.
+if str(_REPO_ROOT / "examples") not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT / "examples"))
+
+from graphpass.runtime.launch import RankPool
+
+
+@pytest.fixture(scope="module")
+def rank_pool():
+    """Return ``get(world_size) -> RankPool``, one cached pool per world size in this module.
+
+    A pool whose run failed or timed out restarts its ranks on the next ``run``, so one
+    failing test does not poison the others. All pools are closed at module teardown.
+    """
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in pools:
+            pools[world_size] = RankPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+# ======================================================================================
+# END multi-rank pools
+# ======================================================================================
