@@ -4,11 +4,15 @@ Rank 0 prints ``RESULTS <list>``; the test asserts on that line.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
 from graphpass.runtime.launch import launch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # zoo
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 
 def rank_sum_and_pid(tag):
@@ -17,9 +21,29 @@ def rank_sum_and_pid(tag):
     return dist.get_rank(), t.item(), tag, os.getpid()
 
 
+def compile_and_train():
+    """graphpass.compile under torchrun: Cluster.local() describes torchrun's group."""
+    import graphpass as gp
+    import zoo
+
+    model = zoo.build("gpt")
+    data = zoo.batches("gpt", 2, 4)
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0])
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for batch in data:
+        losses.append(dmodel.train_step(*batch).item())
+        opt.step()
+        opt.zero_grad()
+    return dmodel.plan.mesh["dp"], losses
+
+
 if __name__ == "__main__":
     results = launch(rank_sum_and_pid, 2, ("hello",))
     if dist.get_rank() == 0:
         print("RESULTS", [r[:3] for r in results], flush=True)
         print("PIDS", [r[3] for r in results], os.getpid(), flush=True)
+    trained = launch(compile_and_train, 2)
+    if dist.get_rank() == 0:
+        print("TRAINED", repr(trained), flush=True)
     dist.destroy_process_group()

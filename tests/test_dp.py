@@ -56,6 +56,16 @@ def test_data_parallel_matches_one_process(rank_pool, world_size):
                 )
 
 
+class _DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y.mean() if y.sum() > 0 else -y.mean()  # data-dependent: no route captures it
+
+
 def _compile_expect_error(kind: str):
     model = zoo.build("gpt")
     data = zoo.batches("gpt", 1, 8)[0]
@@ -69,6 +79,8 @@ def _compile_expect_error(kind: str):
     elif kind == "train_step_batch":
         dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data)
         dmodel.train_step(*zoo.batches("gpt", 1, 6)[0])
+    elif kind == "uncapturable":
+        gp.compile(_DataDependent(), gp.Cluster.local(), example_inputs=(torch.randn(8, 4),))
     elif kind == "wrong_type":
         gp.compile(model, gp.Cluster.local(), example_inputs=[data[0].tolist(), data[1]])
 
@@ -81,6 +93,7 @@ def _compile_expect_error(kind: str):
         ("degrees", "Strategy dp=2 x tp=1 x pp=1 = 2 devices, but the cluster has world_size=4"),
         ("not_scalar", "must return the scalar loss"),
         ("train_step_batch", "batch size 6, which does not divide by dp = 4"),
+        ("uncapturable", "could not capture _DataDependent"),
         ("wrong_type", "example_inputs[0] must be a torch.Tensor, got list"),
     ],
 )

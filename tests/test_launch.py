@@ -208,6 +208,17 @@ def test_launch_under_torchrun_joins_its_group_instead_of_spawning():
     pids_line = next(line for line in out.splitlines() if line.startswith("PIDS"))
     rank_pids, rank0_pid = pids_line.split("]")[0], pids_line.split("]")[1]
     assert rank0_pid.strip() in rank_pids
+    # graphpass.compile inside torchrun: data parallel over torchrun's 2 ranks, and the loss
+    # of each step matches one process (tolerance: fp32 reduction order, see test_dp.py).
+    import ast
+
+    import zoo
+
+    trained = ast.literal_eval(next(line for line in out.splitlines() if line.startswith("TRAINED"))[8:])
+    ref_losses, _, _ = zoo.train_reference("gpt", steps=2, batch=4)
+    for dp, losses in trained:
+        assert dp == 2
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
 _ABANDON_POOL = textwrap.dedent("""
