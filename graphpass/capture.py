@@ -166,29 +166,17 @@ def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModul
         if isinstance(value, torch.Tensor):
             tensors.setdefault(name, (value, "buffer"))
 
-    holder = nn.Module()
     graph = fx.Graph()
+    attrs = _AttrTable(model, tensors, graph)
     env: dict[fx.Node, fx.Node] = {}
-    canonical = _canonical_names(tensors)
-    attr_nodes: dict[str, fx.Node] = {}
     placeholders = [n for n in src.graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, sig.input_specs):
         if spec.kind == InputKind.USER_INPUT:
             new = graph.placeholder(node.name)
             new.meta.update(node.meta)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            target = canonical[spec.target]
-            if target not in attr_nodes:
-                tensor, kind = tensors[target]
-                _set_attr(holder, target, tensor, kind)
-                new = graph.get_attr(target)
-                new.meta[meta.VAL] = node.meta.get(meta.VAL)
-                new.meta[meta.ATTR_KIND] = kind
-                new.meta[meta.STATE_KEYS] = tuple(
-                    k for k, c in canonical.items() if c == target and k in _state_keys(model)
-                )
-                attr_nodes[target] = new
-            new = attr_nodes[target]
+            new = attrs.node(spec.target)
+            new.meta.setdefault(meta.VAL, node.meta.get(meta.VAL))
         else:
             raise NotImplementedError(
                 f"graphpass cannot capture input {node.name!r} of kind {spec.kind.name}"
@@ -211,7 +199,7 @@ def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModul
         if spec.kind == OutputKind.USER_OUTPUT:
             user_outputs.append(env[value] if isinstance(value, fx.Node) else value)
         elif spec.kind == OutputKind.BUFFER_MUTATION:
-            buf = attr_nodes[canonical[spec.target]]
+            buf = attrs.node(spec.target)
             copy = graph.call_function(torch.ops.aten.copy_.default, (buf, env[value]))
             meta.copy_meta(env[value], copy)
             copy.meta[meta.VAL] = buf.meta.get(meta.VAL)
@@ -223,9 +211,46 @@ def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModul
         else:
             raise NotImplementedError(f"graphpass cannot capture an output of kind {spec.kind.name}")
     _set_output(graph, user_outputs)
-    gm = fx.GraphModule(holder, graph, class_name=type(model).__name__)
+    gm = fx.GraphModule(attrs.holder, graph, class_name=type(model).__name__)
     _annotate(gm)
     return gm
+
+
+class _AttrTable:
+    """One ``get_attr`` node per distinct tensor (tied weights share it), registered on a holder
+    module under the first name the model gives that tensor."""
+
+    def __init__(self, model: nn.Module, tensors: dict[str, tuple[torch.Tensor, str]], graph: fx.Graph):
+        self.holder = nn.Module()
+        self.graph = graph
+        self.tensors = tensors
+        self.canonical = _canonical_names(tensors)
+        self.state_keys = set(model.state_dict(keep_vars=True).keys())
+        self.nodes: dict[str, fx.Node] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.canonical
+
+    def node(self, name: str) -> fx.Node:
+        target = self.canonical[name]
+        if target not in self.nodes:
+            tensor, kind = self.tensors[target]
+            _set_attr(self.holder, target, tensor, kind)
+            new = self.graph.get_attr(target)
+            new.meta[meta.ATTR_KIND] = kind
+            new.meta[meta.STATE_KEYS] = tuple(
+                k for k, c in self.canonical.items() if c == target and k in self.state_keys
+            )
+            self.nodes[target] = new
+        return self.nodes[target]
+
+    def constant(self, name: str, value: torch.Tensor) -> fx.Node:
+        """A tensor constant that is not model state (fx lifted it from forward)."""
+        _set_attr(self.holder, name, value, "buffer")
+        new = self.graph.get_attr(name)
+        new.meta[meta.ATTR_KIND] = "buffer"
+        new.meta[meta.STATE_KEYS] = ()
+        return new
 
 
 def _named_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
@@ -235,13 +260,6 @@ def _named_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
     for name, b in model.named_buffers(remove_duplicate=False):
         out[name] = (b, "buffer")
     return out
-
-
-def _state_keys(model: nn.Module) -> set[str]:
-    keys = getattr(model, "_gp_state_keys", None)
-    if keys is None:
-        keys = set(model.state_dict(keep_vars=True).keys())
-    return keys
 
 
 def _canonical_names(tensors: dict[str, tuple[torch.Tensor, str]]) -> dict[str, str]:
@@ -286,12 +304,9 @@ def _symbolic_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Gr
     tracer.record_stack_traces = True
     graph = tracer.trace(model)
     traced = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
-    tensors = _named_tensors(model)
-    canonical = _canonical_names(tensors)
-    holder = nn.Module()
     new_graph = fx.Graph()
+    attrs = _AttrTable(model, _named_tensors(model), new_graph)
     env: dict[fx.Node, fx.Node] = {}
-    attr_nodes: dict[str, fx.Node] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(inputs):
         raise TypeError(
@@ -304,24 +319,10 @@ def _symbolic_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Gr
             env[node] = new_graph.placeholder(node.target)
             env[node].meta.update(node.meta)
         elif node.op == "get_attr":
-            if node.target in canonical:
-                target = canonical[node.target]
-                if target not in attr_nodes:
-                    tensor, kind = tensors[target]
-                    _set_attr(holder, target, tensor, kind)
-                    new = new_graph.get_attr(target)
-                    new.meta[meta.ATTR_KIND] = kind
-                    new.meta[meta.STATE_KEYS] = tuple(
-                        k for k, c in canonical.items() if c == target and k in _state_keys(model)
-                    )
-                    attr_nodes[target] = new
-                env[node] = attr_nodes[target]
+            if node.target in attrs:
+                env[node] = attrs.node(node.target)
             else:  # a tensor constant fx lifted (e.g. torch.tensor(...) in forward)
-                value = _fetch(traced, node.target)
-                _set_attr(holder, node.target, value, "buffer")
-                env[node] = new_graph.get_attr(node.target)
-                env[node].meta[meta.ATTR_KIND] = "buffer"
-                env[node].meta[meta.STATE_KEYS] = ()
+                env[node] = attrs.constant(node.target, _fetch(traced, node.target))
         elif node.op == "call_method":
             fn = getattr(torch.Tensor, node.target)
             env[node] = new_graph.call_function(fn, *_map(env, (node.args, node.kwargs)))
@@ -334,7 +335,7 @@ def _symbolic_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Gr
             result = _map(env, node.args[0])
             outputs = list(result) if isinstance(result, (tuple, list)) else [result]
     _set_output(new_graph, outputs)
-    gm = fx.GraphModule(holder, new_graph, class_name=type(model).__name__)
+    gm = fx.GraphModule(attrs.holder, new_graph, class_name=type(model).__name__)
     _specialize_python_values(gm, inputs)
     propagate_fake(gm, inputs)
     _annotate(gm)
