@@ -79,19 +79,35 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
     """The plan a uniform strategy implies for a captured graph.
 
     Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
-    and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean).
+    and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). ``zero=k``
+    gives every trainable parameter ZeRO stage k; ``recompute=True`` recomputes every repeated
+    layer.
     """
     mesh = {"dp": strategy.dp}
     placements: dict[str, dict[str, str]] = {}
+    zero: dict[str, int] = {}
+    layers: set[int] = set()
     for node in gm.graph.nodes:
+        layer = node.meta.get(meta.LAYER)
+        if layer is not None and node.op == "call_function":
+            layers.add(layer)
         if node.op == "placeholder":
             placements[node.name] = {"dp": "Shard(0)"}
         elif node.op == "get_attr":
             placements[node.name] = {"dp": "Replicate()"}
+            if strategy.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
+                zero[node.name] = strategy.zero
     output = gm.graph.find_nodes(op="output")[0]
     loss = output.args[0][meta.get(output, meta.ROLE)["loss"]]
     placements[loss.name] = {"dp": "Partial(avg)"}
-    return Plan(mesh=mesh, placements=placements, strategy=strategy, reasons=tuple(reasons))
+    return Plan(
+        mesh=mesh,
+        placements=placements,
+        strategy=strategy,
+        zero=zero,
+        recompute=tuple(sorted(layers)) if strategy.recompute else (),
+        reasons=tuple(reasons),
+    )
 
 
 def _check_plan_nodes(plan: Plan, gm: fx.GraphModule) -> None:
@@ -158,6 +174,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     gm = captured.gm
     plan = given_plan if given_plan is not None else plan_from_strategy(gm, chosen, reasons)  # type: ignore[arg-type]
     _check_plan_nodes(plan, gm)
+    _check_plan_supported(plan)
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
 
@@ -181,6 +198,14 @@ def compile(  # noqa: A001 - the public name the contract uses
         model,
         captured.route,
     )
+
+
+def _check_plan_supported(plan: Plan) -> None:
+    """Refuse plan features no pass applies yet, rather than silently ignoring them."""
+    if any(plan.zero.values()):
+        raise NotImplementedError("Plan.zero (ZeRO sharding) is not implemented yet: no shard_parameters pass")
+    if plan.recompute:
+        raise NotImplementedError("Plan.recompute (activation checkpointing) is not implemented yet: no recompute pass")
 
 
 def _input_names_guess(n: int) -> list[str]:

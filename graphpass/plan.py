@@ -92,7 +92,8 @@ class Strategy:
             if used:
                 raise NotImplementedError(
                     f"Strategy.{name}={getattr(self, name)!r} is not implemented yet: graphpass "
-                    "currently runs data parallel only (dp); leave this field at its default"
+                    "currently runs data parallel (dp) with ZeRO stages and recompute; leave "
+                    "this field at its default"
                 )
 
 
@@ -131,6 +132,10 @@ class Plan:
         placements: node name → {axis → placement string} for every input, parameter and the loss.
         stages: node names of each pipeline stage's first node (one stage: ``("*",)``).
         strategy: the uniform strategy this plan was made from, if any.
+        zero: parameter node name → ZeRO stage (1, 2 or 3) inside the ``dp`` axis; parameters
+            not listed are plain data parallel (stage 0). Stages mix freely (OSDP).
+        recompute: indices of the repeated layers whose activations are recomputed in backward
+            (activation checkpointing) instead of saved.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
         predicted_step_time_s: the cost model's step time, None until the planner prices it.
         predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
@@ -141,6 +146,8 @@ class Plan:
     placements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     stages: tuple[str, ...] = ("*",)
     strategy: Strategy | None = None
+    zero: Mapping[str, int] = field(default_factory=dict)
+    recompute: tuple[int, ...] = ()
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
@@ -158,6 +165,14 @@ class Plan:
                         f"Plan.mesh {dict(self.mesh)}"
                     )
                 placement_from_str(text)
+        for node, stage in self.zero.items():
+            if stage not in (0, 1, 2, 3):
+                raise ValueError(f"Plan.zero[{node!r}] must be 0, 1, 2 or 3, got {stage!r}")
+            if stage and "dp" not in self.mesh:
+                raise ValueError(f"Plan.zero[{node!r}] = {stage} needs a 'dp' mesh axis; mesh is {dict(self.mesh)}")
+        for layer in self.recompute:
+            if not isinstance(layer, int) or layer < 0:
+                raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
 
     @property
     def world_size(self) -> int:
@@ -180,6 +195,8 @@ class Plan:
         data["mesh"] = dict(self.mesh)
         data["placements"] = {k: dict(v) for k, v in self.placements.items()}
         data["stages"] = list(self.stages)
+        data["zero"] = dict(self.zero)
+        data["recompute"] = list(self.recompute)
         data["reasons"] = list(self.reasons)
         return data
 
@@ -199,6 +216,7 @@ class Plan:
             kwargs["strategy"] = Strategy(**kwargs["strategy"])
         kwargs["stages"] = tuple(kwargs.get("stages", ("*",)))
         kwargs["reasons"] = tuple(kwargs.get("reasons", ()))
+        kwargs["recompute"] = tuple(kwargs.get("recompute", ()))
         return cls(**kwargs)
 
     @classmethod
@@ -220,6 +238,13 @@ class Plan:
         for key, nodes in groups.items():
             shown = ", ".join(nodes[:4]) + (f", ... ({len(nodes)} nodes)" if len(nodes) > 4 else "")
             lines.append(f"  [{key}] {shown}")
+        stages: dict[int, int] = {}
+        for stage in self.zero.values():
+            stages[stage] = stages.get(stage, 0) + 1
+        if stages:
+            lines.append("ZeRO: " + ", ".join(f"stage {s}: {n} parameters" for s, n in sorted(stages.items())))
+        if self.recompute:
+            lines.append(f"recompute layers: {list(self.recompute)}")
         lines.append(f"pipeline stages: {len(self.stages)}")
         lines.append(f"gradient bucket cap: {self.bucket_cap_bytes / 2**20:.1f} MiB")
         time_s = self.predicted_step_time_s
@@ -238,7 +263,7 @@ class Plan:
             a, b = self.placements.get(node), other.placements.get(node)
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
-        for name in ("stages", "strategy", "bucket_cap_bytes"):
+        for name in ("stages", "strategy", "zero", "recompute", "bucket_cap_bytes"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out
