@@ -96,7 +96,9 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
         elif node.op == "get_attr":
             placements[node.name] = {"dp": "Replicate()"}
             if strategy.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
-                zero[node.name] = strategy.zero
+                tensor = _attr(gm, node.target)
+                if tensor.dim() > 0 and tensor.requires_grad:  # ZeRO shards along dim 0
+                    zero[node.name] = strategy.zero
     output = gm.graph.find_nodes(op="output")[0]
     loss = output.args[0][meta.get(output, meta.ROLE)["loss"]]
     placements[loss.name] = {"dp": "Partial(avg)"}
@@ -174,9 +176,14 @@ def compile(  # noqa: A001 - the public name the contract uses
     gm = captured.gm
     plan = given_plan if given_plan is not None else plan_from_strategy(gm, chosen, reasons)  # type: ignore[arg-type]
     _check_plan_nodes(plan, gm)
-    _check_plan_supported(plan)
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
+
+    device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
+    process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type)
+    # Every rank starts from rank 0's weights (as DDP does), before passes cut shards from them.
+    broadcast_replicated_state(gm, process_mesh)
+    originals = {n.target: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
 
     dumper = Dumper(resolve_dump_dir(dump_dir), rank)
     dumper.graph(0, "capture", gm, f"after 00 capture via {captured.route} ({captured.seconds * 1e3:.1f} ms) | nodes {len(gm.graph.nodes)}")
@@ -186,9 +193,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     if dumper.root is not None and rank == 0:
         log.info("graphpass dumps written to %s", dumper.root)
 
-    device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
-    process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type)
-    broadcast_replicated_state(gm, process_mesh)
+    _release_replaced(gm, originals)
     return DistributedModule(
         gm,
         plan,
@@ -200,12 +205,20 @@ def compile(  # noqa: A001 - the public name the contract uses
     )
 
 
-def _check_plan_supported(plan: Plan) -> None:
-    """Refuse plan features no pass applies yet, rather than silently ignoring them."""
-    if any(plan.zero.values()):
-        raise NotImplementedError("Plan.zero (ZeRO sharding) is not implemented yet: no shard_parameters pass")
-    if plan.recompute:
-        raise NotImplementedError("Plan.recompute (activation checkpointing) is not implemented yet: no recompute pass")
+def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
+    module_path, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(module_path), name)
+
+
+def _release_replaced(gm: fx.GraphModule, originals: dict[str, torch.Tensor]) -> None:
+    """Free the full tensors that passes replaced by shards (the user's module still names them).
+
+    Like FSDP2, compiling with sharding takes ownership of those parameters: their storage is
+    released so that the rank holds only its shards; ``full_state_dict()`` gathers them back.
+    """
+    for target, original in originals.items():
+        if _attr(gm, target) is not original and original.device.type != "meta":
+            original.data = torch.empty(0, dtype=original.dtype, device=original.device)
 
 
 def _input_names_guess(n: int) -> list[str]:

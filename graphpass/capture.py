@@ -363,15 +363,16 @@ def _specialize_python_values(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]
     constants, as ``torch.export`` does: the IR is specialised to the captured shapes."""
     values: dict[fx.Node, Any] = {}
 
-    class Recorder(fx.Interpreter):
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    class Recorder(_FakeAttrProp):
         def run_node(self, n: fx.Node) -> Any:
             result = super().run_node(n)
             values[n] = result
             return result
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        Recorder(gm).run(*[mode.from_tensor(t) for t in inputs])
+        Recorder(gm, mode).propagate_dont_convert_inputs(*[mode.from_tensor(t) for t in inputs])
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or isinstance(values.get(node), torch.Tensor):
             continue
@@ -444,15 +445,27 @@ def layer_index(module_path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+class _FakeAttrProp(FakeTensorProp):
+    """FakeTensorProp that also fakes parameters and buffers, so that in-place ops in the graph
+    (BatchNorm's ``num_batches_tracked.add_``) never touch the real tensors."""
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor) and not _is_fake(value):
+            value = self._mode.from_tensor(value)
+        return value
+
+
 def propagate_fake(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
     """Recompute ``meta["val"]`` for every node by running ``gm`` on fake tensors.
 
-    Inputs and attributes may be real, meta or fake tensors; nothing is allocated.
+    Inputs and attributes may be real, meta or fake tensors; nothing is allocated and no real
+    tensor is modified.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(t) if not _is_fake(t) else t for t in inputs]
     with mode:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+        _FakeAttrProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
 
 
 def _is_fake(t: torch.Tensor) -> bool:

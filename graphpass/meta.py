@@ -21,7 +21,8 @@ LAYER = "gp.layer"
 #: For a parameter/buffer ``get_attr`` node: the original ``state_dict`` keys it stands for
 #: (a tuple: tied weights have several).
 STATE_KEYS = "gp.state_keys"
-#: For a ``get_attr`` node: ``"parameter"`` or ``"buffer"``.
+#: For a ``get_attr`` node: ``"parameter"``, ``"buffer"``, or ``"module"`` (a submodule a pass
+#: created, e.g. a recomputed layer).
 ATTR_KIND = "gp.attr_kind"
 #: The user source line that produced the node (last frame of the capture's stack trace).
 SOURCE = "gp.source"
@@ -29,6 +30,9 @@ SOURCE = "gp.source"
 CREATED_BY = "gp.created_by"
 #: Placement of the node's output on each mesh axis, e.g. ``{"dp": "Shard(0)"}``.
 PLACEMENT = "gp.placement"
+#: For a ZeRO-sharded parameter's ``get_attr``: ``{"axis": "dp", "dim": 0, "shape": full shape,
+#: "stage": 1|2|3}``; the attribute holds this rank's padded dim-0 shard.
+SHARD = "gp.shard"
 #: Pipeline stage index of the node.
 STAGE = "gp.stage"
 #: For collective nodes: the mesh axis they communicate over.

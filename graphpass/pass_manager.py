@@ -66,6 +66,16 @@ class PassContext:
     example_inputs: tuple[torch.Tensor, ...]
     provided: set[str] = field(default_factory=set)
 
+    def axis_rank(self, mesh: dict[str, int], axis: str) -> int:
+        """This rank's coordinate along ``axis`` of ``mesh`` (row-major, as ``DeviceMesh`` lays
+        ranks out)."""
+        coord = self.rank
+        for name in reversed(list(mesh)):
+            if name == axis:
+                return coord % mesh[name]
+            coord //= mesh[name]
+        raise KeyError(f"mesh axis {axis!r} is not in the mesh {mesh}")
+
 
 GraphPass = Callable[[fx.GraphModule, Plan, PassContext], fx.GraphModule]
 
@@ -109,7 +119,10 @@ def verify(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> None:
     gm.recompile()
     propagate_fake(gm, example_inputs)
     for node in gm.graph.nodes:
-        expects_tensor = getattr(node.target, "returns_tensor", True)
+        if node.op == "get_attr":
+            expects_tensor = meta.get(node, meta.ATTR_KIND, None) != "module"
+        else:
+            expects_tensor = getattr(node.target, "returns_tensor", True)
         if node.op in ("call_function", "get_attr", "placeholder") and expects_tensor and meta.VAL not in node.meta:
             raise PassError(f"node {node.name!r} ({op_name(node)}) has no meta['val'] after propagation")
 

@@ -83,10 +83,8 @@ class Strategy:
         missing = {
             "tp": self.tp != 1,
             "pp": self.pp != 1,
-            "zero": self.zero != 0,
             "split": self.split != 1,
             "microbatches": self.microbatches != 1,
-            "recompute": self.recompute,
         }
         for name, used in missing.items():
             if used:

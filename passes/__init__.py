@@ -5,10 +5,11 @@ A pass never measures, solves or communicates. :data:`PIPELINE` is the order
 """
 
 from graphpass.passes.insert_collectives import insert_collectives
+from graphpass.passes.recompute import recompute
+from graphpass.passes.shard_parameters import shard_parameters
 
 #: The passes ``graphpass.compile`` runs, in order. Later capabilities (split_operators,
-#: shard_parameters, tensor_parallel, recompute, offload, partition_stages) slot in around
-#: insert_collectives as they land.
-PIPELINE = (insert_collectives,)
+#: tensor_parallel, offload, partition_stages) slot in as they land.
+PIPELINE = (shard_parameters, insert_collectives, recompute)
 
-__all__ = ["PIPELINE", "insert_collectives"]
+__all__ = ["PIPELINE", "insert_collectives", "recompute", "shard_parameters"]

@@ -11,6 +11,8 @@ placement change            nodes                                               
 ==========================  ====================================================  ===============
 param grads Partial → R     ``grad_sync_begin`` + bucketed ``all_reduce_grads``   async all-reduce
 value Partial → R (report)  ``all_reduce(x, axis, op)``                           none (detached)
+param Shard(0) → R (ZeRO)   ``all_gather_params`` per gather group                 reduce-scatter
+                                                                                  (stage 1: all-reduce)
 ==========================  ====================================================  ===============
 """
 
@@ -56,6 +58,66 @@ def bucket_params(
     return buckets
 
 
+def ensure_grad_sync(gm: fx.GraphModule, axis: str, created_by: str) -> fx.Node:
+    """The graph's ``grad_sync_begin(axis)`` node, inserted after the placeholders if absent.
+
+    Every pass whose collectives reduce gradients over ``axis`` shares this one node, so all of
+    them are waited for at the very end of backward.
+    """
+    graph = gm.graph
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is ops.grad_sync_begin and node.args[0] == axis:
+            return node
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1].next if placeholders else next(iter(graph.nodes))
+    with graph.inserting_before(anchor):
+        begin = graph.call_function(ops.grad_sync_begin, (axis,))
+    begin.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.MODULE_PATH: "", meta.LAYER: None})
+    return begin
+
+
+def _insert_group(
+    gm: fx.GraphModule,
+    target,
+    params: Sequence[fx.Node],
+    args: tuple,
+    kwargs: dict,
+    axis: str,
+    placement: str,
+    created_by: str,
+) -> fx.Node:
+    """Insert ``target(*args, *params, **kwargs)`` before the first use of any of ``params`` and
+    route every use of a parameter through the matching element of its tuple output."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    users = {p: list(p.users) for p in params}
+    first_user = min((u for p in params for u in p.users), key=lambda u: order[u], default=None)
+    anchor = first_user if first_user is not None else graph.find_nodes(op="output")[0]
+    for p in params:  # a get_attr has no inputs, so moving it earlier is always valid
+        if order[p] > order[anchor]:
+            anchor.prepend(p)
+    with graph.inserting_before(anchor):
+        node = graph.call_function(target, (*args, *params), kwargs)
+        layers = {p.meta.get(meta.LAYER) for p in params}
+        node.meta.update(
+            {
+                meta.CREATED_BY: created_by,
+                meta.AXIS: axis,
+                meta.MODULE_PATH: "",
+                meta.LAYER: layers.pop() if len(layers) == 1 else None,
+                meta.PLACEMENT: {axis: placement},
+            }
+        )
+        for i, p in enumerate(params):
+            item = graph.call_function(operator.getitem, (node, i))
+            meta.copy_meta(p, item, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.PLACEMENT))
+            item.meta[meta.CREATED_BY] = created_by
+            item.meta[meta.PLACEMENT] = {axis: "Replicate()"}
+            for user in users[p]:
+                user.replace_input_with(p, item)
+    return node
+
+
 def emit_grad_all_reduce(
     gm: fx.GraphModule,
     params: Sequence[fx.Node],
@@ -65,48 +127,78 @@ def emit_grad_all_reduce(
 ) -> list[fx.Node]:
     """Make the gradients of ``params`` (Partial on ``axis``) Replicate by bucketed all-reduce.
 
-    Inserts one ``grad_sync_begin(axis)`` after the placeholders and one ``all_reduce_grads``
-    node per bucket, right before the first use of any parameter in the bucket; every use of a
-    parameter is rewired through its bucket's output. Returns the bucket nodes in launch order.
+    Uses the graph's ``grad_sync_begin(axis)`` and inserts one ``all_reduce_grads`` node per
+    bucket, right before the first use of any parameter in the bucket; every use of a parameter
+    is rewired through its bucket's output. Returns the bucket nodes in launch order.
     """
-    graph = gm.graph
     if not params:
         return []
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    buckets = bucket_params(params, bucket_cap_bytes, order)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    anchor = placeholders[-1].next if placeholders else next(iter(graph.nodes))
-    with graph.inserting_before(anchor):
-        begin = graph.call_function(ops.grad_sync_begin, (axis,))
-    begin.meta[meta.CREATED_BY] = created_by
-    begin.meta[meta.AXIS] = axis
-    begin.meta[meta.MODULE_PATH] = ""
-    begin.meta[meta.LAYER] = None
-    bucket_nodes = []
-    for index, bucket in enumerate(buckets):
-        users = {p: list(p.users) for p in bucket}
-        first_user = min(
-            (u for p in bucket for u in p.users), key=lambda u: order[u], default=None
-        )
-        anchor = first_user if first_user is not None else graph.find_nodes(op="output")[0]
-        for p in bucket:  # a get_attr has no inputs, so moving it earlier is always valid
-            if order[p] > order[anchor]:
-                anchor.prepend(p)
-        with graph.inserting_before(anchor):
-            node = graph.call_function(ops.all_reduce_grads, (begin, *bucket), {"bucket": index})
-            node.meta[meta.CREATED_BY] = created_by
-            node.meta[meta.AXIS] = axis
-            node.meta[meta.MODULE_PATH] = ""
-            node.meta[meta.LAYER] = None
-            node.meta[meta.PLACEMENT] = {axis: "Replicate()"}
-            for i, p in enumerate(bucket):
-                item = graph.call_function(operator.getitem, (node, i))
-                meta.copy_meta(p, item, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND))
-                item.meta[meta.CREATED_BY] = created_by
-                for user in users[p]:
-                    user.replace_input_with(p, item)
-        bucket_nodes.append(node)
-    return bucket_nodes
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    begin = ensure_grad_sync(gm, axis, created_by)
+    return [
+        _insert_group(gm, ops.all_reduce_grads, bucket, (begin,), {"bucket": index}, axis, "Replicate()", created_by)
+        for index, bucket in enumerate(bucket_params(params, bucket_cap_bytes, order))
+    ]
+
+
+def gather_groups(
+    params: Sequence[fx.Node], bucket_cap_bytes: int, order: dict[fx.Node, int]
+) -> list[list[fx.Node]]:
+    """Group sharded parameters for all-gather in forward order of first use.
+
+    A group never spans two repeated layers (a transformer block gathers as a unit, as FSDP
+    wraps blocks) and stays under ``bucket_cap_bytes`` of full parameters.
+    """
+    in_use_order = sorted(params, key=lambda p: _first_use_position(p, order))
+    groups: list[list[fx.Node]] = []
+    size, layer = 0, object()
+    for p in in_use_order:
+        first_user = min(p.users, key=lambda u: order[u], default=None)
+        p_layer = first_user.meta.get(meta.LAYER) if first_user is not None else None
+        nbytes = _full_bytes(p)
+        if not groups or p_layer != layer or size + nbytes > bucket_cap_bytes:
+            groups.append([])
+            size, layer = 0, p_layer
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
+def _full_bytes(node: fx.Node) -> int:
+    shard = node.meta.get(meta.SHARD)
+    val = node.meta[meta.VAL]
+    if shard is None:
+        return val.numel() * val.element_size()
+    numel = 1
+    for d in shard["shape"]:
+        numel *= d
+    return numel * val.element_size()
+
+
+def emit_param_all_gather(
+    gm: fx.GraphModule,
+    params: Sequence[fx.Node],
+    axis: str,
+    stage: int,
+    bucket_cap_bytes: int,
+    created_by: str,
+) -> list[fx.Node]:
+    """Make ZeRO-sharded parameters (``Shard(0)`` on ``axis``) Replicate where they are used.
+
+    One ``all_gather_params`` node per gather group (:func:`gather_groups`), right before the
+    group's first use. Its backward reduce-scatters (stage 2/3) or all-reduces (stage 1) the
+    gradients through the graph's ``grad_sync_begin(axis)``. Returns the gather nodes.
+    """
+    if not params:
+        return []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    begin = ensure_grad_sync(gm, axis, created_by)
+    nodes = []
+    for index, group in enumerate(gather_groups(params, bucket_cap_bytes, order)):
+        shapes = tuple(tuple(p.meta[meta.SHARD]["shape"]) for p in group)
+        kwargs = {"axis": axis, "shapes": shapes, "stage": stage, "group": index}
+        nodes.append(_insert_group(gm, ops.all_gather_params, group, (begin,), kwargs, axis, "Shard(0)", created_by))
+    return nodes
 
 
 def emit_all_reduce(
@@ -127,4 +219,12 @@ def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in ops.COLLECTIVE_OPS
 
 
-__all__ = ["bucket_params", "emit_grad_all_reduce", "emit_all_reduce", "is_collective"]
+__all__ = [
+    "bucket_params",
+    "emit_all_reduce",
+    "emit_grad_all_reduce",
+    "emit_param_all_gather",
+    "ensure_grad_sync",
+    "gather_groups",
+    "is_collective",
+]

@@ -63,6 +63,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
         and meta.get(n, meta.ATTR_KIND) == "parameter"
         and gm.get_parameter(n.target).requires_grad
         and plan.placement(n.name, axis) == Replicate()
+        and meta.SHARD not in n.meta  # ZeRO-sharded: shard_parameters reduces its gradient
     ]
     buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME)
     output = gm.graph.find_nodes(op="output")[0]

@@ -24,14 +24,19 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.runtime import mesh as mesh_lib
 
 
 def _is_fake(t: Any) -> bool:
-    return isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.device.type == "meta")
+    """True for values that only carry shapes: fake or meta tensors, or anything while a
+    ``FakeTensorMode`` is active (shape propagation runs graphs with real attributes under it)."""
+    if isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.device.type == "meta"):
+        return True
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 class GradSync:
@@ -134,12 +139,14 @@ class _AllReduceGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token: torch.Tensor, sync: GradSync, *params: torch.Tensor):
         ctx.sync = sync
-        ctx.save_for_backward(*params)
+        # Held directly, not via save_for_backward: under saved-tensor hooks (ZeRO-3 re-gather)
+        # autograd would hand back new tensor objects, and .grad must land on the real leaves.
+        ctx.params = params
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        params = ctx.saved_tensors
+        params = ctx.params
         sync: GradSync = ctx.sync
         pieces = [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
         numel = sum(piece.numel() for piece in pieces)
@@ -195,5 +202,7 @@ def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor
     return out
 
 
+from graphpass.runtime.zero import all_gather_params  # noqa: E402 - zero builds on GradSync above
+
 #: Every op the emitter may insert; a test checks that no other function creates collective nodes.
-COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce)
+COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce, all_gather_params)

@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Shard
 from graphpass import meta
 from graphpass.plan import Plan
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.zero import gather_full_parameters, regather_saved_params
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,13 @@ class DistributedModule(nn.Module):
             k: v for k, v in state_dict_source.state_dict(keep_vars=True).items()
         }
         self._attr_of_key: dict[str, str] = {}
+        self._sharded: dict[str, dict] = {}  # get_attr target -> gp.shard meta
         for node in graph_module.graph.nodes:
             if node.op == "get_attr":
                 for key in node.meta.get(meta.STATE_KEYS, ()):
                     self._attr_of_key[key] = node.target
+                if meta.SHARD in node.meta:
+                    self._sharded[node.target] = node.meta[meta.SHARD]
 
     # ------------------------------------------------------------------ parameters
 
@@ -104,15 +108,33 @@ class DistributedModule(nn.Module):
             yield prefix + name, p
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the original ``model.state_dict()`` keys, in its order (copies)."""
+        """Full tensors under the original ``model.state_dict()`` keys, in its order (copies).
+
+        Sharded parameters are gathered, so every rank must call this (it is a collective).
+        """
+        gathered = self._gather_sharded()
         out = {}
         for key in self._state_keys:
             attr = self._attr_of_key.get(key)
-            if attr is not None:
+            if attr in gathered:
+                tensor = gathered[attr]
+            elif attr is not None:
                 tensor = self._attr(attr)
             else:
                 tensor = self._extra_state[key]
             out[key] = tensor.detach().clone()
+        return out
+
+    def _gather_sharded(self) -> dict[str, torch.Tensor]:
+        by_axis: dict[str, list[str]] = {}
+        for target, shard in self._sharded.items():
+            by_axis.setdefault(shard["axis"], []).append(target)
+        out: dict[str, torch.Tensor] = {}
+        with mesh_lib.active(self._mesh), torch.no_grad():
+            for axis, targets in by_axis.items():
+                shards = [self._attr(t) for t in targets]
+                shapes = [self._sharded[t]["shape"] for t in targets]
+                out.update(zip(targets, gather_full_parameters(shards, shapes, axis)))
         return out
 
     def _attr(self, target: str) -> torch.Tensor:
@@ -160,7 +182,8 @@ class DistributedModule(nn.Module):
         """
         local = self.local_batch(*global_batch)
         with mesh_lib.active(self._mesh):
-            outputs = self.graph_module(*local)
+            with regather_saved_params():  # ZeRO-3: gathered weights are re-gathered in backward
+                outputs = self.graph_module(*local)
             loss = outputs[self._roles["loss"]]
             loss.backward()
         report = outputs[self._roles.get("loss_report", self._roles["loss"])]

@@ -1,0 +1,247 @@
+"""ZeRO parameter sharding at run time: gather shards into full parameters, scatter gradients.
+
+A ZeRO-sharded parameter lives on each rank as a *shard*: rows ``[r*c, (r+1)*c)`` of the full
+parameter along dim 0, with ``c = ceil(rows / N)`` and zero rows padding the last shards (as
+FSDP2 does), so every rank's shard has the same shape and one flat collective moves a whole
+group. The optimizer only ever sees shards.
+
+``all_gather_params(sync, *shards, axis=, shapes=, stage=)`` is the graph op (inserted only by
+``graphpass.passes.collectives``):
+
+- forward: one ``all_gather_into_tensor`` of the group's flattened shards → full parameters;
+- backward: the full gradients are laid out rank-major, pre-divided by N (the batch mean), and
+  reduced: stage 2/3 with one async ``reduce_scatter_tensor`` (each rank keeps its shard's
+  gradient), stage 1 with an async ``all_reduce`` (full gradients, then this rank's rows).
+  As for data parallel, :class:`~graphpass.runtime.collectives.GradSync` waits for them at the
+  end of backward and writes each shard's ``.grad``;
+- stage 3 only: the gathered parameters are not kept for backward. While
+  :func:`regather_saved_params` is active (``DistributedModule`` enters it around forward),
+  a saved-tensor hook replaces every saved tensor that lives in a stage-3 gathered parameter
+  with a small handle, and backward re-gathers the group when it first needs it (one
+  all-gather per group) — so gathered weights are freed right after their forward use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.collectives import GradSync, _is_fake
+
+
+# torch 2.13 renamed the flat collectives; older torch (>= 2.6, which users may run) has the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_rows(rows: int, num_shards: int) -> int:
+    """Rows per shard: ``ceil(rows / num_shards)`` (at least 1)."""
+    return max(1, math.ceil(rows / num_shards))
+
+
+def shard_shape(full_shape: Sequence[int], num_shards: int) -> tuple[int, ...]:
+    """Shape of one rank's shard of a parameter of ``full_shape``."""
+    return (shard_rows(full_shape[0], num_shards), *full_shape[1:])
+
+
+def make_shard(full: torch.Tensor, num_shards: int, index: int) -> torch.Tensor:
+    """This rank's padded dim-0 shard of ``full`` (a copy; padding rows are zero)."""
+    rows = shard_rows(full.shape[0], num_shards)
+    start = min(index * rows, full.shape[0])
+    stop = min(start + rows, full.shape[0])
+    shard = full.new_zeros((rows, *full.shape[1:]))
+    with torch.no_grad():
+        shard[: stop - start].copy_(full[start:stop])
+    return shard
+
+
+def _gather_flat(shards: Sequence[torch.Tensor], group: Any, num_shards: int) -> torch.Tensor:
+    """All-gather the flattened shards of a group: result is ``[num_shards, group_numel]``."""
+    flat = torch.cat([s.detach().reshape(-1) for s in shards])
+    out = flat.new_empty(num_shards * flat.numel())
+    _all_gather_flat(out, flat, group=group)
+    return out.view(num_shards, flat.numel())
+
+
+def _unpack_full(
+    gathered: torch.Tensor, shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """Full parameters from a ``[N, group_numel]`` gather: rows of every rank, padding dropped."""
+    out, offset = [], 0
+    for shard, shape in zip(shards, shapes):
+        n = shard.numel()
+        rows = gathered[:, offset : offset + n].reshape(-1, *shard.shape[1:])
+        out.append(rows[: shape[0]].contiguous())
+        offset += n
+    return out
+
+
+def gather_full_parameters(
+    shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], axis: str
+) -> list[torch.Tensor]:
+    """Full tensors of sharded parameters (a collective: every rank of ``axis`` must call it)."""
+    mesh = mesh_lib.current()
+    group = mesh.group(axis)
+    if group is None:
+        return [s.detach()[: shape[0]].clone() for s, shape in zip(shards, shapes)]
+    return _unpack_full(_gather_flat(shards, group, mesh.axis_size(axis)), shards, shapes)
+
+
+class _Stage3Group:
+    """One stage-3 gather group during one step: how to re-gather it, and the re-gathered cache."""
+
+    def __init__(self, shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], axis: str, mesh):
+        self.shards = tuple(shards)
+        self.shapes = tuple(tuple(s) for s in shapes)
+        self.axis = axis
+        self.mesh = mesh
+        self.outstanding = 0  # saved handles not yet unpacked
+        self.cache: list[torch.Tensor] | None = None
+
+    def regathered(self, index: int) -> torch.Tensor:
+        if self.cache is None:
+            group = self.mesh.group(self.axis)
+            gathered = _gather_flat(self.shards, group, self.mesh.axis_size(self.axis))
+            self.cache = _unpack_full(gathered, self.shards, self.shapes)
+        return self.cache[index]
+
+    def release(self) -> None:
+        self.outstanding -= 1
+        if self.outstanding <= 0:
+            self.cache = None
+
+
+class _Registry:
+    """Storages of live stage-3 gathered parameters (forward only), by data pointer."""
+
+    def __init__(self) -> None:
+        self.by_ptr: dict[int, tuple[_Stage3Group, int, int]] = {}
+
+    def add(self, tensor: torch.Tensor, group: _Stage3Group, index: int) -> None:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        self.by_ptr[ptr] = (group, index, storage.nbytes())
+        # Forget the pointer when the tensor dies: the allocator may hand the address to an
+        # unrelated activation later, which must then be saved normally.
+        weakref.finalize(tensor, self.by_ptr.pop, ptr, None)
+
+    def lookup(self, tensor: torch.Tensor) -> tuple[_Stage3Group, int] | None:
+        if not self.by_ptr or tensor.layout != torch.strided or _is_fake(tensor):
+            return None
+        storage = tensor.untyped_storage()
+        entry = self.by_ptr.get(storage.data_ptr())
+        if entry is None or entry[2] != storage.nbytes():
+            return None
+        return entry[0], entry[1]
+
+
+_ACTIVE_REGISTRIES: list[_Registry] = []
+
+
+class _Handle:
+    """What autograd keeps instead of a view of a stage-3 gathered parameter."""
+
+    __slots__ = ("group", "index", "size", "stride", "offset", "requires_grad")
+
+    def __init__(self, group: _Stage3Group, index: int, t: torch.Tensor):
+        self.group, self.index = group, index
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.requires_grad = t.requires_grad
+
+
+def _pack(t: torch.Tensor) -> Any:
+    registry = _ACTIVE_REGISTRIES[-1]
+    found = registry.lookup(t)
+    if found is None:
+        return t
+    group, index = found
+    group.outstanding += 1
+    return _Handle(group, index, t)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if not isinstance(packed, _Handle):
+        return packed
+    full = packed.group.regathered(packed.index)
+    packed.group.release()
+    return full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+@contextlib.contextmanager
+def regather_saved_params() -> Iterator[None]:
+    """While active, stage-3 gathered parameters saved for backward are re-gathered instead."""
+    registry = _Registry()
+    _ACTIVE_REGISTRIES.append(registry)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _ACTIVE_REGISTRIES.pop()
+
+
+class _AllGatherParams(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, sync: GradSync, shapes, stage: int, *shards: torch.Tensor):
+        mesh = mesh_lib.current()
+        group = mesh.group(sync.axis)
+        num = mesh.axis_size(sync.axis)
+        ctx.sync, ctx.shapes, ctx.stage, ctx.num = sync, shapes, stage, num
+        ctx.shards = shards  # leaves: referencing them keeps nothing extra alive
+        return tuple(_unpack_full(_gather_flat(shards, group, num), shards, shapes))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        sync: GradSync = ctx.sync
+        shards, num = ctx.shards, ctx.num
+        mesh = mesh_lib.current()
+        group = mesh.group(sync.axis)
+        # Lay the gradients out rank-major: block r holds rank r's rows of every parameter.
+        blocks = []
+        for grad, shard, shape in zip(grads, shards, ctx.shapes):
+            if grad is None:
+                grad = shard.new_zeros(shape)
+            rows = shard.shape[0]
+            padded = grad.new_zeros((num * rows, *shard.shape[1:]))
+            padded[: shape[0]].copy_(grad)
+            blocks.append(padded.view(num, -1))
+        buffer = torch.cat(blocks, dim=1)
+        buffer.div_(num)  # the loss is a per-rank mean: average, as for data parallel
+        if ctx.stage == 1:
+            work = dist.all_reduce(buffer, group=group, async_op=True)
+            out = buffer[mesh.axis_rank(sync.axis)]
+        else:
+            out = buffer.new_empty(buffer.shape[1])
+            work = _reduce_scatter_flat(out, buffer.view(-1), group=group, async_op=True)
+        sync.pending.append((work, out, shards))
+        return (torch.zeros(()), None, None, None) + (None,) * len(shards)
+
+
+def all_gather_params(
+    sync: GradSync, *shards: torch.Tensor, axis: str, shapes: Sequence[Sequence[int]], stage: int, group: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Full parameters from their ZeRO shards over ``axis`` (see the module docstring).
+
+    Args:
+        sync: the step's gradient synchronisation (``grad_sync_begin`` output).
+        shards: this rank's shards of the group's parameters.
+        axis: the data-parallel mesh axis the parameters are sharded over.
+        shapes: the full shape of each parameter.
+        stage: ZeRO stage 1, 2 or 3 of the whole group.
+        group: index of the gather group (for dumps).
+    """
+    if any(_is_fake(s) for s in shards):
+        return tuple(s.new_empty(tuple(shape)) for s, shape in zip(shards, shapes))
+    if not torch.is_grad_enabled():
+        return tuple(gather_full_parameters(shards, shapes, axis))
+    full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, *shards)
+    if stage == 3 and _ACTIVE_REGISTRIES:
+        state = _Stage3Group(shards, shapes, axis, mesh_lib.current())
+        for index, tensor in enumerate(full):
+            _ACTIVE_REGISTRIES[-1].add(tensor, state, index)
+    return full
