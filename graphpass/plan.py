@@ -134,6 +134,8 @@ class Plan:
             not listed are plain data parallel (stage 0). Stages mix freely (OSDP).
         recompute: indices of the repeated layers whose activations are recomputed in backward
             (activation checkpointing) instead of saved.
+        split: OSDP operator splitting: linear node name → ``{"dim": "out" | "in", "parts": k}``;
+            the op runs as k slices whose weights are separate (separately gathered) parameters.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
         predicted_step_time_s: the cost model's step time, None until the planner prices it.
         predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
@@ -146,6 +148,7 @@ class Plan:
     strategy: Strategy | None = None
     zero: Mapping[str, int] = field(default_factory=dict)
     recompute: tuple[int, ...] = ()
+    split: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
@@ -168,6 +171,13 @@ class Plan:
                 raise ValueError(f"Plan.zero[{node!r}] must be 0, 1, 2 or 3, got {stage!r}")
             if stage and "dp" not in self.mesh:
                 raise ValueError(f"Plan.zero[{node!r}] = {stage} needs a 'dp' mesh axis; mesh is {dict(self.mesh)}")
+        for node, spec in self.split.items():
+            if set(spec) != {"dim", "parts"} or spec["dim"] not in ("out", "in") or not (
+                isinstance(spec["parts"], int) and spec["parts"] >= 1
+            ):
+                raise ValueError(
+                    f"Plan.split[{node!r}] must be {{'dim': 'out' | 'in', 'parts': k >= 1}}, got {spec!r}"
+                )
         for layer in self.recompute:
             if not isinstance(layer, int) or layer < 0:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
@@ -195,6 +205,7 @@ class Plan:
         data["stages"] = list(self.stages)
         data["zero"] = dict(self.zero)
         data["recompute"] = list(self.recompute)
+        data["split"] = {k: dict(v) for k, v in self.split.items()}
         data["reasons"] = list(self.reasons)
         return data
 
@@ -243,6 +254,9 @@ class Plan:
             lines.append("ZeRO: " + ", ".join(f"stage {s}: {n} parameters" for s, n in sorted(stages.items())))
         if self.recompute:
             lines.append(f"recompute layers: {list(self.recompute)}")
+        if self.split:
+            parts = sorted({spec["parts"] for spec in self.split.values()})
+            lines.append(f"operator splitting: {len(self.split)} linears into {parts} slices")
         lines.append(f"pipeline stages: {len(self.stages)}")
         lines.append(f"gradient bucket cap: {self.bucket_cap_bytes / 2**20:.1f} MiB")
         time_s = self.predicted_step_time_s
@@ -261,7 +275,7 @@ class Plan:
             a, b = self.placements.get(node), other.placements.get(node)
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
-        for name in ("stages", "strategy", "zero", "recompute", "bucket_cap_bytes"):
+        for name in ("stages", "strategy", "zero", "recompute", "split", "bucket_cap_bytes"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out
