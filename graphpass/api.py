@@ -176,6 +176,8 @@ def compile(  # noqa: A001 - the public name the contract uses
     gm = captured.gm
     plan = given_plan if given_plan is not None else plan_from_strategy(gm, chosen, reasons)  # type: ignore[arg-type]
     _check_plan_nodes(plan, gm)
+    if plan.split:
+        raise NotImplementedError("Plan.split (OSDP operator splitting) is not implemented yet: no split_operators pass")
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
 
