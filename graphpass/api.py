@@ -21,8 +21,10 @@ from graphpass import meta
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
+from graphpass.megatron import megatron_placements
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import PIPELINE
+from graphpass.passes.split_operators import default_split
 from graphpass.plan import Plan, Strategy
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.module import (
@@ -81,9 +83,14 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
     Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
     and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). ``zero=k``
     gives every trainable parameter ZeRO stage k; ``recompute=True`` recomputes every repeated
-    layer.
+    layer; ``split=k`` splits every linear with an untied weight of at least k rows k ways along
+    its output features (``split_operators.default_split``).
     """
     mesh = {"dp": strategy.dp}
+    tp_placements: dict[str, str] = {}
+    if strategy.tp > 1:
+        mesh["tp"] = strategy.tp
+        tp_placements = megatron_placements(gm)
     placements: dict[str, dict[str, str]] = {}
     zero: dict[str, int] = {}
     layers: set[int] = set()
@@ -95,6 +102,8 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
             placements[node.name] = {"dp": "Shard(0)"}
         elif node.op == "get_attr":
             placements[node.name] = {"dp": "Replicate()"}
+            if node.name in tp_placements:
+                placements[node.name]["tp"] = tp_placements[node.name]
             if strategy.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
                 tensor = _attr(gm, node.target)
                 if tensor.dim() > 0 and tensor.requires_grad:  # ZeRO shards along dim 0
@@ -108,6 +117,8 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
         strategy=strategy,
         zero=zero,
         recompute=tuple(sorted(layers)) if strategy.recompute else (),
+        sequence_parallel=strategy.sequence_parallel,
+        split=default_split(gm, strategy.split),
         reasons=tuple(reasons),
     )
 
@@ -176,8 +187,6 @@ def compile(  # noqa: A001 - the public name the contract uses
     gm = captured.gm
     plan = given_plan if given_plan is not None else plan_from_strategy(gm, chosen, reasons)  # type: ignore[arg-type]
     _check_plan_nodes(plan, gm)
-    if plan.split:
-        raise NotImplementedError("Plan.split (OSDP operator splitting) is not implemented yet: no split_operators pass")
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
 

@@ -33,6 +33,17 @@ PLACEMENT = "gp.placement"
 #: For a ZeRO-sharded parameter's ``get_attr``: ``{"axis": "dp", "dim": 0, "shape": full shape,
 #: "stage": 1|2|3}``; the attribute holds this rank's padded dim-0 shard.
 SHARD = "gp.shard"
+#: For a tensor-parallel parameter's ``get_attr``: ``{"axis": "tp", "dim": d, "shape": full
+#: shape}``; the attribute holds this rank's chunk of dim ``d`` (before any ZeRO sharding, which
+#: then shards that chunk over ``dp`` and records ``gp.shard`` with the chunk's shape).
+TP_SHARD = "gp.tp_shard"
+#: For a slice parameter's ``get_attr`` made by ``split_operators``: ``{"node": original get_attr
+#: node name, "target": original attribute, "state_keys": its state_dict keys, "shape": its full
+#: shape, "dim": tensor dim it was cut along, "index": i, "parts": k}``; the attribute holds slice i.
+SPLIT = "gp.split"
+#: For a parameter ``get_attr``: the mesh axis over which its gradient is a partial sum (a
+#: replicated weight applied to sequence-sharded activations); insert_collectives sums it there.
+GRAD_PARTIAL = "gp.grad_partial"
 #: Pipeline stage index of the node.
 STAGE = "gp.stage"
 #: For collective nodes: the mesh axis they communicate over.

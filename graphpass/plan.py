@@ -39,6 +39,8 @@ class Strategy:
         microbatches: microbatches per step (pipeline / gradient accumulation).
         schedule: pipeline schedule, one of :data:`SCHEDULES`.
         recompute: activation checkpointing of every layer.
+        sequence_parallel: with ``tp > 1``, shard norm/dropout/residual activations along the
+            sequence (Megatron-LM sequence parallelism).
     """
 
     dp: int = 1
@@ -49,6 +51,7 @@ class Strategy:
     microbatches: int = 1
     schedule: str = "1f1b"
     recompute: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "split", "microbatches"):
@@ -59,8 +62,11 @@ class Strategy:
             raise ValueError(f"Strategy.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Strategy.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not isinstance(self.recompute, bool):
-            raise ValueError(f"Strategy.recompute must be a bool, got {self.recompute!r}")
+        for name in ("recompute", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Strategy.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("Strategy.sequence_parallel=True needs tp > 1 (it shards activations over the tp axis)")
 
     @property
     def degree(self) -> int:
@@ -81,9 +87,7 @@ class Strategy:
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
         missing = {
-            "tp": self.tp != 1,
             "pp": self.pp != 1,
-            "split": self.split != 1,
             "microbatches": self.microbatches != 1,
         }
         for name, used in missing.items():
@@ -134,6 +138,8 @@ class Plan:
             not listed are plain data parallel (stage 0). Stages mix freely (OSDP).
         recompute: indices of the repeated layers whose activations are recomputed in backward
             (activation checkpointing) instead of saved.
+        sequence_parallel: Megatron sequence parallelism on the ``tp`` axis: partial sums that
+            join the residual stream are reduce-scattered along dim 1 instead of all-reduced.
         split: OSDP operator splitting: linear node name → ``{"dim": "out" | "in", "parts": k}``;
             the op runs as k slices whose weights are separate (separately gathered) parameters.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
@@ -149,6 +155,7 @@ class Plan:
     zero: Mapping[str, int] = field(default_factory=dict)
     recompute: tuple[int, ...] = ()
     split: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    sequence_parallel: bool = False
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
@@ -254,6 +261,8 @@ class Plan:
             lines.append("ZeRO: " + ", ".join(f"stage {s}: {n} parameters" for s, n in sorted(stages.items())))
         if self.recompute:
             lines.append(f"recompute layers: {list(self.recompute)}")
+        if self.sequence_parallel:
+            lines.append("sequence parallel: residual-stream activations sharded along the sequence on tp")
         if self.split:
             parts = sorted({spec["parts"] for spec in self.split.values()})
             lines.append(f"operator splitting: {len(self.split)} linears into {parts} slices")
@@ -275,7 +284,7 @@ class Plan:
             a, b = self.placements.get(node), other.placements.get(node)
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
-        for name in ("stages", "strategy", "zero", "recompute", "split", "bucket_cap_bytes"):
+        for name in ("stages", "strategy", "zero", "recompute", "split", "sequence_parallel", "bucket_cap_bytes"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out

@@ -13,6 +13,12 @@ param grads Partial → R     ``grad_sync_begin`` + bucketed ``all_reduce_grads`
 value Partial → R (report)  ``all_reduce(x, axis, op)``                           none (detached)
 param Shard(0) → R (ZeRO)   ``all_gather_params`` per gather group                 reduce-scatter
                                                                                   (stage 1: all-reduce)
+tp: Shard(d) → R            ``tp_all_gather``                                      slice / reduce-scatter
+tp: Partial → R             ``tp_all_reduce``                                      identity
+tp: Partial → Shard(d)      ``tp_reduce_scatter``                                  all-gather
+tp: R → Shard(d)            ``tp_scatter`` (local chunk)                           all-gather
+tp: R into sharded compute  ``tp_copy`` (identity)                                 all-reduce
+tp: vocab-sharded logits    ``vocab_parallel_cross_entropy``                       local softmax grad
 ==========================  ====================================================  ===============
 """
 
@@ -22,6 +28,8 @@ import operator
 from typing import Sequence
 
 import torch.fx as fx
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
 from graphpass.runtime import collectives as ops
@@ -110,7 +118,7 @@ def _insert_group(
         )
         for i, p in enumerate(params):
             item = graph.call_function(operator.getitem, (node, i))
-            meta.copy_meta(p, item, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.PLACEMENT))
+            meta.copy_meta(p, item, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD, meta.PLACEMENT))
             item.meta[meta.CREATED_BY] = created_by
             item.meta[meta.PLACEMENT] = {axis: "Replicate()"}
             for user in users[p]:
@@ -124,8 +132,12 @@ def emit_grad_all_reduce(
     axis: str,
     bucket_cap_bytes: int,
     created_by: str,
+    scale: float | None = None,
 ) -> list[fx.Node]:
     """Make the gradients of ``params`` (Partial on ``axis``) Replicate by bucketed all-reduce.
+
+    ``axis`` may join several mesh axes (``"dp,tp"``); ``scale`` multiplies the gradients before
+    the sum (default: average over ``axis``).
 
     Uses the graph's ``grad_sync_begin(axis)`` and inserts one ``all_reduce_grads`` node per
     bucket, right before the first use of any parameter in the bucket; every use of a parameter
@@ -136,7 +148,11 @@ def emit_grad_all_reduce(
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     begin = ensure_grad_sync(gm, axis, created_by)
     return [
-        _insert_group(gm, ops.all_reduce_grads, bucket, (begin,), {"bucket": index}, axis, "Replicate()", created_by)
+        _insert_group(
+            gm, ops.all_reduce_grads, bucket, (begin,),
+            {"bucket": index} if scale is None else {"bucket": index, "scale": scale},
+            axis, "Replicate()", created_by,
+        )
         for index, bucket in enumerate(bucket_params(params, bucket_cap_bytes, order))
     ]
 
@@ -147,18 +163,22 @@ def gather_groups(
     """Group sharded parameters for all-gather in forward order of first use.
 
     A group never spans two repeated layers (a transformer block gathers as a unit, as FSDP
-    wraps blocks) and stays under ``bucket_cap_bytes`` of full parameters.
+    wraps blocks) and stays under ``bucket_cap_bytes`` of full parameters. A slice of a split
+    operator (``gp.split``, from ``split_operators``) gathers only with the other parameters of
+    its own slice op (weight and bias of one slice linear): that each slice is gathered, and at
+    stage 3 freed, on its own is the point of splitting.
     """
     in_use_order = sorted(params, key=lambda p: _first_use_position(p, order))
     groups: list[list[fx.Node]] = []
-    size, layer = 0, object()
+    size, layer, slice_op = 0, object(), None
     for p in in_use_order:
         first_user = min(p.users, key=lambda u: order[u], default=None)
         p_layer = first_user.meta.get(meta.LAYER) if first_user is not None else None
+        p_slice_op = first_user if meta.SPLIT in p.meta else None
         nbytes = _full_bytes(p)
-        if not groups or p_layer != layer or size + nbytes > bucket_cap_bytes:
+        if not groups or p_layer != layer or p_slice_op is not slice_op or size + nbytes > bucket_cap_bytes:
             groups.append([])
-            size, layer = 0, p_layer
+            size, layer, slice_op = 0, p_layer, p_slice_op
         groups[-1].append(p)
         size += nbytes
     return groups
@@ -214,6 +234,67 @@ def emit_all_reduce(
     return node
 
 
+def _tp_node(gm: fx.GraphModule, target, args: tuple, kwargs: dict, source: fx.Node, before: fx.Node,
+             axis: str, placement: str, created_by: str) -> fx.Node:
+    with gm.graph.inserting_before(before):
+        node = gm.graph.call_function(target, args, kwargs)
+    meta.copy_meta(source, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD, meta.PLACEMENT))
+    node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: placement}})
+    return node
+
+
+def emit_tp_redistribute(
+    gm: fx.GraphModule,
+    value: fx.Node,
+    src: Placement,
+    dst: Placement,
+    axis: str,
+    size: int,
+    *,
+    before: fx.Node,
+    grad: str = "slice",
+    created_by: str,
+) -> fx.Node:
+    """Nodes converting ``value`` from ``src`` to ``dst`` on the tensor-parallel ``axis``.
+
+    ``grad`` chooses the backward of an all-gather: ``"slice"`` when the gathered tensor's
+    gradient is the same on every rank, ``"reduce_scatter"`` when it only feeds sharded compute
+    (Megatron's sequence-parallel all-gather).
+    """
+    def node(target, x, *extra, **kw):
+        return _tp_node(gm, target, (x, axis, size, *extra), kw, value, before, axis, str(dst), created_by)
+
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return node(ops.tp_all_gather, value, src.dim, grad=grad)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return node(ops.tp_all_reduce, value)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return node(ops.tp_reduce_scatter, value, dst.dim)
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return node(ops.tp_scatter, value, dst.dim)
+    if isinstance(src, Shard) and isinstance(dst, Shard):
+        gathered = node(ops.tp_all_gather, value, src.dim, grad="slice")
+        return _tp_node(gm, ops.tp_scatter, (gathered, axis, size, dst.dim), {}, value, before, axis, str(dst), created_by)
+    raise NotImplementedError(f"no collective turns {src} into {dst} (node {value.name!r})")
+
+
+def emit_tp_copy(gm: fx.GraphModule, value: fx.Node, axis: str, size: int, *, before: fx.Node, created_by: str) -> fx.Node:
+    """``tp_copy(value)``: identity whose backward all-reduces the gradient (Megatron's f)."""
+    return _tp_node(gm, ops.tp_copy, (value, axis, size), {}, value, before, axis, "Replicate()", created_by)
+
+
+def emit_vocab_parallel_cross_entropy(
+    gm: fx.GraphModule, logits: fx.Node, target: fx.Node, axis: str, size: int, vocab_start: int,
+    ignore_index: int, *, created_by: str,
+) -> fx.Node:
+    """Cross-entropy of vocabulary-sharded logits (inserted at the current insertion point)."""
+    node = gm.graph.call_function(
+        ops.vocab_parallel_cross_entropy, (logits, target, axis, size, vocab_start), {"ignore_index": ignore_index}
+    )
+    node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: "Replicate()"}})
+    return node
+
+
 def is_collective(node: fx.Node) -> bool:
     """True for nodes that call one of the runtime's collective ops."""
     return node.op == "call_function" and node.target in ops.COLLECTIVE_OPS
@@ -224,6 +305,9 @@ __all__ = [
     "emit_all_reduce",
     "emit_grad_all_reduce",
     "emit_param_all_gather",
+    "emit_tp_copy",
+    "emit_tp_redistribute",
+    "emit_vocab_parallel_cross_entropy",
     "ensure_grad_sync",
     "gather_groups",
     "is_collective",

@@ -45,37 +45,48 @@ def batch_axes(gm: fx.GraphModule, plan: Plan) -> list[str]:
 
 @graph_pass(NAME, requires=(), provides=("collectives",))
 def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
-    """Insert gradient all-reduces and the loss average for every batch-sharded mesh axis."""
+    """Insert gradient all-reduces (and the loss average) for batch-sharded and tp-partial axes."""
     axes = batch_axes(gm, plan)
-    if not axes:
-        log.info("%s: no batch-sharded mesh axis of size > 1; nothing to do", NAME)
-        return gm
     if len(axes) > 1:
         raise NotImplementedError(
             f"{NAME}: the batch is sharded over several mesh axes {axes}; only one data-parallel "
             "axis is supported so far"
         )
-    axis = axes[0]
-    params = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "get_attr"
-        and meta.get(n, meta.ATTR_KIND) == "parameter"
-        and gm.get_parameter(n.target).requires_grad
-        and plan.placement(n.name, axis) == Replicate()
-        and meta.SHARD not in n.meta  # ZeRO-sharded: shard_parameters reduces its gradient
-    ]
-    buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME)
-    output = gm.graph.find_nodes(op="output")[0]
-    roles = dict(meta.get(output, meta.ROLE))
-    values = list(output.args[0])
-    loss = values[roles["loss"]]
-    report = collectives.emit_all_reduce(gm, loss, axis, "avg", NAME)
-    roles["loss_report"] = len(values)
-    output.args = (tuple(values) + (report,),)
-    output.meta[meta.ROLE] = roles
-    log.info(
-        "%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis
-    )
+    batch = axes[0] if axes else None
+    dp = plan.mesh[batch] if batch else 1
+    by_axes: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr" or meta.get(n, meta.ATTR_KIND) != "parameter":
+            continue
+        if not gm.get_parameter(n.target).requires_grad:
+            continue
+        zero_sharded = n.meta.get(meta.SHARD, {}).get("axis") == batch and batch is not None
+        partial = n.meta.get(meta.GRAD_PARTIAL)
+        if zero_sharded:
+            if partial:
+                raise NotImplementedError(
+                    f"{NAME}: {n.target!r} is ZeRO-sharded over {batch!r} and has a partial gradient over "
+                    f"{partial!r} (sequence parallel); leave it out of Plan.zero"
+                )
+            continue  # shard_parameters reduce-scatters its gradient
+        group = ([batch] if batch and plan.placement(n.name, batch) == Replicate() else []) + ([partial] if partial else [])
+        if group:
+            by_axes.setdefault(",".join(group), []).append(n)
+    if not by_axes and batch is None:
+        log.info("%s: no batch-sharded axis and no partial gradients; nothing to do", NAME)
+        return gm
+    for axis, params in by_axes.items():
+        # Average over the batch axis (the loss is a per-rank mean), sum over tp (partial sums).
+        buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME, scale=1.0 / dp)
+        log.info("%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis)
+    if batch is not None:
+        output = gm.graph.find_nodes(op="output")[0]
+        roles = dict(meta.get(output, meta.ROLE))
+        values = list(output.args[0])
+        loss = values[roles["loss"]]
+        report = collectives.emit_all_reduce(gm, loss, batch, "avg", NAME)
+        roles["loss_report"] = len(values)
+        output.args = (tuple(values) + (report,),)
+        output.meta[meta.ROLE] = roles
     gm.recompile()
     return gm

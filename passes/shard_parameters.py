@@ -36,11 +36,19 @@ NAME = "shard_parameters"
 AXIS = "dp"
 
 
-def _check_zero_entries(gm: fx.GraphModule, plan: Plan) -> dict[str, fx.Node]:
+def _check_zero_entries(gm: fx.GraphModule, plan: Plan) -> dict[str, tuple[fx.Node, int]]:
     nodes = {n.name: n for n in gm.graph.nodes}
+    # split_operators replaced some parameters by slices: each slice inherits the original's stage.
+    slices: dict[str, list[fx.Node]] = {}
+    for n in nodes.values():
+        if n.op == "get_attr" and meta.SPLIT in n.meta:
+            slices.setdefault(meta.get(n, meta.SPLIT)["node"], []).append(n)
     out = {}
     for name, stage in plan.zero.items():
         if not stage:
+            continue
+        if name not in nodes and name in slices:
+            out.update((s.name, (s, stage)) for s in slices[name])
             continue
         node = nodes.get(name)
         if node is None or node.op != "get_attr" or meta.get(node, meta.ATTR_KIND) != "parameter":
@@ -48,7 +56,7 @@ def _check_zero_entries(gm: fx.GraphModule, plan: Plan) -> dict[str, fx.Node]:
                 f"Plan.zero names {name!r}, which is not a parameter node of the captured graph; "
                 "ZeRO stages apply to parameter get_attr nodes"
             )
-        out[name] = node
+        out[name] = (node, stage)
     return out
 
 
@@ -62,7 +70,7 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         return gm
     index = ctx.axis_rank(dict(plan.mesh), AXIS)
     by_stage: dict[int, list[fx.Node]] = {}
-    for name, node in targets.items():
+    for name, (node, stage) in targets.items():
         module_path, _, attr = node.target.rpartition(".")
         owner = gm.get_submodule(module_path)
         full = getattr(owner, attr)
@@ -75,7 +83,6 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
             raise ValueError(f"Plan.zero names {node.target!r}, which does not require grad")
         shard = nn.Parameter(make_shard(full.detach(), num_shards, index), requires_grad=True)
         setattr(owner, attr, shard)
-        stage = plan.zero[name]
         node.meta[meta.SHARD] = {"axis": AXIS, "dim": 0, "shape": list(full.shape), "stage": stage}
         node.meta[meta.PLACEMENT] = {AXIS: "Shard(0)"}
         by_stage.setdefault(stage, []).append(node)

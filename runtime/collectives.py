@@ -137,8 +137,9 @@ def _remember_buffer(key: torch.Tensor, buffer: torch.Tensor) -> None:
 
 class _AllReduceGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token: torch.Tensor, sync: GradSync, *params: torch.Tensor):
+    def forward(ctx, token: torch.Tensor, sync: GradSync, scale: float | None, *params: torch.Tensor):
         ctx.sync = sync
+        ctx.scale = scale
         # Held directly, not via save_for_backward: under saved-tensor hooks (ZeRO-3 re-gather)
         # autograd would hand back new tensor objects, and .grad must land on the real leaves.
         ctx.params = params
@@ -161,25 +162,29 @@ class _AllReduceGrads(torch.autograd.Function):
         group = mesh.group(sync.axis)
         work = None
         if group is not None:
-            # Average, as DDP does: the loss is a mean over the global batch, split evenly.
-            flat.div_(mesh.axis_size(sync.axis))
+            # Average over the batch axes, as DDP does (the loss is a mean over the global batch,
+            # split evenly); sum over tensor-parallel axes (partial gradients): ``ctx.scale``.
+            flat.mul_(ctx.scale if ctx.scale is not None else 1.0 / mesh.axis_size(sync.axis))
             work = dist.all_reduce(flat, group=group, async_op=True)
         sync.pending.append((work, flat, params))
         token_grad = torch.zeros((), dtype=torch.float32)
-        return (token_grad, None) + (None,) * len(params)
+        return (token_grad, None, None) + (None,) * len(params)
 
 
-def all_reduce_grads(sync: GradSync, *params: torch.Tensor, bucket: int = 0) -> tuple[torch.Tensor, ...]:
+def all_reduce_grads(
+    sync: GradSync, *params: torch.Tensor, bucket: int = 0, scale: float | None = None
+) -> tuple[torch.Tensor, ...]:
     """Identity on ``params`` in forward; in backward, all-reduce their gradients as one bucket.
 
     Args:
         sync: the step's :class:`GradSync` (output of ``grad_sync_begin``).
         params: the bucket's parameters (replicated on ``sync.axis``).
         bucket: the bucket's index (for dumps and logs; buckets are numbered in launch order).
+        scale: factor applied before the sum (default ``1 / size of sync.axis``: an average).
     """
     if any(_is_fake(p) for p in params) or not torch.is_grad_enabled():
         return tuple(p.view_as(p) for p in params)
-    return _AllReduceGrads.apply(sync.token, sync, *params)
+    return _AllReduceGrads.apply(sync.token, sync, scale, *params)
 
 
 def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
@@ -202,7 +207,16 @@ def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor
     return out
 
 
+from graphpass.runtime.tensor_parallel import (  # noqa: E402 - builds on _is_fake above
+    TP_OPS,
+    tp_all_gather,
+    tp_all_reduce,
+    tp_copy,
+    tp_reduce_scatter,
+    tp_scatter,
+    vocab_parallel_cross_entropy,
+)
 from graphpass.runtime.zero import all_gather_params  # noqa: E402 - zero builds on GradSync above
 
 #: Every op the emitter may insert; a test checks that no other function creates collective nodes.
-COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce, all_gather_params)
+COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce, all_gather_params, *TP_OPS)

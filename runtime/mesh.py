@@ -43,17 +43,41 @@ class ProcessMesh:
                 device_type, tuple(self.axes.values()), mesh_dim_names=names
             )
 
+        # Groups over several axes at once ("dp,tp": a gradient that is averaged over dp and
+        # summed over tp in one all-reduce). Creating a group is collective, so every rank
+        # builds the same ones here, in the same order.
+        self._joint: dict[str, dist.ProcessGroup] = {}
+        live = [a for a, n in self.axes.items() if n > 1]
+        if self._device_mesh is not None and len(live) > 1:
+            from itertools import combinations
+
+            for k in range(2, len(live) + 1):
+                for combo in combinations(live, k):
+                    self._joint[",".join(combo)] = self._device_mesh[combo]._flatten().get_group()
+
+    def _axes(self, axis: str) -> list[str]:
+        names = axis.split(",")
+        for name in names:
+            if name not in self.axes:
+                raise KeyError(f"mesh axis {name!r} is not in the mesh {self.axes}")
+        return [n for n in names if self.axes[n] > 1]
+
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The process group of ``axis`` (None when the axis has size 1)."""
-        if axis not in self.axes:
-            raise KeyError(f"mesh axis {axis!r} is not in the mesh {self.axes}")
-        if self.axes[axis] == 1 or self._device_mesh is None:
+        """The process group of ``axis`` — one axis, or several joined by commas (``"dp,tp"``);
+        None when it spans a single rank."""
+        live = self._axes(axis)
+        if not live or self._device_mesh is None:
             return None
-        return self._device_mesh.get_group(axis)
+        if len(live) == 1:
+            return self._device_mesh.get_group(live[0])
+        return self._joint[",".join(live)]
 
     def axis_size(self, axis: str) -> int:
-        """Number of ranks along ``axis``."""
-        return self.axes[axis]
+        """Number of ranks along ``axis`` (product over comma-joined axes)."""
+        size = 1
+        for name in axis.split(","):
+            size *= self.axes[name]
+        return size
 
     def axis_rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""

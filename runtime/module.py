@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Shard
 from graphpass import meta
 from graphpass.plan import Plan
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.tensor_parallel import gather_tp_parameters
 from graphpass.runtime.zero import gather_full_parameters, regather_saved_params
 
 log = logging.getLogger(__name__)
@@ -90,13 +91,22 @@ class DistributedModule(nn.Module):
             k: v for k, v in state_dict_source.state_dict(keep_vars=True).items()
         }
         self._attr_of_key: dict[str, str] = {}
-        self._sharded: dict[str, dict] = {}  # get_attr target -> gp.shard meta
+        self._sharded: dict[str, dict] = {}  # get_attr target -> gp.shard meta (ZeRO over dp)
+        self._tp_sharded: dict[str, dict] = {}  # get_attr target -> gp.tp_shard meta
+        self._split: dict[str, list[tuple[int, int, str]]] = {}  # original target -> (index, dim, slice target)
         for node in graph_module.graph.nodes:
             if node.op == "get_attr":
                 for key in node.meta.get(meta.STATE_KEYS, ()):
                     self._attr_of_key[key] = node.target
                 if meta.SHARD in node.meta:
                     self._sharded[node.target] = node.meta[meta.SHARD]
+                if meta.TP_SHARD in node.meta:
+                    self._tp_sharded[node.target] = node.meta[meta.TP_SHARD]
+                split = node.meta.get(meta.SPLIT)
+                if split is not None:  # a slice of a split operator's parameter
+                    for key in split["state_keys"]:
+                        self._attr_of_key[key] = split["target"]
+                    self._split.setdefault(split["target"], []).append((split["index"], split["dim"], node.target))
 
     # ------------------------------------------------------------------ parameters
 
@@ -110,7 +120,8 @@ class DistributedModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the original ``model.state_dict()`` keys, in its order (copies).
 
-        Sharded parameters are gathered, so every rank must call this (it is a collective).
+        Sharded parameters are gathered, so every rank must call this (it is a collective); the
+        slices of a split operator's parameter are concatenated back into the original tensor.
         """
         gathered = self._gather_sharded()
         out = {}
@@ -126,15 +137,27 @@ class DistributedModule(nn.Module):
         return out
 
     def _gather_sharded(self) -> dict[str, torch.Tensor]:
-        by_axis: dict[str, list[str]] = {}
-        for target, shard in self._sharded.items():
-            by_axis.setdefault(shard["axis"], []).append(target)
+        """Full tensors of sharded parameters: ZeRO shards first (giving each rank's tp chunk,
+        or the full tensor), then tensor-parallel chunks, then split slices concatenated."""
         out: dict[str, torch.Tensor] = {}
         with mesh_lib.active(self._mesh), torch.no_grad():
+            by_axis: dict[str, list[str]] = {}
+            for target, shard in self._sharded.items():
+                by_axis.setdefault(shard["axis"], []).append(target)
             for axis, targets in by_axis.items():
                 shards = [self._attr(t) for t in targets]
                 shapes = [self._sharded[t]["shape"] for t in targets]
                 out.update(zip(targets, gather_full_parameters(shards, shapes, axis)))
+            by_axis = {}
+            for target, shard in self._tp_sharded.items():
+                by_axis.setdefault(shard["axis"], []).append(target)
+            for axis, targets in by_axis.items():
+                local = [out.get(t, self._attr(t)) for t in targets]
+                dims = [self._tp_sharded[t]["dim"] for t in targets]
+                out.update(zip(targets, gather_tp_parameters(local, dims, axis)))
+            for target, slices in self._split.items():
+                parts = [out[t] if t in out else self._attr(t) for _, _, t in sorted(slices)]
+                out[target] = torch.cat(parts, dim=slices[0][1])
         return out
 
     def _attr(self, target: str) -> torch.Tensor:

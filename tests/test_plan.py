@@ -17,8 +17,7 @@ def test_strategy_degrees_must_multiply_to_world_size():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"tp": 2}, "tp"), ({"pp": 2}, "pp"), ({"split": 2}, "split"),
-     ({"microbatches": 4}, "microbatches")],
+    [({"pp": 2}, "pp"), ({"microbatches": 4}, "microbatches")],
 )
 def test_unbuilt_strategy_fields_raise_not_implemented_naming_the_field(kwargs, field):
     strategy = gp.Strategy(**{"dp": 1, **kwargs})

@@ -1,0 +1,668 @@
+"""tensor_parallel: shard parameters over the ``tp`` axis and propagate placements through the
+graph, inserting Megatron's collectives where placements change.
+
+Contract: parameters whose ``plan.placements[name]["tp"]`` is ``Shard(d)`` are replaced by this
+rank's chunk of dim ``d`` (``gp.tp_shard`` records it; shard_parameters, which runs next, may
+then ZeRO-shard that chunk over ``dp``). Every other tensor starts ``Replicate()``
+(inputs, buffers, constants). Nodes are then visited in order; a rule per op (below) says which
+input placements it accepts and what its output placement is, rewrites shape arguments to local
+sizes, and asks the collective emitter for a redistribution where an input does not fit. The
+result is Megatron-LM's program: column-parallel linears (``Shard(0)`` weights) take replicated
+input through ``tp_copy`` (f), row-parallel linears (``Shard(1)``) produce partial sums reduced by
+``tp_all_reduce`` (g) right before the bias and the residual add; vocabulary-sharded embeddings
+mask out-of-range ids and produce partial sums; vocabulary-sharded logits go straight into
+``vocab_parallel_cross_entropy``. With ``plan.sequence_parallel``, a partial sum joining the
+residual stream is reduce-scattered along the sequence (dim 1) instead, norms and dropout run on
+sequence shards, and column linears all-gather their input (whose backward reduce-scatters).
+
+Rules cover linear, embedding, cross-entropy, attention, layer norm, elementwise and
+broadcasting binary ops, views/reshapes/transposes/permutes/(un)squeeze/expand/flatten,
+reductions, slicing, cat/split and getitem. An op without a rule gets replicated inputs and a
+replicated output, with one warning naming the op. Replicated parameters that meet sharded
+activations (norm weights under sequence parallelism) get ``gp.grad_partial = "tp"``, and
+``insert_collectives`` sums their gradients over ``tp``.
+
+Before/after (tp=2, an MLP)::
+
+    up = aten.linear(x, up_w, up_b)   [B,T,256]    x_f = tp_copy(x, 'tp', 2)
+    act = aten.gelu(up)                       →    up = aten.linear(x_f, up_w, up_b)       [B,T,128]
+    down = aten.linear(act, down_w, down_b)        down = aten.linear(aten.gelu(up), down_w)  (partial)
+    out = aten.add(x, down)                        red = tp_all_reduce(down, 'tp', 2); out = x + (red + down_b)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from graphpass import meta
+from graphpass.pass_manager import PassContext, graph_pass
+from graphpass.passes import collectives
+from graphpass.plan import Plan
+
+log = logging.getLogger(__name__)
+
+NAME = "tensor_parallel"
+AXIS = "tp"
+aten = torch.ops.aten
+R = Replicate()
+P = Partial()
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    val = node.meta.get(meta.VAL) if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _nodes_needing_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on a trainable parameter (captured fake values do not record
+    ``requires_grad``, so it is derived from the dataflow)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and meta.get(node, meta.ATTR_KIND, None) == "parameter":
+            module_path, _, name = node.target.rpartition(".")
+            if getattr(gm.get_submodule(module_path), name).requires_grad:
+                out.add(node)
+        elif node.op == "call_function" and any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+class TensorParallelError(ValueError):
+    """A model/plan combination tensor parallelism cannot shard (names module and sizes)."""
+
+
+class _Walker:
+    """Visits the graph once, assigning placements and rewriting nodes (one instance per pass)."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, size: int, rank: int):
+        self.gm, self.graph, self.plan = gm, gm.graph, plan
+        self.size, self.rank = size, rank
+        self.sp = plan.sequence_parallel
+        self.place: dict[fx.Node, Any] = {}  # Placement, or a list of them for tuple outputs
+        self.gshape: dict[fx.Node, tuple[int, ...]] = {}  # global shapes (captured meta)
+        self.cache: dict[tuple, fx.Node] = {}
+        self.warned: set[str] = set()
+        self.needs_grad = _nodes_needing_grad(gm)
+        for node in self.graph.nodes:
+            shape = _shape(node)
+            if shape is not None:
+                self.gshape[node] = shape
+
+    # ------------------------------------------------------------------ helpers
+
+    def where(self, node: fx.Node) -> str:
+        path = node.meta.get(meta.MODULE_PATH) or "<root>"
+        return f"node {node.name!r} (module {path})"
+
+    def placement(self, value: Any) -> Placement:
+        if isinstance(value, fx.Node):
+            p = self.place.get(value, R)
+            return R if isinstance(p, list) else p
+        return R
+
+    def ndim(self, node: fx.Node) -> int:
+        return len(self.gshape.get(node, ()))
+
+    def redistribute(self, value: fx.Node, dst: Placement, user: fx.Node, grad: str = "slice") -> fx.Node:
+        """``value`` converted to ``dst`` (cached per value/target), inserted before ``user``."""
+        src = self.placement(value)
+        if src == dst:
+            return value
+        key = (value, str(dst), grad)
+        if key in self.cache:
+            return self.cache[key]
+        node = collectives.emit_tp_redistribute(
+            self.gm, value, src, dst, AXIS, self.size, before=user, grad=grad, created_by=NAME
+        )
+        self.place[node] = dst
+        self.gshape[node] = self.gshape.get(value, ())
+        self.cache[key] = node
+        return node
+
+    def copy_for_sharded_use(self, value: fx.Node, user: fx.Node) -> fx.Node:
+        """A replicated activation feeding sharded compute: its gradient is partial (Megatron f)."""
+        if value not in self.needs_grad or value.op == "get_attr":
+            return value
+        key = (value, "copy")
+        if key not in self.cache:
+            node = collectives.emit_tp_copy(self.gm, value, AXIS, self.size, before=user, created_by=NAME)
+            self.place[node] = R
+            self.gshape[node] = self.gshape.get(value, ())
+            self.cache[key] = node
+        return self.cache[key]
+
+    def mark_partial_grad(self, param: Any) -> None:
+        if isinstance(param, fx.Node) and param.op == "get_attr" and meta.get(param, meta.ATTR_KIND) == "parameter":
+            param.meta[meta.GRAD_PARTIAL] = AXIS
+
+    def set_arg(self, node: fx.Node, index: int, value: Any) -> None:
+        args = list(node.args)
+        args[index] = value
+        node.args = tuple(args)
+
+    def warn_once(self, node: fx.Node) -> None:
+        name = str(node.target)
+        if name not in self.warned:
+            self.warned.add(name)
+            log.warning(
+                "%s: no tensor-parallel rule for %s (first at %s); its inputs are replicated",
+                NAME, name, self.where(node),
+            )
+
+    def to_replicate_all(self, node: fx.Node) -> Placement:
+        for i, arg in enumerate(node.args):
+            if isinstance(arg, fx.Node) and arg in self.place:
+                self.set_arg(node, i, self.redistribute(arg, R, node))
+            elif isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg):
+                self.set_arg(node, i, type(arg)(
+                    self.redistribute(a, R, node) if isinstance(a, fx.Node) and a in self.place else a for a in arg
+                ))
+        for key, arg in list(node.kwargs.items()):
+            if isinstance(arg, fx.Node) and arg in self.place:
+                node.update_kwarg(key, self.redistribute(arg, R, node))
+        return R
+
+    # ------------------------------------------------------------------ walk
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node.op == "placeholder":
+                self.place[node] = R
+            elif node.op == "get_attr":
+                self.place[node] = self.shard_attribute(node)
+            elif node.op == "call_function":
+                if node.meta.get(meta.CREATED_BY) == NAME:
+                    continue
+                self.place[node] = self.visit(node)
+            elif node.op == "output":
+                loss = node.args[0][meta.get(node, meta.ROLE)["loss"]]
+                if self.placement(loss) != R:
+                    fixed = self.redistribute(loss, R, node)
+                    node.args = (tuple(fixed if v is loss else v for v in node.args[0]),)
+
+    def shard_attribute(self, node: fx.Node) -> Placement:
+        if meta.get(node, meta.ATTR_KIND, None) == "module":
+            return R
+        placement = self.plan.placement(node.name, AXIS)
+        if not isinstance(placement, Shard):
+            return R
+        module_path, _, attr = node.target.rpartition(".")
+        owner = self.gm.get_submodule(module_path)
+        full = getattr(owner, attr)
+        dim = placement.dim % full.dim()
+        if full.shape[dim] % self.size:
+            raise TensorParallelError(
+                f"tensor parallel tp={self.size} does not divide dim {dim} (size {full.shape[dim]}) of "
+                f"{node.target!r} (module {module_path}, shape {tuple(full.shape)}); choose tp dividing "
+                f"{full.shape[dim]} or leave this parameter replicated"
+            )
+        local = full.detach().chunk(self.size, dim=dim)[self.rank].clone()
+        if isinstance(full, nn.Parameter):
+            local = nn.Parameter(local, requires_grad=full.requires_grad)
+            setattr(owner, attr, local)
+        else:
+            owner.register_buffer(attr, local)
+        node.meta[meta.TP_SHARD] = {"axis": AXIS, "dim": dim, "shape": list(full.shape)}
+        node.meta[meta.PLACEMENT] = {**node.meta.get(meta.PLACEMENT, {}), AXIS: f"Shard({dim})"}
+        return Shard(dim)
+
+    def visit(self, node: fx.Node) -> Any:
+        target = node.target
+        rule = RULES.get(target)
+        if rule is None and isinstance(target, torch._ops.OpOverload):
+            rule = RULES.get(target.overloadpacket)
+        tensor_args = [a for a in node.all_input_nodes if a in self.place]
+        if rule is None:
+            if not tensor_args or all(self.placement(a) == R for a in tensor_args):
+                return R
+            if target is operator.getitem:
+                return self.getitem(node)
+            self.warn_once(node)
+            return self.to_replicate_all(node)
+        return rule(self, node)
+
+    def getitem(self, node: fx.Node) -> Placement:
+        source, index = node.args
+        place = self.place.get(source, R)
+        return place[index] if isinstance(place, list) else place
+
+
+RULES: dict[Any, Callable[[_Walker, fx.Node], Any]] = {}
+
+
+def rule(*targets: Any):
+    """Register a placement rule for the given aten ops (overloads or packets)."""
+
+    def wrap(fn):
+        for t in targets:
+            RULES[t] = fn
+        return fn
+
+    return wrap
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else dim
+
+
+# ---------------------------------------------------------------------- rules: compute
+
+
+@rule(aten.linear.default)
+def _linear(w: _Walker, node: fx.Node) -> Placement:
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    wp, xp = w.placement(weight), w.placement(x)
+    last = w.ndim(x) - 1
+    if wp == Shard(0):  # column parallel
+        if isinstance(xp, Shard):
+            new_x = w.redistribute(x, R, node, grad="reduce_scatter")
+        else:
+            new_x = w.copy_for_sharded_use(w.redistribute(x, R, node), node)
+        w.set_arg(node, 0, new_x)
+        if bias is not None and w.placement(bias) == R:
+            w.set_arg(node, 2, w.redistribute(bias, Shard(0), node))
+        return Shard(last)
+    if wp == Shard(1):  # row parallel: partial sums; the bias is added after the reduction
+        w.set_arg(node, 0, w.redistribute(x, Shard(last), node))
+        if bias is not None:
+            node.args = tuple(node.args[:2])
+            node.kwargs = {}
+            with w.graph.inserting_after(node):
+                add = w.graph.call_function(aten.add.Tensor, (node, bias))
+            meta.copy_meta(node, add)
+            add.meta[meta.VAL] = node.meta.get(meta.VAL)
+            node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+            w.gshape[add] = w.gshape.get(node, ())
+            w.place[node] = P
+            w.place[add] = _binary(w, add)
+        return P
+    # Replicated weight: sharding of the batch/sequence dims passes through.
+    if isinstance(xp, Shard) and xp.dim == last:
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+        xp = R
+    if xp == P and bias is not None:
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+        xp = R
+    if xp != R:
+        w.mark_partial_grad(weight)
+        if bias is not None:
+            w.mark_partial_grad(bias)
+    return xp
+
+
+@rule(aten.embedding.default)
+def _embedding(w: _Walker, node: fx.Node) -> Placement:
+    weight, idx = node.args[0], node.args[1]
+    wp = w.placement(weight)
+    if wp == Shard(0):  # vocabulary parallel: look up local rows, zero the others
+        idx = w.redistribute(idx, R, node)
+        rows = w.gshape[weight][0] // w.size
+        start, stop = w.rank * rows, (w.rank + 1) * rows
+        g = w.graph
+
+        def local_op(target, *args):
+            new = g.call_function(target, args)
+            meta.copy_meta(node, new)
+            new.meta[meta.CREATED_BY] = NAME
+            w.place[new] = R
+            return new
+
+        with g.inserting_before(node):
+            below = local_op(aten.lt.Scalar, idx, start)
+            above = local_op(aten.ge.Scalar, idx, stop)
+            outside = local_op(aten.logical_or.default, below, above)
+            shifted = local_op(aten.sub.Tensor, idx, start)
+            local_idx = local_op(aten.where.ScalarSelf, outside, 0, shifted)  # outside ? 0 : idx - start
+        w.set_arg(node, 1, local_idx)
+        padding = node.args[2] if len(node.args) > 2 else -1
+        if padding is not None and padding >= 0:  # padding_idx is a global row: local or none
+            w.set_arg(node, 2, padding - start if start <= padding < stop else -1)
+        with g.inserting_before(node.next):  # in order, right after the lookup
+            inside = local_op(aten.logical_not.default, outside)
+            keep = local_op(aten.unsqueeze.default, inside, -1)
+            masked = local_op(aten.mul.Tensor, node, keep)
+        node.replace_all_uses_with(masked, delete_user_cb=lambda u: u is not masked)
+        w.gshape[masked] = w.gshape.get(node, ())
+        w.place[node] = P
+        w.place[masked] = P
+        return P
+    if wp == Shard(1):
+        return Shard(w.ndim(node) - 1)
+    ip = w.placement(idx)
+    if ip != R:
+        w.mark_partial_grad(weight)
+    return ip
+
+
+@rule(aten.cross_entropy_loss.default)
+def _cross_entropy(w: _Walker, node: fx.Node) -> Placement:
+    logits, target = node.args[0], node.args[1]
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight, reduction, ignore_index, smoothing = args[2], args[3], args[4], args[5]
+    reduction = 1 if reduction is None else reduction
+    ignore_index = -100 if ignore_index is None else ignore_index
+    lp = w.placement(logits)
+    vocab_dim = w.ndim(logits) - 1
+    if lp == Shard(vocab_dim) and w.ndim(logits) == 2 and weight is None and reduction == 1 and not smoothing:
+        target = w.redistribute(target, R, node)
+        rows = w.gshape[logits][1] // w.size
+        with w.graph.inserting_before(node):
+            new = collectives.emit_vocab_parallel_cross_entropy(
+                w.gm, logits, target, AXIS, w.size, w.rank * rows, ignore_index, created_by=NAME
+            )
+        meta.copy_meta(node, new)
+        node.replace_all_uses_with(new)
+        w.graph.erase_node(node)
+        w.place[new] = R
+        return R
+    return w.to_replicate_all(node)
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def _attention(w: _Walker, node: fx.Node) -> Placement:
+    q, k, v = node.args[:3]
+    places = [w.placement(t) for t in (q, k, v)]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if all(p == Shard(1) for p in places):  # heads split across ranks
+        if isinstance(mask, fx.Node) and len(w.gshape.get(mask, ())) == 4 and w.gshape[mask][1] != 1:
+            local_mask = w.redistribute(mask, Shard(1), node)  # a per-head mask: keep our heads
+            if len(node.args) > 3:
+                w.set_arg(node, 3, local_mask)
+            else:
+                node.update_kwarg("attn_mask", local_mask)
+        return Shard(1)
+    return w.to_replicate_all(node)
+
+
+@rule(aten.layer_norm.default)
+def _layer_norm(w: _Walker, node: fx.Node) -> Placement:
+    x, normalized = node.args[0], node.args[1]
+    xp = w.placement(x)
+    if isinstance(xp, Shard) and xp.dim < w.ndim(x) - len(normalized):
+        for param in node.args[2:4]:
+            w.mark_partial_grad(param)
+        return xp
+    w.set_arg(node, 0, w.redistribute(x, R, node))
+    return R
+
+
+# ---------------------------------------------------------------------- rules: elementwise
+
+_LINEAR_UNARY = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy,
+                 aten.lift_fresh_copy, aten.type_as}
+
+
+@rule(aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.cos, aten.sin,
+      aten.rsqrt, aten.sqrt, aten.pow.Tensor_Scalar, aten.dropout, aten.neg, aten.clone, aten.contiguous,
+      aten.alias, aten.detach, aten.to, aten._to_copy, aten.lift_fresh_copy, aten.abs, aten.reciprocal,
+      aten.logical_not, aten.bitwise_not, aten.erf, aten.softmax.int, aten.log_softmax.int)
+def _unary(w: _Walker, node: fx.Node) -> Placement:
+    x = node.args[0]
+    xp = w.placement(x)
+    packet = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else node.target
+    if xp == P and packet not in _LINEAR_UNARY:
+        # Sequence parallel: materialise partial sums as sequence shards (reduce-scatter).
+        dst = Shard(1) if w.sp and w.ndim(x) >= 3 else R
+        w.set_arg(node, 0, w.redistribute(x, dst, node))
+        return dst
+    if packet in (aten.softmax, aten.log_softmax) and isinstance(xp, Shard) and xp.dim == _norm_dim(node.args[1], w.ndim(x)):
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+        return R
+    return xp
+
+
+def _binary(w: _Walker, node: fx.Node) -> Placement:
+    out_nd = len(w.gshape.get(node, ()))
+    operands = [(i, a) for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a in w.place]
+    if not operands:
+        return R
+    packet = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else None
+    additive = packet in (aten.add, aten.sub)
+    places = {i: w.placement(a) for i, a in operands}
+    partial = [i for i, p in places.items() if p == P]
+    if partial:
+        others = [i for i in places if i not in partial]
+        if additive and not others:
+            return P
+        # A partial sum meets another value: reduce it (to the other's shard if it has one).
+        target = R
+        sharded = [places[i] for i in others if isinstance(places[i], Shard)]
+        if sharded:
+            target = _to_out(sharded[0], w.ndim(node.args[others[0]]), out_nd)
+        elif additive and w.sp and out_nd >= 3:
+            target = Shard(1)  # sequence parallel: reduce-scatter along the sequence
+        for i in partial:
+            arg = node.args[i]
+            dst = _to_in(target, w.ndim(arg), out_nd) if isinstance(target, Shard) else R
+            w.set_arg(node, i, w.redistribute(arg, dst, node))
+            places[i] = dst
+    shards = {_to_out(p, w.ndim(node.args[i]), out_nd) for i, p in places.items() if isinstance(p, Shard)}
+    if not shards:
+        return R
+    if len(shards) > 1:
+        for i, _ in operands:
+            w.set_arg(node, i, w.redistribute(node.args[i], R, node))
+        return R
+    (out_shard,) = shards
+    for i, arg in operands:
+        if isinstance(places[i], Shard):
+            continue
+        nd = w.ndim(arg)
+        in_dim = out_shard.dim - (out_nd - nd)
+        if in_dim >= 0 and w.gshape[arg][in_dim] != 1:
+            w.set_arg(node, i, w.redistribute(arg, Shard(in_dim), node))  # local chunk, no traffic
+        elif arg.op == "get_attr":
+            w.mark_partial_grad(arg)  # broadcast against shards: each rank has part of its grad
+        else:
+            w.set_arg(node, i, w.copy_for_sharded_use(arg, node))
+    return out_shard
+
+
+def _to_out(p: Shard, in_nd: int, out_nd: int) -> Shard:
+    return Shard(p.dim + (out_nd - in_nd))
+
+
+def _to_in(p: Shard, in_nd: int, out_nd: int) -> Shard:
+    return Shard(p.dim - (out_nd - in_nd))
+
+
+for _op in (aten.add, aten.sub, aten.mul, aten.div, aten.where, aten.eq, aten.ne, aten.lt, aten.le, aten.gt,
+            aten.ge, aten.logical_and, aten.logical_or, aten.maximum, aten.minimum, aten.masked_fill, aten.rsub):
+    RULES[_op] = _binary
+
+
+# ---------------------------------------------------------------------- rules: shapes
+
+
+def _view_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> tuple[int, str] | None:
+    """Where input dim ``dim`` lands in a view: (output dim, "split"|"merge"|"same") when it is the
+    leading factor of its group, else None (the shard cannot stay local)."""
+    before = math.prod(in_shape[:dim])
+    acc, o = 1, 0
+    while o < len(out_shape) and acc < before:
+        acc *= out_shape[o]
+        o += 1
+    if acc != before or o >= len(out_shape):
+        return None
+    if out_shape[o] == in_shape[dim]:
+        return o, "same"
+    if out_shape[o] < in_shape[dim] and in_shape[dim] % out_shape[o] == 0:
+        return o, "split"
+    if out_shape[o] > in_shape[dim] and out_shape[o] % in_shape[dim] == 0:
+        return o, "merge"
+    return None
+
+
+@rule(aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.flatten, aten.unflatten)
+def _view(w: _Walker, node: fx.Node) -> Placement:
+    x = node.args[0]
+    xp = w.placement(x)
+    if not isinstance(xp, Shard):
+        return xp
+    in_shape, out_shape = w.gshape[x], w.gshape[node]
+    packet = node.target.overloadpacket
+    if packet is aten.expand:
+        sizes = list(node.args[1])
+        offset = len(sizes) - len(in_shape)
+        if sizes[xp.dim + offset] != -1:
+            sizes[xp.dim + offset] //= w.size
+            w.set_arg(node, 1, sizes)
+        return Shard(xp.dim + offset)
+    found = _view_map(in_shape, out_shape, xp.dim)
+    if found is None or out_shape[found[0]] % w.size:
+        if found is not None:
+            raise TensorParallelError(
+                f"tensor parallel tp={w.size} cannot split {w.where(node)}: its view {list(in_shape)} -> "
+                f"{list(out_shape)} makes the sharded size {out_shape[found[0]]}, not divisible by {w.size} "
+                "(e.g. the number of attention heads); choose tp dividing it"
+            )
+        log.warning("%s: %s reshapes a sharded dim non-locally; gathering it", NAME, w.where(node))
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+        return R
+    out_dim, _ = found
+    if packet in (aten.view, aten.reshape, aten._unsafe_view):
+        sizes = list(node.args[1])
+        if sizes[out_dim] != -1:
+            sizes[out_dim] //= w.size
+            w.set_arg(node, 1, sizes)
+    elif packet is aten.unflatten:
+        dim, sizes = _norm_dim(node.args[1], len(in_shape)), list(node.args[2])
+        if out_dim >= dim and out_dim < dim + len(sizes) and sizes[out_dim - dim] != -1:
+            sizes[out_dim - dim] //= w.size
+            w.set_arg(node, 2, sizes)
+    return Shard(out_dim)
+
+
+@rule(aten.transpose.int)
+def _transpose(w: _Walker, node: fx.Node) -> Placement:
+    xp = w.placement(node.args[0])
+    if not isinstance(xp, Shard):
+        return xp
+    nd = w.ndim(node.args[0])
+    a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+    return Shard(b if xp.dim == a else a if xp.dim == b else xp.dim)
+
+
+@rule(aten.t.default)
+def _t(w: _Walker, node: fx.Node) -> Placement:
+    xp = w.placement(node.args[0])
+    return Shard(1 - xp.dim) if isinstance(xp, Shard) and w.ndim(node.args[0]) == 2 else xp
+
+
+@rule(aten.permute.default)
+def _permute(w: _Walker, node: fx.Node) -> Placement:
+    xp = w.placement(node.args[0])
+    if not isinstance(xp, Shard):
+        return xp
+    dims = [_norm_dim(d, w.ndim(node.args[0])) for d in node.args[1]]
+    return Shard(dims.index(xp.dim))
+
+
+@rule(aten.unsqueeze.default)
+def _unsqueeze(w: _Walker, node: fx.Node) -> Placement:
+    xp = w.placement(node.args[0])
+    if not isinstance(xp, Shard):
+        return xp
+    dim = _norm_dim(node.args[1], w.ndim(node))
+    return Shard(xp.dim + 1 if xp.dim >= dim else xp.dim)
+
+
+@rule(aten.squeeze.dim, aten.select.int)
+def _drop_dim(w: _Walker, node: fx.Node) -> Placement:
+    x = node.args[0]
+    xp = w.placement(x)
+    if not isinstance(xp, Shard):
+        return xp
+    dim = _norm_dim(node.args[1], w.ndim(x))
+    if xp.dim == dim:
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+        return R
+    if node.target is aten.squeeze.dim and w.gshape[x][dim] != 1:
+        return xp
+    return Shard(xp.dim - 1 if xp.dim > dim else xp.dim)
+
+
+def _slice_dim(node: fx.Node) -> int:
+    """The dim a slicing op cuts: slice/narrow take it second, split/chunk third (default 0)."""
+    if node.target in (aten.slice.Tensor, aten.narrow.default):
+        return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+
+
+@rule(aten.slice.Tensor, aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+def _slice(w: _Walker, node: fx.Node) -> Any:
+    x = node.args[0]
+    xp = w.placement(x)
+    if isinstance(xp, Shard) and _norm_dim(_slice_dim(node), w.ndim(x)) == xp.dim:
+        w.set_arg(node, 0, w.redistribute(x, R, node))  # cutting the sharded dim needs all of it
+        xp = R
+    if node.target in (aten.slice.Tensor, aten.narrow.default):
+        return xp
+    pieces = len(node.meta.get(meta.VAL) or ())
+    return [xp] * pieces
+
+
+@rule(aten.cat.default)
+def _cat(w: _Walker, node: fx.Node) -> Placement:
+    tensors = list(node.args[0])
+    # cat skips legacy empty 1-D tensors (an empty KV cache), so they constrain nothing.
+    real = [t for t in tensors if w.gshape.get(t) != (0,)]
+    nd = w.ndim(real[0]) if real else 1
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    places = {w.placement(t) for t in real}
+    if len(places) == 1:
+        (p,) = places
+        if p == R or p == P or (isinstance(p, Shard) and p.dim != dim):
+            return p
+    w.set_arg(node, 0, [w.redistribute(t, R, node) if t in real else t for t in tensors])
+    return R
+
+
+@rule(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.sum.default, aten.mean.default)
+def _reduce(w: _Walker, node: fx.Node) -> Placement:
+    x = node.args[0]
+    xp = w.placement(x)
+    nd = w.ndim(x)
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(nd))
+    dims = [_norm_dim(d, nd) for d in dims]
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else False
+    packet = node.target.overloadpacket
+    if xp == P:
+        if packet is aten.amax:
+            w.set_arg(node, 0, w.redistribute(x, R, node))
+            return R
+        return P
+    if not isinstance(xp, Shard):
+        return xp
+    if xp.dim in dims:
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+        return R
+    return Shard(xp.dim if keepdim else xp.dim - sum(1 for d in dims if d < xp.dim))
+
+
+@rule(aten._assert_tensor_metadata.default)
+def _assert_metadata(w: _Walker, node: fx.Node) -> Placement:
+    return R  # checks dtype/device/layout only, which sharding keeps
+
+
+@graph_pass(NAME, requires=(), provides=("tensor_parallel",))
+def tensor_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
+    """Shard ``tp`` parameters and rewrite the graph to local, Megatron-style compute."""
+    size = plan.mesh.get(AXIS, 1)
+    if size == 1:
+        log.info("%s: no tp axis of size > 1; nothing to do", NAME)
+        return gm
+    walker = _Walker(gm, plan, size, ctx.axis_rank(dict(plan.mesh), AXIS))
+    walker.run()
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm

@@ -1,0 +1,238 @@
+"""Tensor-parallel collectives (Megatron-LM's conjugate pairs) as graph ops.
+
+Each op takes the mesh ``axis`` and its ``size`` (so that shape propagation works without a
+process group) and carries the backward that makes gradients correct:
+
+==========================  ==========================  ============================================
+op                          forward                     backward
+==========================  ==========================  ============================================
+``tp_copy``  (Megatron f)   identity                    all-reduce: the input fed sharded compute,
+                                                        so its gradient is partial on every rank
+``tp_all_reduce`` (g)       all-reduce (Partial → R)    identity
+``tp_all_gather``           all-gather on ``dim``       slice (``grad="slice"``) or reduce-scatter
+                            (Shard → R)                 (``grad="reduce_scatter"``: the gathered
+                                                        tensor only feeds sharded compute)
+``tp_reduce_scatter``       reduce-scatter on ``dim``   all-gather on ``dim``
+                            (Partial → Shard)
+``tp_scatter``              keep this rank's chunk      all-gather on ``dim``
+                            (R → Shard, no traffic)
+==========================  ==========================  ============================================
+
+``vocab_parallel_cross_entropy`` computes the mean cross-entropy from vocabulary-sharded logits
+without gathering them (Megatron's ``_VocabParallelCrossEntropy``): three all-reduces of
+``[tokens]``-sized vectors in forward, none in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.collectives import _is_fake
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _group(axis: str):
+    return mesh_lib.current().group(axis)
+
+
+def _rank(axis: str) -> int:
+    return mesh_lib.current().axis_rank(axis)
+
+
+def _gather(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    group = _group(axis)
+    if group is None:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    _all_gather_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    group = _group(axis)
+    if group is None:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    _reduce_scatter_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    group = _group(axis)
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def _chunk(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    return x.chunk(size, dim=dim)[_rank(axis)].contiguous()
+
+
+def _resized(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = int(shape[dim] * factor)
+    return x.new_empty(shape)
+
+
+def gather_tp_parameters(shards: list[torch.Tensor], dims: list[int], axis: str) -> list[torch.Tensor]:
+    """Full tensors of tensor-parallel shards (a collective over ``axis``: every rank calls it)."""
+    mesh = mesh_lib.current()
+    size = mesh.axis_size(axis)
+    return [_gather(s.detach(), axis, size, d) for s, d in zip(shards, dims)]
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.axis), None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, size, dim, grad_mode):
+        ctx.axis, ctx.size, ctx.dim, ctx.grad_mode = axis, size, dim, grad_mode
+        return _gather(x, axis, size, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_mode == "reduce_scatter":
+            return _reduce_scatter(grad, ctx.axis, ctx.size, ctx.dim), None, None, None, None
+        return _chunk(grad, ctx.axis, ctx.size, ctx.dim), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, size, dim):
+        ctx.axis, ctx.size, ctx.dim = axis, size, dim
+        return _reduce_scatter(x, axis, size, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.axis, ctx.size, ctx.dim), None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, size, dim):
+        ctx.axis, ctx.size, ctx.dim = axis, size, dim
+        return _chunk(x, axis, size, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.axis, ctx.size, ctx.dim), None, None, None
+
+
+def tp_copy(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    """Identity; the gradient is all-reduced over ``axis`` (Megatron's f)."""
+    if _is_fake(x):
+        return x.view_as(x)
+    return _Copy.apply(x, axis)
+
+
+def tp_all_reduce(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    """Sum of the partial values over ``axis`` (Partial → Replicate); identity backward."""
+    if _is_fake(x):
+        return x.clone()
+    return _AllReduce.apply(x, axis)
+
+
+def tp_all_gather(x: torch.Tensor, axis: str, size: int, dim: int, grad: str = "slice") -> torch.Tensor:
+    """Concatenate the shards of ``dim`` over ``axis`` (Shard(dim) → Replicate)."""
+    if grad not in ("slice", "reduce_scatter"):
+        raise ValueError(f"tp_all_gather grad must be 'slice' or 'reduce_scatter', got {grad!r}")
+    if _is_fake(x):
+        return _resized(x, dim, size)
+    return _AllGather.apply(x, axis, size, dim, grad)
+
+
+def tp_reduce_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    """Sum the partial values and keep this rank's chunk of ``dim`` (Partial → Shard(dim))."""
+    if _is_fake(x):
+        return _resized(x, dim, 1 / size)
+    return _ReduceScatter.apply(x, axis, size, dim)
+
+
+def tp_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``dim`` of a replicated tensor (Replicate → Shard(dim), no traffic)."""
+    if _is_fake(x):
+        return _resized(x, dim, 1 / size)
+    return _Scatter.apply(x, axis, size, dim)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, axis, vocab_start, ignore_index):
+        group = _group(axis)
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        vocab_local = logits.shape[-1]
+        in_range = (target >= vocab_start) & (target < vocab_start + vocab_local)
+        local_target = torch.where(in_range, target - vocab_start, torch.zeros_like(target))
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = torch.where(in_range, target_logit, torch.zeros_like(target_logit))
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if group is not None:
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, group=group)
+            target_logit, sum_exp = both[0], both[1]
+        valid = target != ignore_index
+        count = valid.sum().clamp(min=1)
+        losses = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(sum_exp))
+        ctx.save_for_backward(exp, sum_exp, local_target, in_range, valid)
+        ctx.count = count
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local_target, in_range, valid = ctx.saved_tensors
+        softmax = exp / sum_exp.unsqueeze(-1)
+        onehot = torch.zeros_like(softmax).scatter_(-1, local_target.unsqueeze(-1), 1.0)
+        onehot = onehot * in_range.unsqueeze(-1)
+        scale = (grad / ctx.count) * valid.unsqueeze(-1)
+        return (softmax - onehot) * scale, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, axis: str, size: int, vocab_start: int, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored targets from logits sharded on the last (vocab) dim.
+
+    Args:
+        logits: ``[tokens, vocab / size]``, this rank's vocabulary slice starting at ``vocab_start``.
+        target: ``[tokens]`` global class indices.
+    """
+    if _is_fake(logits):
+        return logits.new_empty((), dtype=torch.float32)
+    out = _VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, ignore_index)
+    return out.to(logits.dtype)
+
+
+TP_OPS: tuple[Any, ...] = (tp_copy, tp_all_reduce, tp_all_gather, tp_reduce_scatter, tp_scatter, vocab_parallel_cross_entropy)
