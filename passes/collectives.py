@@ -217,6 +217,9 @@ def emit_param_all_gather(
     for index, group in enumerate(gather_groups(params, bucket_cap_bytes, order)):
         shapes = tuple(tuple(p.meta[meta.SHARD]["shape"]) for p in group)
         kwargs = {"axis": axis, "shapes": shapes, "stage": stage, "group": index}
+        partial = tuple(p.meta.get(meta.GRAD_PARTIAL) for p in group)
+        if any(partial):  # e.g. norm weights under sequence parallelism: summed over tp first
+            kwargs["partial"] = partial
         nodes.append(_insert_group(gm, ops.all_gather_params, group, (begin,), kwargs, axis, "Shard(0)", created_by))
     return nodes
 

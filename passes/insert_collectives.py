@@ -63,12 +63,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
         zero_sharded = n.meta.get(meta.SHARD, {}).get("axis") == batch and batch is not None
         partial = n.meta.get(meta.GRAD_PARTIAL)
         if zero_sharded:
-            if partial:
-                raise NotImplementedError(
-                    f"{NAME}: {n.target!r} is ZeRO-sharded over {batch!r} and has a partial gradient over "
-                    f"{partial!r} (sequence parallel); leave it out of Plan.zero"
-                )
-            continue  # shard_parameters reduce-scatters its gradient
+            continue  # shard_parameters reduces its gradient (summing partial axes first)
         group = ([batch] if batch and plan.placement(n.name, batch) == Replicate() else []) + ([partial] if partial else [])
         if group:
             by_axes.setdefault(",".join(group), []).append(n)

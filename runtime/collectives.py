@@ -47,10 +47,24 @@ class GradSync:
     each parameter's ``.grad``.
     """
 
+    #: Reductions allowed in flight at once. An async collective keeps its input alive until it
+    #: is waited on; ZeRO's reduce-scatter inputs are full-size gradient buffers, so without a
+    #: cap every layer's would be alive at the end of backward (measured: +128 MiB, the whole
+    #: model, on a 33.6M-parameter MLP with ZeRO-3 on 2 ranks). FSDP2 caps this the same way.
+    MAX_IN_FLIGHT = 2
+
     def __init__(self, axis: str, token: torch.Tensor):
         self.axis = axis
         self.token = token
-        self.pending: list[tuple[Any, torch.Tensor, tuple[torch.Tensor, ...]]] = []
+        self.pending: list[list[Any]] = []  # [work or None once waited, output, params]
+
+    def add(self, work: Any, out: torch.Tensor, params: tuple[torch.Tensor, ...]) -> None:
+        """Register an in-flight reduction whose ``out`` holds ``params``' gradients (flat)."""
+        self.pending.append([work, out, params])
+        in_flight = [entry for entry in self.pending if entry[0] is not None]
+        for entry in in_flight[: -self.MAX_IN_FLIGHT]:
+            entry[0].wait()
+            entry[0] = None  # drop the work object, and with it the reduction's input buffer
 
     def finish(self) -> None:
         """Wait for every bucket's all-reduce and accumulate the results into ``.grad``."""
@@ -166,7 +180,7 @@ class _AllReduceGrads(torch.autograd.Function):
             # split evenly); sum over tensor-parallel axes (partial gradients): ``ctx.scale``.
             flat.mul_(ctx.scale if ctx.scale is not None else 1.0 / mesh.axis_size(sync.axis))
             work = dist.all_reduce(flat, group=group, async_op=True)
-        sync.pending.append((work, flat, params))
+        sync.add(work, flat, params)
         token_grad = torch.zeros((), dtype=torch.float32)
         return (token_grad, None, None) + (None,) * len(params)
 

@@ -330,11 +330,11 @@ class _RowOfAllReduce:
 
 class _AllGatherParams(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token, sync: GradSync, shapes, stage: int, *shards: torch.Tensor):
+    def forward(ctx, token, sync: GradSync, shapes, stage: int, partial, *shards: torch.Tensor):
         mesh = mesh_lib.current()
         group = mesh.group(sync.axis)
         num = mesh.axis_size(sync.axis)
-        ctx.sync, ctx.shapes, ctx.stage, ctx.num = sync, shapes, stage, num
+        ctx.sync, ctx.shapes, ctx.stage, ctx.num, ctx.partial = sync, shapes, stage, num, partial
         ctx.shards = shards  # leaves: referencing them keeps nothing extra alive
         return tuple(_unpack_full(_forward_gather(sync, shards, group, num), shards, shapes))
 
@@ -344,6 +344,7 @@ class _AllGatherParams(torch.autograd.Function):
         shards, num = ctx.shards, ctx.num
         mesh = mesh_lib.current()
         group = mesh.group(sync.axis)
+        grads = _sum_partial_grads(grads, ctx.partial, mesh)
         buffer = _rank_major_grads(grads, shards, ctx.shapes, num)
         if ctx.stage == 1:
             all_reduce = dist.all_reduce(buffer, group=group, async_op=True)
@@ -352,12 +353,38 @@ class _AllGatherParams(torch.autograd.Function):
         else:
             out = buffer.new_empty(buffer.shape[1])
             work = _reduce_scatter_flat(out, buffer.view(-1), group=group, async_op=True)
-        sync.pending.append((work, out, shards))
-        return (torch.zeros(()), None, None, None) + (None,) * len(shards)
+        sync.add(work, out, shards)
+        return (torch.zeros(()), None, None, None, None) + (None,) * len(shards)
+
+
+def _sum_partial_grads(grads: tuple, partial, mesh) -> tuple:
+    """Sum over their axis the gradients that are partial there (a norm weight applied to
+    sequence-parallel shards), in one all-reduce per axis, before the ZeRO reduction over dp."""
+    if not partial or not any(partial):
+        return grads
+    grads = list(grads)
+    for axis in sorted({a for a in partial if a}):
+        index = [i for i, a in enumerate(partial) if a == axis and grads[i] is not None]
+        group = mesh.group(axis)
+        if not index or group is None:
+            continue
+        flat = torch.cat([grads[i].reshape(-1) for i in index])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for i in index:
+            grads[i] = flat[offset : offset + grads[i].numel()].view_as(grads[i])
+            offset += grads[i].numel()
+    return tuple(grads)
 
 
 def all_gather_params(
-    sync: GradSync, *shards: torch.Tensor, axis: str, shapes: Sequence[Sequence[int]], stage: int, group: int = 0
+    sync: GradSync,
+    *shards: torch.Tensor,
+    axis: str,
+    shapes: Sequence[Sequence[int]],
+    stage: int,
+    group: int = 0,
+    partial: Sequence[str | None] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Full parameters from their ZeRO shards over ``axis`` (see the module docstring).
 
@@ -368,12 +395,15 @@ def all_gather_params(
         shapes: the full shape of each parameter.
         stage: ZeRO stage 1, 2 or 3 of the whole group.
         group: index of the gather group (for dumps).
+        partial: per parameter, the mesh axis over which its gradient is a partial sum (summed
+            there before the ZeRO reduction), or None.
     """
     if any(_is_fake(s) for s in shards):
         return tuple(s.new_empty(tuple(shape)) for s, shape in zip(shards, shapes))
     if not torch.is_grad_enabled():
         return tuple(gather_full_parameters(shards, shapes, axis))
-    full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, *shards)
+    partial = tuple(partial) if partial else None
+    full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, partial, *shards)
     if stage == 3 and _ACTIVE_REGISTRIES:
         state = _Stage3Group(shards, shapes, axis, mesh_lib.current())
         for index, tensor in enumerate(full):
