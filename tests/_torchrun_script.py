@@ -29,13 +29,7 @@ def compile_and_train():
     model = zoo.build("gpt")
     data = zoo.batches("gpt", 2, 4)
     dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0])
-    opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for batch in data:
-        losses.append(dmodel.train_step(*batch).item())
-        opt.step()
-        opt.zero_grad()
-    return dmodel.plan.mesh["dp"], losses
+    return dmodel.plan.mesh["dp"], zoo.train_compiled(dmodel, data)
 
 
 if __name__ == "__main__":

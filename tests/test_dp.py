@@ -20,18 +20,14 @@ import zoo
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _train_dp(name: str, steps: int, batch: int, lr: float = 0.05):
+def _train_dp(name: str, steps: int, batch: int):
     model = zoo.build(name)
     data = zoo.batches(name, steps, batch)
     dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy="auto")
-    opt = torch.optim.SGD(dmodel.parameters(), lr=lr, momentum=0.9)
-    losses, first_grads = [], None
-    for b in data:
-        losses.append(dmodel.train_step(*b).item())
-        if first_grads is None:
-            first_grads = {k: p.grad.clone() for k, p in dmodel.named_parameters()}
-        opt.step()
-        opt.zero_grad()
+    first_grads = {}
+    losses = zoo.train_compiled(
+        dmodel, data, on_first_step=lambda m: first_grads.update({k: p.grad.clone() for k, p in m.named_parameters()})
+    )
     return losses, dmodel.full_state_dict(), first_grads
 
 
@@ -43,17 +39,9 @@ def test_data_parallel_matches_one_process(rank_pool, world_size):
         ref_losses, ref_state, ref_grads = zoo.train_reference(name, steps=3, batch=8)
         results = pool.run(_train_dp, name, 3, 8, timeout_s=300)
         for rank, (losses, state, grads) in enumerate(results):
-            where = f"{name} rank {rank}/{world_size}"
-            torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"{where} loss: {m}")
-            assert list(state) == list(ref_state), where
-            for key in ref_state:
-                torch.testing.assert_close(
-                    state[key], ref_state[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}"
-                )
-            for key in grads:
-                torch.testing.assert_close(
-                    grads[key], ref_grads[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {key}: {m}"
-                )
+            zoo.assert_matches_reference(
+                f"{name} rank {rank}/{world_size}", losses, state, ref_losses, ref_state, grads, ref_grads, RTOL, ATOL
+            )
 
 
 class _DataDependent(torch.nn.Module):

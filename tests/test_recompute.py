@@ -301,13 +301,4 @@ def test_data_parallel_with_recompute_matches_one_process(rank_pool, world_size)
         for rank, (num_checkpoints, losses, state, grads) in enumerate(results):
             where = f"{name} rank {rank}/{world_size}"
             assert num_checkpoints == 2, where  # every zoo model here has 2 layers
-            torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"{where} loss: {m}")
-            assert list(state) == list(ref_state), where
-            for key in ref_state:
-                torch.testing.assert_close(
-                    state[key], ref_state[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}"
-                )
-            for key in grads:
-                torch.testing.assert_close(
-                    grads[key], ref_grads[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} grad {key}: {m}"
-                )
+            zoo.assert_matches_reference(where, losses, state, ref_losses, ref_state, grads, ref_grads, RTOL, ATOL)

@@ -134,13 +134,7 @@ def _train(name: str, kwargs: dict, steps: int = 3, batch: int = 8):
         gm = capture(_seeded_cumsum(), data[0]).gm
         strategy = _cumsum_plan(gm, world)
     dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
-    opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for b in data:
-        losses.append(dmodel.train_step(*b).item())
-        opt.step()
-        opt.zero_grad()
-    return losses, dmodel.full_state_dict()
+    return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
 
 
 def _seeded_cumsum() -> nn.Module:
@@ -166,12 +160,7 @@ def _reference(name: str):
 def _check(results, where, ref):
     ref_losses, ref_state = ref
     for rank, (losses, state) in enumerate(results):
-        torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"{where} rank {rank} loss: {m}")
-        assert list(state) == list(ref_state)
-        for key in ref_state:
-            torch.testing.assert_close(
-                state[key], ref_state[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} rank {rank} {key}: {m}"
-            )
+        zoo.assert_matches_reference(f"{where} rank {rank}", losses, state, ref_losses, ref_state, rtol=RTOL, atol=ATOL)
 
 
 CASES = {

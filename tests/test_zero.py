@@ -36,25 +36,14 @@ def _train(name: str, strategy_kwargs: dict, steps: int = 3, batch: int = 8, pla
         gm = capture(model, tuple(t[: batch // world] for t in data[0])).gm
         strategy = plan_edit(plan_from_strategy(gm, strategy, ["test"]))
     dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
-    opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for b in data:
-        losses.append(dmodel.train_step(*b).item())
-        opt.step()
-        opt.zero_grad()
+    losses = zoo.train_compiled(dmodel, data)
     return losses, dmodel.full_state_dict(), sum(p.numel() for p in dmodel.parameters())
 
 
 def _check(results, name, ref):
     ref_losses, ref_state, _ = ref
     for rank, (losses, state, _) in enumerate(results):
-        where = f"{name} rank {rank}"
-        torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0, msg=lambda m: f"{where} loss: {m}")
-        assert list(state) == list(ref_state)
-        for key in ref_state:
-            torch.testing.assert_close(
-                state[key], ref_state[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{where} {key}: {m}"
-            )
+        zoo.assert_matches_reference(f"{name} rank {rank}", losses, state, ref_losses, ref_state, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.timeout(900)

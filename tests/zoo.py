@@ -123,3 +123,34 @@ def train_reference(name: str, steps: int = 3, batch: int = 8, lr: float = 0.05)
         opt.step()
         opt.zero_grad()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, first_grads
+
+
+def train_compiled(dmodel, data, lr: float = 0.05, on_first_step=None) -> list[float]:
+    """Train a compiled model with SGD+momentum (as :func:`train_reference` does); the losses.
+
+    ``on_first_step(dmodel)`` runs after the first backward, before the optimizer step (to read
+    gradients).
+    """
+    opt = torch.optim.SGD(dmodel.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for step, b in enumerate(data):
+        losses.append(dmodel.train_step(*b).item())
+        if step == 0 and on_first_step is not None:
+            on_first_step(dmodel)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def assert_matches_reference(where: str, losses, state, ref_losses, ref_state, grads=None, ref_grads=None,
+                             rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Losses, full state (same keys, same order) and optionally gradients match one process.
+
+    The default tolerances are the parity tests' (see tests/test_dp.py for why).
+    """
+    torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=0, msg=lambda m: f"{where} loss: {m}")
+    assert list(state) == list(ref_state), where
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key], rtol=rtol, atol=atol, msg=lambda m: f"{where} {key}: {m}")
+    for key in grads or {}:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=rtol, atol=atol, msg=lambda m: f"{where} grad {key}: {m}")
