@@ -15,7 +15,8 @@ import sys
 from graphpass.cluster import Cluster, presets
 from graphpass.plan import Plan
 
-_COLLECTIVE_RE = re.compile(r"graphpass_runtime_collectives_(\w+)\(")
+# fx prints a call to graphpass.runtime.<module>.<op> as graphpass_runtime_<module>_<op>(...).
+_COLLECTIVE_RE = re.compile(r"graphpass_runtime_(?:collectives|zero|tensor_parallel)_(\w+)\(")
 
 
 def _presets(_: argparse.Namespace) -> int:
