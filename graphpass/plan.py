@@ -93,9 +93,9 @@ class Strategy:
         for name, used in missing.items():
             if used:
                 raise NotImplementedError(
-                    f"Strategy.{name}={getattr(self, name)!r} is not implemented yet: graphpass "
-                    "currently runs data parallel (dp) with ZeRO stages and recompute; leave "
-                    "this field at its default"
+                    f"Strategy.{name}={getattr(self, name)!r} is not implemented yet: pipeline "
+                    "stages and microbatching come with the partition_stages pass; leave this "
+                    "field at its default (dp, tp, zero, split, sequence_parallel and recompute work)"
                 )
 
 
