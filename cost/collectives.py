@@ -1,0 +1,416 @@
+"""Time of one collective on a `Cluster`: the alpha-beta link model and the ring/tree formulas.
+
+Every link level (inside a node, between nodes) is priced by the alpha-beta model: a message of
+``b`` bytes costs ``alpha + b / B``, with ``alpha`` the per-message latency (``LinkSpec.latency_s``)
+and ``B`` what one GPU sends in one direction (``LinkSpec.bandwidth_gbps``, GB/s). A collective
+over ``n`` ranks is a sequence of such steps; with ``S`` the size of the tensor (defined per
+collective below):
+
+=====================  =====================================  ==========================  ===============
+collective             time                                   bytes each rank sends       ``S`` is
+=====================  =====================================  ==========================  ===============
+all-reduce, ring       ``2(n-1) alpha + 2(n-1)/n * S / B``    ``2(n-1)/n * S``            full tensor
+all-reduce, tree       ``2 ceil(log2 n) alpha + 2 S / B``     ``2 S`` (interior nodes)    full tensor
+all-gather, ring       ``(n-1) alpha + (n-1)/n * S / B``      ``(n-1)/n * S``             gathered output
+reduce-scatter, ring   ``(n-1) alpha + (n-1)/n * S / B``      ``(n-1)/n * S``             full input
+all-to-all (pairwise)  ``(n-1) alpha + (n-1)/n * S / B``      ``(n-1)/n * S``             one rank's send buffer
+send/recv              ``alpha + S / B``                      ``S``                       the message
+=====================  =====================================  ==========================  ===============
+
+and ``n == 1`` costs nothing. Sources: R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of
+Collective Communication Operations in MPICH", IJHPCA 19(1), 2005 (ring all-gather and
+reduce-scatter, ring all-reduce = reduce-scatter + all-gather, binary-tree latency); the NCCL
+documentation and nccl-tests' "bus bandwidth" notes (``busbw = algbw * 2(n-1)/n`` for all-reduce,
+``(n-1)/n`` for all-gather, reduce-scatter and all-to-all), which are the same volumes.
+
+The tree formula is the pipelined (double) binary tree NCCL uses for all-reduce: a reduce up the
+tree and a broadcast down, each ``ceil(log2 n)`` hops deep; with pipelining, the bandwidth term is
+the whole tensor once up and once down (``2 S / B``), independent of ``n``. It beats the ring only
+where latency dominates (small messages, many ranks), never on bandwidth.
+
+**Which link.** Ranks are laid out node-major (rank ``r`` lives on node
+``r // devices_per_node``). A group inside one node runs at the intra-node link. A group that spans
+nodes is priced, flat, at the inter-node link: a ring over several nodes crosses the node boundary,
+and every step waits for its slowest hop, which is the per-GPU inter-node link (one NIC per GPU, as
+in a DGX, so each GPU's ring edge gets the whole link). See `link_for_group`.
+
+**Hierarchical all-reduce.** A group of ``k`` ranks on each of ``m`` nodes (``k > 1``, ``m > 1``)
+can instead reduce-scatter inside each node, all-reduce its ``S / k`` slice with the matching
+rank of every other node, and all-gather inside the node::
+
+    t = RS_intra(S, k) + AR_inter(S / k, m) + AG_intra(S, k)
+
+Only ``S / k`` crosses the slow link, and ``m`` rings run side by side, one per local rank, each on
+its own NIC. ``collective_time(..., algorithm="auto")`` takes the cheaper of this and the flat ring.
+
+**Graph ops.** `OP_KIND` and `op_traffic` name the traffic of every op that the collective emitter
+(`graphpass.passes.collectives`) inserts, forward and backward, so the planner prices exactly the
+nodes the runtime executes. See `op_traffic` for the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from graphpass.cluster import Cluster, LinkSpec
+
+__all__ = [
+    "ALGORITHMS",
+    "KINDS",
+    "OP_KIND",
+    "Link",
+    "all_gather_time",
+    "all_reduce_time",
+    "all_to_all_time",
+    "collective_time",
+    "hierarchical_all_reduce_time",
+    "link_for_group",
+    "op_traffic",
+    "reduce_scatter_time",
+    "ring_volume_bytes",
+    "send_recv_time",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Collective kinds the model prices.
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+#: Values of ``algorithm`` accepted by `collective_time`.
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link level in SI units: the beta and alpha of the alpha-beta model.
+
+    Attributes:
+        bandwidth_bytes_per_s: What one GPU sends in one direction, bytes per second.
+        latency_s: Per-message latency, seconds.
+    """
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0 or not math.isfinite(self.bandwidth_bytes_per_s):
+            raise ValueError(f"Link.bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}")
+        if not self.latency_s >= 0 or not math.isfinite(self.latency_s):
+            raise ValueError(f"Link.latency_s must be >= 0, got {self.latency_s!r}")
+
+    @classmethod
+    def from_spec(cls, spec: LinkSpec) -> Link:
+        """Converts a `LinkSpec` (GB/s = 1e9 bytes/s) to a `Link`."""
+        return cls(bandwidth_bytes_per_s=spec.bandwidth_gbps * 1e9, latency_s=spec.latency_s)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_size(size_bytes: float) -> float:
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, (int, float)) or not size_bytes >= 0:
+        raise ValueError(f"size_bytes must be a number >= 0, got {size_bytes!r}")
+    return float(size_bytes)
+
+
+def _check_num_ranks(num_ranks: int) -> None:
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks <= 0:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {list(KINDS)}")
+
+
+def _nodes_of(cluster: Cluster, group_ranks: Sequence[int]) -> dict[int, int]:
+    """Node index -> number of group ranks on it; checks the ranks."""
+    ranks = list(group_ranks)
+    if not ranks:
+        raise ValueError("group_ranks must name at least one rank")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"group_ranks has repeated ranks: {ranks}")
+    counts: dict[int, int] = {}
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < cluster.world_size:
+            raise ValueError(
+                f"group_ranks: rank {r!r} is not in 0..{cluster.world_size - 1} "
+                f"(cluster of {cluster.world_size} ranks)"
+            )
+        node = r // cluster.devices_per_node
+        counts[node] = counts.get(node, 0) + 1
+    return counts
+
+
+# --------------------------------------------------------------------------- link choice
+
+
+def link_for_group(cluster: Cluster, group_ranks: Sequence[int]) -> Link:
+    """The link a flat ring over ``group_ranks`` runs at.
+
+    Ranks are node-major: rank ``r`` is on node ``r // cluster.devices_per_node``. A group inside
+    one node gets ``cluster.intra_node``; a group that spans nodes gets ``cluster.inter_node``,
+    because every ring step waits for its slowest hop and some hop crosses nodes on the per-GPU
+    inter-node link.
+
+    Raises:
+        ValueError: An empty group, a repeated rank, or a rank outside the cluster.
+    """
+    nodes = _nodes_of(cluster, group_ranks)
+    spec = cluster.intra_node if len(nodes) == 1 else cluster.inter_node
+    return Link.from_spec(spec)
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def ring_volume_bytes(kind: str, size_bytes: float, num_ranks: int) -> float:
+    """Bytes each rank sends in the ring (pairwise for all-to-all) form of ``kind``.
+
+    ``all_reduce``: ``2(n-1)/n * S``; ``all_gather``, ``reduce_scatter``, ``all_to_all``:
+    ``(n-1)/n * S``; ``send_recv``: ``S``; 0 when ``n == 1``. ``S`` as in the module table.
+    """
+    _check_kind(kind)
+    size = _check_size(size_bytes)
+    _check_num_ranks(num_ranks)
+    if num_ranks == 1:
+        return 0.0
+    if kind == "send_recv":
+        return size
+    fraction = (num_ranks - 1) / num_ranks
+    return (2 if kind == "all_reduce" else 1) * fraction * size
+
+
+def _ring_steps(kind: str, num_ranks: int) -> int:
+    if num_ranks == 1:
+        return 0
+    if kind == "send_recv":
+        return 1
+    return (2 if kind == "all_reduce" else 1) * (num_ranks - 1)
+
+
+def _ring_time(kind: str, size_bytes: float, num_ranks: int, link: Link) -> float:
+    volume = ring_volume_bytes(kind, size_bytes, num_ranks)
+    return _ring_steps(kind, num_ranks) * link.latency_s + volume / link.bandwidth_bytes_per_s
+
+
+def all_reduce_time(size_bytes: float, num_ranks: int, link: Link, algorithm: str = "ring") -> float:
+    """All-reduce of an ``S``-byte tensor over ``n`` ranks on one link level.
+
+    ``"ring"``: ``2(n-1) alpha + 2(n-1)/n * S / B``. ``"tree"``: ``2 ceil(log2 n) alpha + 2 S / B``
+    (pipelined binary tree: reduce up, broadcast down).
+    """
+    if algorithm == "ring":
+        return _ring_time("all_reduce", size_bytes, num_ranks, link)
+    if algorithm == "tree":
+        size = _check_size(size_bytes)
+        _check_num_ranks(num_ranks)
+        if num_ranks == 1:
+            return 0.0
+        depth = math.ceil(math.log2(num_ranks))
+        return 2 * depth * link.latency_s + 2 * size / link.bandwidth_bytes_per_s
+    raise ValueError(f"all_reduce_time: algorithm must be 'ring' or 'tree', got {algorithm!r}")
+
+
+def all_gather_time(size_bytes: float, num_ranks: int, link: Link) -> float:
+    """Ring all-gather producing an ``S``-byte output: ``(n-1) alpha + (n-1)/n * S / B``."""
+    return _ring_time("all_gather", size_bytes, num_ranks, link)
+
+
+def reduce_scatter_time(size_bytes: float, num_ranks: int, link: Link) -> float:
+    """Ring reduce-scatter of an ``S``-byte input: ``(n-1) alpha + (n-1)/n * S / B``."""
+    return _ring_time("reduce_scatter", size_bytes, num_ranks, link)
+
+
+def all_to_all_time(size_bytes: float, num_ranks: int, link: Link) -> float:
+    """Pairwise all-to-all, ``S`` = one rank's whole send buffer: ``(n-1) alpha + (n-1)/n * S / B``.
+
+    Each rank keeps ``S / n`` and sends ``S / n`` to each of the ``n - 1`` others, one exchange
+    per step.
+    """
+    return _ring_time("all_to_all", size_bytes, num_ranks, link)
+
+
+def send_recv_time(size_bytes: float, link: Link) -> float:
+    """One point-to-point message: ``alpha + S / B``."""
+    size = _check_size(size_bytes)
+    return link.latency_s + size / link.bandwidth_bytes_per_s
+
+
+def hierarchical_all_reduce_time(
+    size_bytes: float, ranks_per_node: int, num_nodes: int, intra: Link, inter: Link
+) -> float:
+    """Reduce-scatter in each node, all-reduce ``S / k`` across nodes, all-gather in each node.
+
+    ``RS(S, k, intra) + AR_ring(S / k, m, inter) + AG(S, k, intra)`` with ``k = ranks_per_node``
+    and ``m = num_nodes``; the ``k`` cross-node all-reduces run in parallel, one per local rank.
+    """
+    _check_num_ranks(ranks_per_node)
+    _check_num_ranks(num_nodes)
+    size = _check_size(size_bytes)
+    return (
+        reduce_scatter_time(size, ranks_per_node, intra)
+        + all_reduce_time(size / ranks_per_node, num_nodes, inter)
+        + all_gather_time(size, ranks_per_node, intra)
+    )
+
+
+def collective_time(
+    kind: str,
+    size_bytes: float,
+    group_ranks: Sequence[int],
+    cluster: Cluster,
+    algorithm: str = "auto",
+) -> float:
+    """Seconds for one ``kind`` collective of ``size_bytes`` over ``group_ranks`` of ``cluster``.
+
+    Args:
+        kind: One of `KINDS`. For ``"send_recv"``, ``group_ranks`` is the ``(src, dst)`` pair.
+        size_bytes: ``S`` as in the module table (full tensor, gathered output, full input,
+            one rank's send buffer, or the message).
+        group_ranks: Global ranks of the process group, node-major.
+        cluster: Where the group runs.
+        algorithm: ``"ring"`` (flat ring on `link_for_group`), ``"tree"`` (all-reduce only),
+            ``"hierarchical"`` (all-reduce over whole nodes only), or ``"auto"``: for an
+            all-reduce over ``k > 1`` ranks on each of several nodes, the cheaper of the flat
+            ring and the hierarchical form; otherwise the flat ring.
+
+    Raises:
+        ValueError: Unknown kind or algorithm, a bad group, or an algorithm that does not apply.
+    """
+    _check_kind(kind)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
+    nodes = _nodes_of(cluster, group_ranks)
+    num_ranks = len(group_ranks)
+    link = link_for_group(cluster, group_ranks)
+    if kind == "send_recv":
+        if num_ranks not in (1, 2):
+            raise ValueError(f"send_recv: group_ranks must be (src, dst), got {list(group_ranks)}")
+        return 0.0 if num_ranks == 1 else send_recv_time(size_bytes, link)
+    if algorithm != "auto" and algorithm != "ring" and kind != "all_reduce":
+        raise ValueError(f"algorithm {algorithm!r} applies to all_reduce only, not {kind!r}")
+    if kind != "all_reduce":
+        return _ring_time(kind, size_bytes, num_ranks, link)
+
+    flat = all_reduce_time(size_bytes, num_ranks, link)
+    if algorithm == "ring":
+        return flat
+    if algorithm == "tree":
+        return all_reduce_time(size_bytes, num_ranks, link, algorithm="tree")
+    # Hierarchical needs the same number of ranks on every node it touches, more than one node
+    # and more than one rank per node (otherwise it is the flat ring).
+    per_node = set(nodes.values())
+    applies = len(nodes) > 1 and len(per_node) == 1 and per_node.pop() > 1
+    if algorithm == "hierarchical":
+        if not applies:
+            raise ValueError(
+                f"hierarchical all_reduce needs the same number (> 1) of ranks on each of several "
+                f"nodes; group_ranks {list(group_ranks)} has ranks per node {dict(sorted(nodes.items()))}"
+            )
+    elif not applies:
+        return flat
+    hierarchical = hierarchical_all_reduce_time(
+        size_bytes,
+        num_ranks // len(nodes),
+        len(nodes),
+        Link.from_spec(cluster.intra_node),
+        Link.from_spec(cluster.inter_node),
+    )
+    return hierarchical if algorithm == "hierarchical" else min(flat, hierarchical)
+
+
+# --------------------------------------------------------------------------- graph ops
+
+#: The kind each emitted op's *main* traffic has (forward, else backward); ``None`` for an op
+#: that moves no data itself. `op_traffic` gives both phases.
+OP_KIND: dict[str, str | None] = {
+    "grad_sync_begin": None,  # waits for the buckets' all-reduces; sends nothing itself
+    "all_reduce_grads": "all_reduce",  # backward
+    "all_reduce": "all_reduce",  # forward (reported values, detached)
+    "all_gather_params": "all_gather",  # forward; backward reduce-scatter / all-reduce
+    "tp_all_gather": "all_gather",
+    "tp_reduce_scatter": "reduce_scatter",
+    "tp_all_reduce": "all_reduce",
+    "tp_copy": "all_reduce",  # backward
+    "tp_scatter": None,  # no traffic forward; all-gather in backward
+    "vocab_parallel_cross_entropy": "all_reduce",  # forward, [tokens]-sized
+}
+
+_ZERO_STAGES = (1, 2, 3)
+_TP_GRADS = ("slice", "reduce_scatter")
+
+
+def op_traffic(
+    op_name: str, size_bytes: int, *, stage: int | None = None, grad: str = "slice"
+) -> list[tuple[str, str, int]]:
+    """The collectives one emitted graph op runs, as ``(phase, kind, bytes)``.
+
+    ``size_bytes`` is the *full* (unsharded, replicated-size) tensor the op moves: the gathered
+    parameters, the partial sum, the bucket of gradients. For ``vocab_parallel_cross_entropy`` it
+    is one ``[tokens]`` float32 vector.
+
+    ==================================  =========================  ===============================
+    op                                  forward                    backward
+    ==================================  =========================  ===============================
+    ``grad_sync_begin``                 none                       none (waits)
+    ``all_reduce_grads``                none                       all-reduce ``S``
+    ``all_reduce``                      all-reduce ``S``           none (detached)
+    ``all_gather_params`` stage 1       all-gather ``S``           all-reduce ``S``
+    ``all_gather_params`` stage 2       all-gather ``S``           reduce-scatter ``S``
+    ``all_gather_params`` stage 3       all-gather ``S``           all-gather ``S`` (re-gather),
+                                                                   reduce-scatter ``S``
+    ``tp_all_gather``                   all-gather ``S``           none (``grad="slice"``) or
+                                                                   reduce-scatter ``S``
+    ``tp_reduce_scatter``               reduce-scatter ``S``       all-gather ``S``
+    ``tp_all_reduce``                   all-reduce ``S``           none
+    ``tp_copy``                         none                       all-reduce ``S``
+    ``tp_scatter``                      none (local chunk)         all-gather ``S``
+    ``vocab_parallel_cross_entropy``    all-reduce ``S`` (max),    none
+                                        all-reduce ``2 S``
+    ==================================  =========================  ===============================
+
+    Args:
+        op_name: The op's name, a key of `OP_KIND`.
+        size_bytes: Full tensor bytes, as above.
+        stage: ZeRO stage, required for ``all_gather_params``.
+        grad: ``tp_all_gather``'s backward, ``"slice"`` or ``"reduce_scatter"``.
+
+    Raises:
+        ValueError: An unknown op, a missing or bad ``stage``, a bad ``grad``.
+    """
+    if op_name not in OP_KIND:
+        raise ValueError(f"unknown collective op {op_name!r}; expected one of {sorted(OP_KIND)}")
+    size = int(_check_size(size_bytes))
+    fwd, bwd = "forward", "backward"
+    if op_name == "grad_sync_begin":
+        return []
+    if op_name == "all_reduce_grads":
+        return [(bwd, "all_reduce", size)]
+    if op_name == "all_reduce":
+        return [(fwd, "all_reduce", size)]
+    if op_name == "all_gather_params":
+        if stage not in _ZERO_STAGES:
+            raise ValueError(f"op_traffic('all_gather_params'): stage must be 1, 2 or 3, got {stage!r}")
+        if stage == 1:
+            return [(fwd, "all_gather", size), (bwd, "all_reduce", size)]
+        if stage == 2:
+            return [(fwd, "all_gather", size), (bwd, "reduce_scatter", size)]
+        return [(fwd, "all_gather", size), (bwd, "all_gather", size), (bwd, "reduce_scatter", size)]
+    if op_name == "tp_all_gather":
+        if grad not in _TP_GRADS:
+            raise ValueError(f"op_traffic('tp_all_gather'): grad must be one of {list(_TP_GRADS)}, got {grad!r}")
+        backward = [(bwd, "reduce_scatter", size)] if grad == "reduce_scatter" else []
+        return [(fwd, "all_gather", size), *backward]
+    if op_name == "tp_reduce_scatter":
+        return [(fwd, "reduce_scatter", size), (bwd, "all_gather", size)]
+    if op_name == "tp_all_reduce":
+        return [(fwd, "all_reduce", size)]
+    if op_name == "tp_copy":
+        return [(bwd, "all_reduce", size)]
+    if op_name == "tp_scatter":
+        return [(bwd, "all_gather", size)]
+    assert op_name == "vocab_parallel_cross_entropy", op_name
+    return [(fwd, "all_reduce", size), (fwd, "all_reduce", 2 * size)]
