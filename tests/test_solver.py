@@ -1,0 +1,226 @@
+"""Solver tests: brute force on small problems, memory limits, infeasibility, a 200-node chain."""
+
+import itertools
+import math
+import random
+import time
+
+import pytest
+
+from graphpass.cost import solver as S
+from graphpass.cost.solver import Edge, InfeasibleError, Node, Problem, evaluate, heuristic, solve
+
+
+def brute_force(problem: Problem):
+    """(best cost, min peak) over all assignments meeting the limit; cost None if none fits."""
+    names = [n.name for n in problem.nodes]
+    best = None
+    for combo in itertools.product(*[range(len(n.costs_s)) for n in problem.nodes]):
+        choice = dict(zip(names, combo))
+        cost, peak = evaluate(problem, choice)
+        limit = problem.memory_limit_bytes
+        if limit is not None and peak > limit:
+            continue
+        if best is None or cost < best:
+            best = cost
+    return best
+
+
+def random_problem(rng: random.Random, num_nodes: int, num_strategies: int, *, limit_frac=None, extra_edges=2):
+    nodes = []
+    for i in range(num_nodes):
+        k = rng.randint(1, num_strategies)
+        first = rng.randint(0, 4)
+        nodes.append(
+            Node(
+                f"n{i}",
+                [rng.uniform(0, 10) for _ in range(k)],
+                [float(rng.randint(1, 100)) for _ in range(k)],
+                live=(first, first + rng.randint(0, 3)),
+            )
+        )
+    pairs = [(i - 1, i) for i in range(1, num_nodes)] + [
+        tuple(rng.sample(range(num_nodes), 2)) for _ in range(extra_edges)
+    ]
+    edges = [
+        Edge(
+            nodes[a].name,
+            nodes[b].name,
+            [[rng.uniform(0, 5) for _ in nodes[b].costs_s] for _ in nodes[a].costs_s],
+        )
+        for a, b in pairs
+    ]
+    limit = None
+    if limit_frac is not None:
+        unlimited = Problem(nodes, edges)
+        lo, _ = S.min_peak_memory(unlimited)
+        hi = max(evaluate(unlimited, {n.name: max(range(len(n.memory_bytes)), key=n.memory_bytes.__getitem__) for n in nodes})[1], lo)
+        limit = lo + limit_frac * (hi - lo)
+    return Problem(nodes, edges, memory_limit_bytes=limit)
+
+
+def test_two_nodes_pick_the_cheapest_sum_by_hand():
+    # a: strategy costs 1, 2; b: 3, 1; edge makes (0, 1) cost 10, the rest 0 except (1,1)=0.5.
+    p = Problem(
+        [Node("a", [1, 2], [0, 0]), Node("b", [3, 1], [0, 0])],
+        [Edge("a", "b", [[0, 10], [0, 0.5]])],
+    )
+    sol = solve(p)
+    # (0,0)=4, (0,1)=12, (1,0)=5, (1,1)=3.5
+    assert sol.choice == {"a": 1, "b": 1}
+    assert sol.cost_s == pytest.approx(3.5)
+    assert sol.optimal and sol.gap == 0.0
+
+
+def test_edge_costs_change_the_choice():
+    nodes = [Node("a", [1, 2], [0, 0]), Node("b", [1, 2], [0, 0])]
+    assert solve(Problem(nodes, [])).choice == {"a": 0, "b": 0}
+    # Mismatch between a=0 and b=0 costs 5; b must follow a=1 ... cheapest is a=0,b=1? enumerate:
+    # (0,0)=2+5=7, (0,1)=3+0=3, (1,0)=3+9=12, (1,1)=4 -> (0,1)
+    edge = Edge("a", "b", [[5, 0], [9, 0]])
+    sol = solve(Problem(nodes, [edge]))
+    assert sol.choice == {"a": 0, "b": 1}
+    assert sol.cost_s == pytest.approx(3)
+
+
+def test_memory_limit_forces_a_more_expensive_strategy():
+    nodes = [Node("a", [1, 5], [100, 10], live=(0, 1)), Node("b", [1, 5], [100, 10], live=(1, 2))]
+    assert solve(Problem(nodes, [], memory_limit_bytes=200)).choice == {"a": 0, "b": 0}
+    sol = solve(Problem(nodes, [], memory_limit_bytes=150))
+    assert sorted(sol.choice.values()) == [0, 1]
+    assert sol.cost_s == pytest.approx(6) and sol.peak_memory_bytes == pytest.approx(110)
+    # Disjoint live ranges do not add up: both stay cheap under 100.
+    apart = [Node("a", [1, 5], [100, 10], live=(0, 0)), Node("b", [1, 5], [100, 10], live=(2, 2))]
+    assert solve(Problem(apart, [], memory_limit_bytes=100)).choice == {"a": 0, "b": 0}
+
+
+def test_infeasible_limit_raises_with_the_smallest_peak():
+    nodes = [
+        Node("a", [1, 5], [100, 30], live=(0, 2)),
+        Node("b", [1, 5], [100, 40], live=(1, 1)),
+        Node("c", [1], [50], live=(3, 3)),
+    ]
+    with pytest.raises(InfeasibleError) as info:
+        solve(Problem(nodes, [], memory_limit_bytes=60))
+    assert info.value.min_memory_bytes == pytest.approx(70)  # a=30 + b=40 at step 1
+    assert "memory_limit_bytes" in str(info.value) and "70" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert solve(Problem(nodes, [], memory_limit_bytes=70)).peak_memory_bytes == pytest.approx(70)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("limit_frac", [None, 0.0, 0.3, 0.7])
+def test_matches_brute_force_on_random_small_problems(seed, limit_frac):
+    rng = random.Random(1000 * seed + (7 if limit_frac is None else int(100 * limit_frac)))
+    p = random_problem(rng, num_nodes=5, num_strategies=3, limit_frac=limit_frac)
+    best = brute_force(p)
+    sol = solve(p, time_limit_s=10)
+    assert sol.optimal
+    assert sol.cost_s == pytest.approx(best, rel=1e-7, abs=1e-7)
+    if p.memory_limit_bytes is not None:
+        assert sol.peak_memory_bytes <= p.memory_limit_bytes + 1e-6
+    h = heuristic(p)
+    assert h.cost_s >= best - 1e-7
+    if p.memory_limit_bytes is not None:
+        assert h.peak_memory_bytes <= p.memory_limit_bytes + 1e-6
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cp_sat_finds_the_same_optimum(seed):
+    rng = random.Random(seed)
+    p = random_problem(rng, num_nodes=6, num_strategies=3, limit_frac=0.4)
+    highs = solve(p)
+    cpsat = solve(p, solver="cp-sat", time_limit_s=20)
+    assert cpsat.solver == "cp-sat" and cpsat.optimal
+    # CP-SAT optimises costs rounded to 1e-9 of the largest coefficient.
+    assert cpsat.cost_s == pytest.approx(highs.cost_s, rel=1e-6)
+    assert cpsat.cost_s == pytest.approx(brute_force(p), rel=1e-6)
+    assert cpsat.peak_memory_bytes <= p.memory_limit_bytes + 1e-6
+
+
+def test_dominated_strategies_are_dropped_only_when_edges_agree():
+    # Strategy 1 of "a" is cheaper and smaller than 0, but its edge row is worse: it must survive.
+    a = Node("a", [2, 1], [10, 5])
+    b = Node("b", [0, 0], [0, 0])
+    edge = Edge("a", "b", [[0, 0], [5, 5]])
+    red = S._reduce(Problem([a, b], [edge]), {"a": 0, "b": 1})
+    assert red.keep[0] == [0, 1]
+    assert solve(Problem([a, b], [edge])).choice["a"] == 0
+    # Without the edge, strategy 0 is dominated and dropped.
+    red = S._reduce(Problem([a, b], []), {"a": 0, "b": 1})
+    assert red.keep[0] == [1]
+    # Identical strategies: exactly one survives.
+    red = S._reduce(Problem([Node("c", [1, 1, 1], [2, 2, 2])], []), {"c": 0})
+    assert red.keep[0] == [0]
+
+
+def test_parallel_and_reversed_edges_are_merged():
+    a, b = Node("a", [0, 0], [0, 0]), Node("b", [0, 0, 0], [0, 0, 0])
+    edges = [
+        Edge("a", "b", [[1, 0, 3], [2, 2, 2]]),
+        Edge("a", "b", [[0, 4, 0], [1, 1, 1]]),
+        Edge("b", "a", [[0, 0], [0, 9], [5, 0]]),
+    ]
+    merged = S._merge_edges(Problem([a, b], edges), {"a": 0, "b": 1}, [None, None])
+    assert list(merged) == [(0, 1)]
+    assert merged[(0, 1)].tolist() == [[1, 4, 8], [3, 12, 3]]
+    p = Problem([a, b], edges)
+    assert solve(p).cost_s == pytest.approx(brute_force(p))
+
+
+def test_marginal_constraints_make_edge_variables_integral():
+    rng = random.Random(3)
+    p = random_problem(rng, num_nodes=8, num_strategies=4, limit_frac=0.3, extra_edges=4)
+    red = S._reduce(p, {n.name: i for i, n in enumerate(p.nodes)})
+    model, x, y = S._pywraplp_model(red)
+    assert model.Solve() == model.OPTIMAL
+    assert y, "the instance should keep some edge variables"
+    for ys in y.values():
+        values = [v.solution_value() for row in ys for v in row]
+        assert all(min(abs(v), abs(v - 1)) < 1e-6 for v in values)
+        assert sum(values) == pytest.approx(1)
+
+
+def test_chain_of_200_nodes_with_6_strategies_solves_to_optimality():
+    rng = random.Random(0)
+    num, k = 200, 6
+    nodes = []
+    for i in range(num):
+        # Each layer's activation is held from its forward (i) to its backward (2*num-1-i).
+        mem = [rng.uniform(1e8, 1e9) for _ in range(k)]
+        cost = [rng.uniform(1e-3, 1e-2) for _ in range(k)]
+        nodes.append(Node(f"layer{i}", cost, mem, live=(i, 2 * num - 1 - i)))
+    edges = [
+        Edge(f"layer{i - 1}", f"layer{i}", [[0.0 if s == t else rng.uniform(1e-4, 5e-3) for t in range(k)] for s in range(k)])
+        for i in range(1, num)
+    ]
+    lo, _ = S.min_peak_memory(Problem(nodes, edges))
+    p = Problem(nodes, edges, memory_limit_bytes=lo * 1.6, num_steps=2 * num)
+    sol = solve(p, time_limit_s=30)
+    h = heuristic(p)
+    print(f"200x6 chain: {sol.solver} {sol.seconds:.2f} s optimal={sol.optimal} cost={sol.cost_s:.6g} "
+          f"heuristic={h.cost_s:.6g} ({h.seconds:.2f} s)")
+    assert sol.optimal and sol.seconds < 30
+    assert sol.peak_memory_bytes <= p.memory_limit_bytes * (1 + 1e-9)
+    assert sol.cost_s <= h.cost_s + 1e-9
+
+
+def test_deadline_returns_an_incumbent_not_optimal():
+    rng = random.Random(0)
+    p = random_problem(rng, num_nodes=6, num_strategies=3, limit_frac=0.5)
+    start = time.perf_counter()
+    sol = solve(p, time_limit_s=0.0)
+    assert time.perf_counter() - start < 5
+    assert sol.peak_memory_bytes <= p.memory_limit_bytes + 1e-6
+    assert math.isfinite(sol.cost_s)
+
+
+def test_user_errors_name_the_field():
+    with pytest.raises(ValueError, match="memory_bytes"):
+        solve(Problem([Node("a", [1, 2], [1])], []))
+    with pytest.raises(ValueError, match="unknown node 'z'"):
+        solve(Problem([Node("a", [1], [1])], [Edge("a", "z", [[0]])]))
+    with pytest.raises(ValueError, match="cost_s must be 1x2"):
+        solve(Problem([Node("a", [1], [1]), Node("b", [1, 2], [1, 1])], [Edge("a", "b", [[0]])]))
+    with pytest.raises(ValueError, match="solver="):
+        solve(Problem([Node("a", [1], [1])], []), solver="gurobi")
