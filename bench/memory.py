@@ -75,7 +75,8 @@ import graphpass as gp
 from graphpass.runtime.memory import MemoryProbe, optimizer_state_tensors, tensor_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402  (examples/ is not a package)
+from gpt import GPT  # noqa: E402  (examples/ is not a package)
+from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
 
 MIB = 2**20
 
@@ -99,29 +100,13 @@ SPLIT_KEY = "_split_wide_mlp"
 def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2, help="number of gloo ranks (default 2)")
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=128, help="sequence length")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--n-embd", type=int, default=512)
+    add_gpt_args(p, vocab_size=8192, n_embd=512)
     p.add_argument("--batch", type=int, default=8, help="global batch (split over the ranks)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.batch % args.world_size:
         p.error(f"--batch {args.batch} must be a multiple of --world-size {args.world_size}")
     return args
-
-
-def _config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd)
-
-
-def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(args.seed + 1)
-    shape = (args.batch, args.block_size)
-    return [(torch.randint(args.vocab_size, shape, generator=g),
-             torch.randint(args.vocab_size, shape, generator=g)) for _ in range(count)]
 
 
 def graphpass_strategy(world: int, kwargs: dict) -> tuple[gp.Strategy | None, str]:
@@ -163,7 +148,7 @@ def _measure(step, params, opt, warm_batch, batch) -> dict:
 
 def _graphpass_row(args, world, strategy, data) -> dict:
     torch.manual_seed(args.seed)
-    model = GPT(_config(args))
+    model = GPT(gpt_config(args))
     dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
     del model
     params = list(dmodel.parameters())
@@ -178,7 +163,7 @@ def _fsdp2_row(args, world, data) -> dict:
     rank = dist.get_rank()
     chunk = args.batch // world
     torch.manual_seed(args.seed)
-    model = GPT(_config(args))
+    model = GPT(gpt_config(args))
     mesh = init_device_mesh("cpu", (world,))
     for block in model.h:
         fully_shard(block, mesh=mesh)
@@ -228,7 +213,7 @@ def _split_rows(args: argparse.Namespace) -> dict:
 
 def _run_rank(args: argparse.Namespace) -> dict:
     world = dist.get_world_size()
-    data = _batches(args, 2)
+    data = gpt_batches(args, 2)
     rows: dict[str, dict | str] = {}
     for name, kwargs in GRAPHPASS_ROWS:
         strategy, why = graphpass_strategy(world, kwargs)
@@ -265,7 +250,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     results = gp.launch(_run_rank, args.world_size, args=(args,), timeout_s=600)
     world = args.world_size
-    c = _config(args)
+    c = gpt_config(args)
     num_params = sum(p.numel() for p in GPT(c).parameters())  # tied weights once
     print(f"GPT vocab={c.vocab_size} block={c.block_size} layers={c.n_layer} heads={c.n_head} "
           f"embd={c.n_embd}: Ψ = {num_params / 1e6:.2f}M params ({4 * num_params / MIB:.1f} MiB fp32); "

@@ -48,17 +48,14 @@ import graphpass as gp
 from graphpass.runtime.collectives import all_reduce_grads
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402  (examples/ is not a package)
+from gpt import GPT  # noqa: E402  (examples/ is not a package)
+from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2, help="number of gloo ranks (default 2)")
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=128, help="sequence length")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--n-embd", type=int, default=256)
+    add_gpt_args(p, vocab_size=4096, n_embd=256)
     p.add_argument("--batch", type=int, default=8, help="global batch (split over the ranks)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first")
     # Short rounds: this machine's load comes and goes within seconds (other jobs share its two
@@ -77,26 +74,14 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd)
-
-
-def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(args.seed + 1)
-    shape = (args.batch, args.block_size)
-    return [(torch.randint(args.vocab_size, shape, generator=g),
-             torch.randint(args.vocab_size, shape, generator=g)) for _ in range(count)]
-
-
 def _run_rank(args: argparse.Namespace) -> dict | None:
     # Explicit, though the launcher sets the same: ranks share the cores, and oversubscribing
     # them makes both sides slow and noisy.
     torch.set_num_threads(args.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = _config(args)
+    config = gpt_config(args)
     total_steps = args.warmup + args.rounds * args.steps_per_round
-    data = _batches(args, total_steps)
+    data = gpt_batches(args, total_steps)
     chunk = args.batch // world
 
     # Two models with identical initial weights (graphpass broadcasts rank 0's, DDP too).
@@ -172,7 +157,7 @@ def main(argv=None) -> None:
     args = _parse_args(argv)
     t0 = time.perf_counter()
     result = gp.launch(_run_rank, args.world_size, args=(args,), timeout_s=600)[0]
-    c = _config(args)
+    c = gpt_config(args)
     print(f"GPT vocab={c.vocab_size} block={c.block_size} layers={c.n_layer} heads={c.n_head} "
           f"embd={c.n_embd}: {result['params'] / 1e6:.2f}M params, {result['buckets']} graphpass "
           f"gradient bucket(s); global batch {args.batch} on {args.world_size} gloo ranks, "

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 import graphpass as gp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402  (examples/ is not a package)
+from gpt import GPT  # noqa: E402  (examples/ is not a package)
+from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
 
 TP = 2
 
@@ -59,11 +60,7 @@ TP = 2
 def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", default="2,4", help="comma-separated gloo rank counts (default 2,4)")
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=128, help="sequence length")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=8)
-    p.add_argument("--n-embd", type=int, default=512)
+    add_gpt_args(p, vocab_size=8192, n_embd=512)
     p.add_argument("--batch", type=int, default=8, help="global batch (split over the dp ranks)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each side first")
     p.add_argument("--rounds", type=int, default=8, help="rounds per side (they alternate)")
@@ -78,18 +75,6 @@ def _parse_args(argv=None) -> argparse.Namespace:
         if args.batch % w:
             p.error(f"--batch {args.batch} must be a multiple of every world size (got {w})")
     return args
-
-
-def _config(args: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                     n_head=args.n_head, n_embd=args.n_embd)
-
-
-def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(args.seed + 1)
-    shape = (args.batch, args.block_size)
-    return [(torch.randint(args.vocab_size, shape, generator=g),
-             torch.randint(args.vocab_size, shape, generator=g)) for _ in range(count)]
 
 
 def tp_strategy(world: int) -> tuple[gp.Strategy | None, str]:
@@ -220,8 +205,8 @@ def _race(args, data, sides: dict, reference_dp_group=None) -> dict:
 def _run_rank(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     world = dist.get_world_size()
-    config = _config(args)
-    data = _batches(args, args.warmup + args.rounds * args.steps_per_round)
+    config = gpt_config(args)
+    data = gpt_batches(args, args.warmup + args.rounds * args.steps_per_round)
     out: dict = {"params": sum(p.numel() for p in GPT(config).parameters())}
 
     torch.manual_seed(args.seed)
@@ -282,7 +267,7 @@ def _report(args, result: dict, title: str) -> None:
 def main(argv=None) -> None:
     args = _parse_args(argv)
     t0 = time.perf_counter()
-    c = _config(args)
+    c = gpt_config(args)
     header_done = False
     for world in args.world_sizes:
         result = gp.launch(_run_rank, world, args=(args,), timeout_s=600)[0]
