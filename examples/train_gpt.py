@@ -1,7 +1,8 @@
 """Train the example GPT with graphpass on local gloo ranks, next to a single-process run.
 
-    python examples/train_gpt.py                  # 4 ranks, 10 steps
+    python examples/train_gpt.py                  # 4 ranks, 10 steps, strategy="auto" (data parallel)
     python examples/train_gpt.py --world-size 2 --steps 20 --dump-dir /tmp/gp
+    python examples/train_gpt.py --tp 2 --zero 3 --sequence-parallel   # dp 2 x tp 2, ZeRO-3 inside dp
 
 Every rank runs the same SPMD function: build the model from the same seed, compile it, and
 train on the *global* batch (graphpass gives each rank its share). The parent process first
@@ -57,12 +58,13 @@ def train_single_process(steps: int, batch: int) -> list[float]:
     return losses
 
 
-def train_rank(steps: int, batch: int, dump_dir: str | None) -> dict:
+def train_rank(steps: int, batch: int, dump_dir: str | None, strategy: dict | None = None) -> dict:
     """The SPMD training function every rank runs."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     data = make_batches(steps, batch)
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], dump_dir=dump_dir)
+    chosen = "auto" if strategy is None else gp.Strategy(**strategy)
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=chosen, dump_dir=dump_dir)
     opt = make_optimizer(dmodel.parameters())
     losses, times = [], []
     for idx, targets in data:
@@ -81,12 +83,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--dump-dir", default=os.environ.get("GRAPHPASS_DUMP_DIR", "dumps/train_gpt"))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (dp = world size / tp)")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage inside dp")
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--recompute", action="store_true")
     args = parser.parse_args()
+    strategy = None  # "auto"
+    if args.tp != 1 or args.zero or args.sequence_parallel or args.recompute:
+        if args.world_size % args.tp:
+            parser.error(f"--tp {args.tp} must divide --world-size {args.world_size}")
+        strategy = dict(dp=args.world_size // args.tp, tp=args.tp, zero=args.zero,
+                        sequence_parallel=args.sequence_parallel, recompute=args.recompute)
 
     n_params = sum(p.numel() for p in GPT(CONFIG).parameters())
     print(f"GPT {n_params / 1e6:.2f}M parameters, global batch {args.batch} x {CONFIG.block_size} tokens")
     reference = train_single_process(args.steps, args.batch)
-    results = gp.launch(train_rank, args.world_size, args=(args.steps, args.batch, args.dump_dir))
+    results = gp.launch(train_rank, args.world_size, args=(args.steps, args.batch, args.dump_dir, strategy))
     rank0 = results[0]
     print(f"\nplan ({args.world_size} gloo ranks):\n{rank0['plan']}\n")
     print("passes:")
