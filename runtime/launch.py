@@ -487,7 +487,7 @@ class _Workers:
                 try:
                     task_queue.put(None)
                 except (OSError, ValueError):
-                    pass
+                    pass  # queue already closed: the rank is gone; terminate below covers it
             deadline = time.monotonic() + _SHUTDOWN_GRACE_S
             for proc in self.procs:
                 proc.join(max(0.0, deadline - time.monotonic()))

@@ -124,26 +124,26 @@ class _AllGather(torch.autograd.Function):
         return _chunk(grad, ctx.axis, ctx.size, ctx.dim), None, None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
+class _ShardingOp(torch.autograd.Function):
+    """Shared backward of the ops that leave each rank a shard of ``dim``: all-gather it."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.axis, ctx.size, ctx.dim), None, None, None
+
+
+class _ReduceScatter(_ShardingOp):
     @staticmethod
     def forward(ctx, x, axis, size, dim):
         ctx.axis, ctx.size, ctx.dim = axis, size, dim
         return _reduce_scatter(x, axis, size, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.axis, ctx.size, ctx.dim), None, None, None
 
-
-class _Scatter(torch.autograd.Function):
+class _Scatter(_ShardingOp):
     @staticmethod
     def forward(ctx, x, axis, size, dim):
         ctx.axis, ctx.size, ctx.dim = axis, size, dim
         return _chunk(x, axis, size, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.axis, ctx.size, ctx.dim), None, None, None
 
 
 def tp_copy(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:

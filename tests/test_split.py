@@ -226,14 +226,7 @@ def _in_split(plan: gp.Plan) -> gp.Plan:
 
 
 def _train(name: str, strategy_kwargs: dict, plan_edit=None, steps: int = 3, batch: int = 8):
-    world = dist.get_world_size()
-    model = zoo.build(name)
-    data = zoo.batches(name, steps, batch)
-    strategy = gp.Strategy(dp=world, **strategy_kwargs)
-    if plan_edit is not None:
-        gm = capture(model, tuple(t[: batch // world] for t in data[0])).gm
-        strategy = plan_edit(plan_from_strategy(gm, strategy, ["test"]))
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+    dmodel, data = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch, plan_edit)
     assert dmodel.plan.split, "the strategy split nothing"
     return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
 

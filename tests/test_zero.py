@@ -28,14 +28,7 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _train(name: str, strategy_kwargs: dict, steps: int = 3, batch: int = 8, plan_edit=None):
-    world = dist.get_world_size()
-    model = zoo.build(name)
-    data = zoo.batches(name, steps, batch)
-    strategy = gp.Strategy(dp=world, **strategy_kwargs)
-    if plan_edit is not None:
-        gm = capture(model, tuple(t[: batch // world] for t in data[0])).gm
-        strategy = plan_edit(plan_from_strategy(gm, strategy, ["test"]))
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+    dmodel, data = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch, plan_edit)
     losses = zoo.train_compiled(dmodel, data)
     return losses, dmodel.full_state_dict(), sum(p.numel() for p in dmodel.parameters())
 

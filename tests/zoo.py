@@ -154,3 +154,22 @@ def assert_matches_reference(where: str, losses, state, ref_losses, ref_state, g
         torch.testing.assert_close(state[key], ref_state[key], rtol=rtol, atol=atol, msg=lambda m: f"{where} {key}: {m}")
     for key in grads or {}:
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=rtol, atol=atol, msg=lambda m: f"{where} grad {key}: {m}")
+
+
+def compile_on_ranks(name: str, strategy_kwargs: dict, steps: int, batch: int, plan_edit=None):
+    """(dmodel, data) for model ``name`` on this launched job: ``Strategy(dp=world, **kwargs)``,
+    or the plan it implies edited by ``plan_edit(plan) -> Plan`` (hand-written plans)."""
+    import torch.distributed as dist
+
+    import graphpass as gp
+    from graphpass.api import plan_from_strategy
+    from graphpass.capture import capture
+
+    world = dist.get_world_size()
+    model = build(name)
+    data = batches(name, steps, batch)
+    strategy = gp.Strategy(dp=world, **strategy_kwargs)
+    if plan_edit is not None:
+        gm = capture(model, tuple(t[: batch // world] for t in data[0])).gm
+        strategy = plan_edit(plan_from_strategy(gm, strategy, ["test"]))
+    return gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy), data
