@@ -418,6 +418,7 @@ def _pywraplp_model(red: _Reduced, name: str = "HIGHS"):
     if solver is None:
         raise RuntimeError(f"OR-Tools has no {name} backend in this build")
     solver.SuppressOutput()
+    solver.SetSolverSpecificParametersAsString("output_flag=false\n")  # else HiGHS prints a banner
     inf = solver.infinity()
 
     def add_linear(vars_, coefs, lb, ub):

@@ -143,6 +143,11 @@ class Plan:
         split: OSDP operator splitting: linear node name → ``{"dim": "out" | "in", "parts": k}``;
             the op runs as k slices whose weights are separate (separately gathered) parameters.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
+        microbatches: microbatches per step (pipeline / gradient accumulation).
+        breakdown: the planner's per-block figures, one dict per block in order: ``block``,
+            ``stage``, ``choice`` (e.g. ``"zero-3 + recompute"``), ``time_s`` (compute and
+            tensor-parallel collectives of one step), ``tp_comm_s``, ``dp_comm_s``,
+            ``state_bytes``, ``activation_bytes`` (per microbatch), ``transient_bytes``.
         predicted_step_time_s: the cost model's step time, None until the planner prices it.
         predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
         reasons: human-readable lines saying why the plan is what it is (shown by ``explain``).
@@ -157,8 +162,10 @@ class Plan:
     split: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     sequence_parallel: bool = False
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+    microbatches: int = 1
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
+    breakdown: tuple[Mapping[str, Any], ...] = ()
     reasons: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -185,6 +192,8 @@ class Plan:
                 raise ValueError(
                     f"Plan.split[{node!r}] must be {{'dim': 'out' | 'in', 'parts': k >= 1}}, got {spec!r}"
                 )
+        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
+            raise ValueError(f"Plan.microbatches must be a positive int, got {self.microbatches!r}")
         for layer in self.recompute:
             if not isinstance(layer, int) or layer < 0:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
@@ -214,6 +223,7 @@ class Plan:
         data["recompute"] = list(self.recompute)
         data["split"] = {k: dict(v) for k, v in self.split.items()}
         data["reasons"] = list(self.reasons)
+        data["breakdown"] = [dict(row) for row in self.breakdown]
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -233,6 +243,7 @@ class Plan:
         kwargs["stages"] = tuple(kwargs.get("stages", ("*",)))
         kwargs["reasons"] = tuple(kwargs.get("reasons", ()))
         kwargs["recompute"] = tuple(kwargs.get("recompute", ()))
+        kwargs["breakdown"] = tuple(dict(row) for row in kwargs.get("breakdown", ()))
         return cls(**kwargs)
 
     @classmethod
@@ -266,14 +277,37 @@ class Plan:
         if self.split:
             parts = sorted({spec["parts"] for spec in self.split.values()})
             lines.append(f"operator splitting: {len(self.split)} linears into {parts} slices")
-        lines.append(f"pipeline stages: {len(self.stages)}")
+        lines.append(f"pipeline stages: {len(self.stages)}" + (
+            f", {self.microbatches} microbatches" if self.microbatches > 1 else ""))
         lines.append(f"gradient bucket cap: {self.bucket_cap_bytes / 2**20:.1f} MiB")
         time_s = self.predicted_step_time_s
         mem = self.predicted_peak_memory_bytes
         lines.append("predicted step time: " + ("not priced" if time_s is None else f"{time_s * 1e3:.2f} ms"))
         lines.append("predicted peak memory: " + ("not priced" if mem is None else f"{mem / 2**30:.2f} GiB"))
+        lines.extend(self._breakdown_lines())
         lines.extend(f"why: {r}" for r in self.reasons)
         return "\n".join(lines)
+
+    def _breakdown_lines(self) -> list[str]:
+        """Consecutive blocks with the same stage and choice, one line each."""
+        if not self.breakdown:
+            return []
+        runs: list[list[Mapping[str, Any]]] = []
+        for row in self.breakdown:
+            if runs and (runs[-1][-1]["stage"], runs[-1][-1]["choice"]) == (row["stage"], row["choice"]):
+                runs[-1].append(row)
+            else:
+                runs.append([row])
+        lines = ["per block (stage | blocks | choice | compute+tp ms/step | tp comm ms | dp comm ms | state GiB | activations GiB):"]
+        for run in runs:
+            names = run[0]["block"] if len(run) == 1 else f"{run[0]['block']} .. {run[-1]['block']} ({len(run)})"
+            total = lambda key: sum(r[key] for r in run)  # noqa: E731
+            lines.append(
+                f"  {run[0]['stage']} | {names} | {run[0]['choice']} | {total('time_s') * 1e3:.2f} | "
+                f"{total('tp_comm_s') * 1e3:.2f} | {total('dp_comm_s') * 1e3:.2f} | "
+                f"{total('state_bytes') / 2**30:.3f} | {total('activation_bytes') / 2**30:.3f}"
+            )
+        return lines
 
     def diff(self, other: "Plan") -> list[str]:
         """Lines describing how ``other`` differs from this plan (empty when equal)."""
@@ -284,7 +318,8 @@ class Plan:
             a, b = self.placements.get(node), other.placements.get(node)
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
-        for name in ("stages", "strategy", "zero", "recompute", "split", "sequence_parallel", "bucket_cap_bytes"):
+        for name in ("stages", "strategy", "zero", "recompute", "split", "sequence_parallel", "bucket_cap_bytes",
+                     "microbatches"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out

@@ -1,0 +1,641 @@
+r"""The planner's search: meshes, pipeline stages and a per-block strategy ILP. Torch-free.
+
+The unit of decision is a *block*: one repeated layer (``h.3``), or the segment before the first
+layer (embeddings: ``"pre"``) or after the last one (final norm, head, loss: ``"post"``). The
+graph side (:mod:`graphpass.planner`) measures every block once per tensor-parallel layout
+``(tp, sequence_parallel)``: compute time per local batch, activations saved for backward,
+parameter bytes per tp rank, and the tensor-parallel collectives the pass would emit
+(:class:`BlockCost`). Everything below prices and searches with those numbers and the
+:class:`~graphpass.cluster.Cluster`'s links.
+
+Search, outermost first:
+
+1. **Mesh** (:func:`meshes`): every ``pp x dp x tp = world`` with ``tp`` dividing the GPUs of one
+   node (tensor parallelism never crosses a node), ``pp`` at most the number of blocks, a
+   microbatch count ``m`` that divides the per-replica batch, and ``sequence_parallel`` on or off
+   when ``tp > 1``. Mesh order is ``(pp, dp, tp)``, tp innermost, as in Megatron-LM.
+2. **Stages** (:func:`partition`): contiguous blocks per stage by dynamic programming, minimising
+   the slowest stage's compute, subject to a lower bound on each stage's memory (its blocks at
+   their smallest choice, times the microbatches the stage keeps in flight under 1F1B).
+3. **Per-block choices** (:func:`solve_stage`): ZeRO stage 0-3 inside ``dp``, OSDP operator
+   splitting (ZeRO-3 only), activation recomputation (repeated layers only), by an ILP over
+   *clusters* of identical blocks: integer ``n[c, o]`` counts how many blocks of cluster ``c``
+   take option ``o``, so a 96-layer model is as small a problem as a 1-layer one.
+
+   .. math::
+
+       \min \sum_{c,o} n_{c,o} (m\,t_o + u_o) + E
+       \quad\text{s.t.}\quad \sum_o n_{c,o} = |c|,\qquad
+       E \ge \sum_{c,o} n_{c,o} (d_o - w_o),\ E \ge 0,
+
+       \sum_{c,o} n_{c,o} (s_o + f\,a_o) + r_{c,o}\, z_{c,o} \le M \ \ \forall c, o,
+       \qquad n_{c,o} \le |c|\, z_{c,o},\ z \in \{0, 1\}
+
+   with, per block and option: ``t`` the time of one microbatch (forward, backward, recomputed
+   forward, tensor-parallel collectives, which sit on the critical path), ``u`` the optimizer
+   step, ``d`` the data-parallel collectives of one step and ``w`` the compute they overlap with
+   (``E`` is the exposed communication), ``s`` the model state kept all step, ``a`` the
+   activations one microbatch keeps until its backward, ``f`` the microbatches in flight, and
+   ``r`` the transient bytes alive only while the block runs (ZeRO-3's gathered weights and their
+   full gradients, a recomputed layer's rematerialised activations). ``z`` marks the options in
+   use, so the peak includes the largest transient actually chosen, not the sum.
+
+Step time of a mesh with ``p`` stages of per-microbatch time ``t_s`` (1F1B / GPipe):
+``sum_s t_s + (m - 1) max_s t_s + max_s (E_s + u_s)``; for ``p = 1`` that is ``m t + E + u``.
+The uniform strategies of the same mesh are priced by the same function and kept when one beats
+the ILP's answer under the full step formula (possible for ``p > 1`` only, where the ILP's
+per-stage objective is a proxy), so the search never returns a plan slower than a uniform one it
+enumerates.
+
+What runs where it is priced: ZeRO-1/2 keep shards between steps and gather the full weights in
+forward (graphpass's runtime), so their state is ``P + P/dp`` weights; ZeRO-3 gathers in forward
+and again in backward. Every collective is priced by :func:`graphpass.cost.collectives.
+collective_time` on the group's real ranks (flat ring on the slowest link it spans, or
+hierarchical for all-reduce when that is cheaper).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping, Sequence
+
+from graphpass.cluster import Cluster
+from graphpass.cost.collectives import collective_time
+from graphpass.cost.memory import in_flight_microbatches
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BlockCost",
+    "Choice",
+    "Mesh",
+    "Costing",
+    "Priced",
+    "Candidate",
+    "meshes",
+    "partition",
+    "price",
+    "solve_stage",
+    "search",
+    "uniform_choices",
+    "NoPlanError",
+]
+
+PRE, LAYER, POST = "pre", "layer", "post"
+#: Microbatch counts tried besides multiples of the pipeline degree (gradient accumulation).
+_MICROBATCHES = (1, 2, 4, 8, 16, 32, 64)
+#: Pipeline degrees beyond this are not enumerated (no published schedule uses more).
+_MAX_PP = 64
+#: Weight of hidden data-parallel communication in the ILP objective: breaks ties between choices
+#: whose step time is equal (everything overlapped) in favour of the one that moves fewer bytes.
+_TIE_BREAK = 1e-3
+#: Candidates within this relative step time of the fastest count as tied; the simplest mesh wins.
+_TIE_REL = 1e-6
+
+
+class NoPlanError(ValueError):
+    """No mesh and choice fits the memory budget; says the smallest peak any candidate reaches."""
+
+
+# --------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block under one tensor-parallel layout, per rank, measured at the reference batch.
+
+    Attributes:
+        name: ``"pre"``, ``"layer 3"``, ``"post"``.
+        kind: ``"pre"``, ``"layer"`` or ``"post"``.
+        signature: equal for identical blocks (same ops, shapes and parameters): they cluster.
+        layer: repeated-layer index, None for pre/post.
+        params: trainable elements this rank holds (after tensor-parallel sharding).
+        param_bytes: bytes of those parameters in their dtype.
+        split_bytes: bytes of the linears operator splitting would cut (0: nothing to split).
+        split_count: how many such linears.
+        times: local batch size -> (forward_s, backward_s) of the block's compute.
+        saved_bytes: activations saved for backward at the reference batch.
+        input_bytes: the block's input activation at the reference batch (what recomputation keeps).
+        output_bytes: the activation the block hands to the next (a pipeline send).
+        tp_traffic: ``(phase, kind, bytes)`` of each tensor-parallel collective at the reference
+            batch, phase ``"forward"`` or ``"backward"``.
+    """
+
+    name: str
+    kind: str
+    signature: str
+    layer: int | None
+    params: float
+    param_bytes: float
+    split_bytes: float
+    split_count: int
+    times: Mapping[int, tuple[float, float]]
+    saved_bytes: float
+    input_bytes: float
+    output_bytes: float
+    tp_traffic: tuple[tuple[str, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one block does: ZeRO stage inside dp, operator-split factor, recomputation."""
+
+    zero: int = 0
+    split: int = 1
+    recompute: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"zero-{self.zero}" if self.zero else "dp"]
+        if self.split > 1:
+            parts.append(f"split {self.split}")
+        if self.recompute:
+            parts.append("recompute")
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A device mesh ``pp x dp x tp`` (tp innermost) with microbatches and sequence parallelism."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatches: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def __str__(self) -> str:
+        text = f"pp={self.pp} dp={self.dp} tp={self.tp}"
+        if self.microbatches > 1:
+            text += f" m={self.microbatches}"
+        if self.sequence_parallel:
+            text += " sp"
+        return text
+
+
+@dataclass(frozen=True)
+class Costing:
+    """Everything pricing needs besides the blocks.
+
+    Attributes:
+        cluster: devices and links.
+        batch: global batch (samples) of the reference measurement.
+        memory_limit_bytes: per-device budget.
+        grad_bytes_per_param: gradient bytes per parameter element.
+        optimizer_bytes_per_param: optimizer-state bytes per element (Adam fp32: 8; mixed
+            precision with an fp32 master copy: 12).
+        overlap: fraction of data-parallel communication that hides behind compute when there is
+            compute to hide behind (1 on GPUs with separate copy/NCCL streams; on CPU gloo shares
+            the cores with compute, so less).
+        executable_only: enumerate only what graphpass's runtime executes today (no pipeline, no
+            microbatching, no split with tp).
+    """
+
+    cluster: Cluster
+    batch: int
+    memory_limit_bytes: float
+    grad_bytes_per_param: float
+    optimizer_bytes_per_param: float
+    overlap: float = 1.0
+    executable_only: bool = False
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One block under one choice on one mesh: the terms of the stage ILP."""
+
+    time_s: float  # one microbatch: compute + recompute + tensor-parallel collectives
+    optimizer_s: float  # one optimizer step over this block's (shard of) state
+    dp_comm_s: float  # data-parallel collectives of one step
+    window_s: float  # compute that dp communication can overlap with
+    state_bytes: float  # parameters, gradients, optimizer state and gathered ZeRO-1/2 weights
+    act_bytes: float  # activations one microbatch keeps until its backward
+    transient_bytes: float  # alive only while this block runs
+    tp_comm_s: float = 0.0  # part of time_s spent in tensor-parallel collectives
+
+
+@dataclass
+class Candidate:
+    """A priced mesh + stages + per-block choices."""
+
+    mesh: Mesh
+    stages: list[list[int]]
+    choices: list[Choice]
+    priced: list[Priced]
+    stage_times_s: list[float]
+    stage_peaks_bytes: list[float]
+    step_time_s: float
+    exposed_comm_s: float
+    optimal: bool = True
+    gap: float = 0.0
+    how: str = "ilp"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.stage_peaks_bytes)
+
+
+# ------------------------------------------------------------------------------------- meshes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, *,
+           executable_only: bool = False) -> list[Mesh]:
+    """Every mesh the search considers (see the module docstring); ``tps`` are the tp degrees the
+    model's layout allows."""
+    world = cluster.world_size
+    out = []
+    for tp in sorted(set(tps)):
+        if world % tp or cluster.devices_per_node % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > min(num_blocks, _MAX_PP) or (executable_only and pp > 1):
+                continue
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            per_replica = batch // dp
+            counts = {m for m in _MICROBATCHES if per_replica % m == 0}
+            counts |= {k * pp for k in (1, 2, 4) if per_replica % (k * pp) == 0}
+            if pp > 1:
+                counts = {m for m in counts if m >= pp} or {max(counts)}
+            if executable_only:
+                counts = {1}
+            for m in sorted(counts):
+                for sp in ((False, True) if tp > 1 else (False,)):
+                    out.append(Mesh(pp, dp, tp, m, sp))
+    return out
+
+
+def local_batch(mesh: Mesh, batch: int) -> int:
+    """Samples in one microbatch on one rank."""
+    return batch // (mesh.dp * mesh.microbatches)
+
+
+# ------------------------------------------------------------------------------------ pricing
+
+
+def _groups(mesh: Mesh) -> tuple[list[int], list[int], list[int]]:
+    """Global ranks of stage 0's first dp group, first tp group, and a pipeline neighbour pair."""
+    dp_group = [d * mesh.tp for d in range(mesh.dp)]
+    tp_group = list(range(mesh.tp))
+    pp_pair = [0, mesh.dp * mesh.tp] if mesh.pp > 1 else [0]
+    return dp_group, tp_group, pp_pair
+
+
+class _Collectives:
+    """Memoised collective times for one mesh."""
+
+    def __init__(self, cluster: Cluster, mesh: Mesh):
+        self.cluster = cluster
+        self.dp, self.tp, self.pp = _groups(mesh)
+        self.memo: dict[tuple[str, str, float], float] = {}
+
+    def time(self, axis: str, kind: str, size: float) -> float:
+        group = {"dp": self.dp, "tp": self.tp, "pp": self.pp}[axis]
+        if len(group) == 1 or size <= 0:
+            return 0.0
+        key = (axis, kind, size)
+        if key not in self.memo:
+            self.memo[key] = collective_time(kind, size, group, self.cluster)
+        return self.memo[key]
+
+
+def choices_for(block: BlockCost, mesh: Mesh, costing: Costing) -> list[Choice]:
+    """The options the ILP may pick for ``block`` on ``mesh``."""
+    zeros = (0, 1, 2, 3) if mesh.dp > 1 else (0,)
+    recomputes = (False, True) if block.kind == LAYER else (False,)
+    out = []
+    for zero in zeros:
+        splits = [1]
+        if zero == 3 and mesh.tp == 1 and block.split_count:  # split with tp: not in the runtime
+            splits += [2, 4]
+        for split in splits:
+            for recompute in recomputes:
+                out.append(Choice(zero, split, recompute))
+    return out
+
+
+def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms: _Collectives) -> Priced:
+    """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (see the module docstring)."""
+    b = local_batch(mesh, costing.batch)
+    scale = b / costing.batch
+    forward_s, backward_s = block.times[b]
+    dp, m = mesh.dp, mesh.microbatches
+
+    tp_forward = sum(comms.time("tp", kind, size * scale) for phase, kind, size in block.tp_traffic if phase == "forward")
+    tp_backward = sum(comms.time("tp", kind, size * scale) for phase, kind, size in block.tp_traffic if phase != "forward")
+    recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
+    time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
+
+    p_bytes = block.param_bytes
+    g_bytes = block.params * costing.grad_bytes_per_param
+    o_bytes = block.params * costing.optimizer_bytes_per_param
+    zero = choice.zero
+    weights = p_bytes / dp if zero == 3 else p_bytes + (p_bytes / dp if zero in (1, 2) else 0.0)
+    grads = g_bytes / dp if zero >= 2 else g_bytes
+    optim = o_bytes / dp if zero >= 1 else o_bytes
+    state = weights + grads + optim
+
+    saved = block.saved_bytes * scale
+    act = block.input_bytes * scale if choice.recompute else saved
+    transient = saved if choice.recompute else 0.0
+
+    ag = lambda size: comms.time("dp", "all_gather", size)  # noqa: E731
+    if zero == 0:
+        dp_comm = comms.time("dp", "all_reduce", g_bytes)
+        window = backward_s
+    elif zero == 1:
+        dp_comm = ag(p_bytes) + comms.time("dp", "all_reduce", g_bytes)
+        window = backward_s
+    elif zero == 2:
+        dp_comm = ag(p_bytes) + m * comms.time("dp", "reduce_scatter", g_bytes)
+        window = m * (forward_s + backward_s)
+    else:
+        k = choice.split
+        rest = p_bytes - (block.split_bytes if k > 1 else 0.0)
+        slices = block.split_count * k if k > 1 else 0
+        gathers = ag(rest) + (slices * ag(block.split_bytes / slices) if slices else 0.0)
+        dp_comm = m * (2 * gathers + comms.time("dp", "reduce_scatter", g_bytes))
+        window = m * (forward_s + backward_s)
+        largest = rest + (block.split_bytes / slices if slices else 0.0)
+        # The gathered weights and their full gradient before the reduce-scatter (backward), or
+        # this layer's and the prefetched next layer's weights (forward): two of them either way.
+        transient += 2 * largest * (1.0 if p_bytes else 0.0)
+
+    # Optimizer step: reads and writes weights and state, reads gradients, on this rank's share.
+    share = 1 / dp if zero >= 1 else 1.0
+    optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / (
+        costing.cluster.device.memory_bandwidth_gbps * 1e9 * _memory_efficiency(costing.cluster)
+    )
+    return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
+                  tp_forward * (2 if choice.recompute else 1) + tp_backward)
+
+
+def _memory_efficiency(cluster: Cluster) -> float:
+    return float(getattr(cluster.device, "memory_efficiency", 0.8))
+
+
+# ------------------------------------------------------------------------------------- stages
+
+
+def _stage_flight(mesh: Mesh, stage: int) -> int:
+    return in_flight_microbatches(mesh.pp, mesh.microbatches, stage) if mesh.pp > 1 else 1
+
+
+def partition(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, comms: _Collectives,
+              options: Sequence[Sequence[tuple[Choice, Priced]]]) -> list[list[int]] | None:
+    """Contiguous stages minimising the slowest stage's fastest-choice time, each stage's memory
+    lower bound within the budget; None when no split fits."""
+    n, p = len(blocks), mesh.pp
+    if p == 1:
+        return [list(range(n))]
+    fastest = [min(pr.time_s for _, pr in opts) for opts in options]
+    prefix = [0.0]
+    for t in fastest:
+        prefix.append(prefix[-1] + t)
+    limit = costing.memory_limit_bytes
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    cut = [[-1] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for s in range(1, p + 1):
+        flight = _stage_flight(mesh, s - 1)
+        floor = [min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options]
+        spike = [min(pr.transient_bytes for _, pr in opts) for opts in options]
+        for j in range(s, n - (p - s) + 1):
+            memory, peak = 0.0, 0.0
+            for i in range(j - 1, s - 2, -1):  # stage s covers blocks i..j-1
+                memory += floor[i]
+                peak = max(peak, spike[i])
+                if memory + peak > limit:
+                    break
+                if best[s - 1][i] == inf:
+                    continue
+                value = max(best[s - 1][i], prefix[j] - prefix[i])
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    if best[p][n] == inf:
+        return None
+    stages, j = [], n
+    for s in range(p, 0, -1):
+        i = cut[s][j]
+        stages.append(list(range(i, j)))
+        j = i
+    return stages[::-1]
+
+
+def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Sequence[Sequence[tuple[Choice, Priced]]],
+                mesh: Mesh, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
+    """The clustered stage ILP; returns block index -> option index, optimality, gap (None: infeasible)."""
+    from ortools.linear_solver import pywraplp
+
+    clusters: dict[str, list[int]] = {}
+    for i in indices:
+        clusters.setdefault(blocks[i].signature + f"|{blocks[i].kind}", []).append(i)
+    solver = pywraplp.Solver.CreateSolver("HIGHS") or pywraplp.Solver.CreateSolver("CBC")
+    solver.SuppressOutput()
+    solver.SetSolverSpecificParametersAsString("output_flag=false\n")  # else HiGHS prints a banner
+    inf = solver.infinity()
+    m = mesh.microbatches
+    limit = costing.memory_limit_bytes
+    mem_scale = 1.0 / max(limit, 1.0)
+    counts, used = {}, {}
+    objective = solver.Objective()
+    exposed = solver.NumVar(0.0, inf, "exposed")
+    objective.SetCoefficient(exposed, 1.0)
+    comm_row = solver.Constraint(-inf, 0.0)
+    comm_row.SetCoefficient(exposed, -1.0)
+    base_row = solver.Constraint(-inf, 1.0)
+    for key, members in clusters.items():
+        rep = members[0]
+        pick = solver.Constraint(len(members), len(members))
+        for o, (_, pr) in enumerate(options[rep]):
+            n = solver.IntVar(0, len(members), f"n[{key},{o}]")
+            counts[key, o] = n
+            pick.SetCoefficient(n, 1.0)
+            # Ties (communication fully hidden) go to the option that communicates least.
+            objective.SetCoefficient(n, m * pr.time_s + pr.optimizer_s + _TIE_BREAK * pr.dp_comm_s)
+            comm_row.SetCoefficient(n, pr.dp_comm_s - pr.window_s)
+            base_row.SetCoefficient(n, (pr.state_bytes + flight * pr.act_bytes) * mem_scale)
+            if pr.transient_bytes > 0:
+                used[key, o] = solver.BoolVar(f"z[{key},{o}]")
+                link = solver.Constraint(-inf, 0.0)
+                link.SetCoefficient(n, 1.0)
+                link.SetCoefficient(used[key, o], -float(len(members)))
+    for (key, o), z in used.items():
+        row = solver.Constraint(-inf, 1.0)
+        for (k2, o2), n in counts.items():
+            pr = options[clusters[k2][0]][o2][1]
+            row.SetCoefficient(n, (pr.state_bytes + flight * pr.act_bytes) * mem_scale)
+        row.SetCoefficient(z, options[clusters[key][0]][o][1].transient_bytes * mem_scale)
+    objective.SetMinimization()
+    if math.isfinite(deadline):
+        solver.SetTimeLimit(max(1, int(1000 * max(0.05, deadline - time.perf_counter()))))
+    status = solver.Solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return None
+    assignment: dict[int, int] = {}
+    for key, members in clusters.items():
+        queue = list(members)
+        for o in range(len(options[members[0]])):
+            for _ in range(int(round(counts[key, o].solution_value()))):
+                assignment[queue.pop(0)] = o
+    optimal = status == pywraplp.Solver.OPTIMAL
+    value = objective.Value()
+    gap = 0.0 if optimal else max(0.0, value - objective.BestBound()) / max(abs(value), 1e-12)
+    return assignment, optimal, gap
+
+
+# -------------------------------------------------------------------------------- composition
+
+
+def _stage_peak(indices: Sequence[int], priced: Sequence[Priced], flight: int) -> float:
+    base = sum(priced[i].state_bytes + flight * priced[i].act_bytes for i in indices)
+    return base + max((priced[i].transient_bytes for i in indices), default=0.0)
+
+
+def compose(blocks: Sequence[BlockCost], mesh: Mesh, stages: list[list[int]], choices: list[Choice],
+            priced: list[Priced], costing: Costing, comms: _Collectives, how: str,
+            optimal: bool = True, gap: float = 0.0) -> Candidate:
+    """Step time and per-stage peaks of a full assignment (the formula in the module docstring)."""
+    b = local_batch(mesh, costing.batch)
+    scale = b / costing.batch
+    stage_times, tails, peaks = [], [], []
+    for s, indices in enumerate(stages):
+        t = sum(priced[i].time_s for i in indices)
+        if s + 1 < len(stages):  # activation forward, its gradient back
+            t += 2 * comms.time("pp", "send_recv", blocks[indices[-1]].output_bytes * scale)
+        comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices)
+        tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
+        stage_times.append(t)
+        peaks.append(_stage_peak(indices, priced, _stage_flight(mesh, s)))
+    m = mesh.microbatches
+    step = sum(stage_times) + (m - 1) * max(stage_times) + max(tails)
+    exposed = max(max(0.0, sum(priced[i].dp_comm_s - priced[i].window_s for i in st)) for st in stages)
+    return Candidate(mesh, stages, list(choices), list(priced), stage_times, peaks, step, exposed, optimal, gap, how)
+
+
+def uniform_choices(blocks: Sequence[BlockCost], choice: Choice) -> list[Choice]:
+    """``choice`` on every block, with recompute only where it applies (repeated layers) and
+    split only where there is something to split."""
+    return [
+        replace(choice, recompute=choice.recompute and b.kind == LAYER,
+                split=choice.split if b.split_count else 1)
+        for b in blocks
+    ]
+
+
+def evaluate(blocks: Sequence[BlockCost], mesh: Mesh, choices: list[Choice], costing: Costing,
+             stages: list[list[int]] | None = None) -> Candidate | None:
+    """Price one fixed assignment (a uniform baseline) on ``mesh``; stages by :func:`partition`
+    unless given. None when no stage split exists at all."""
+    comms = _Collectives(costing.cluster, mesh)
+    priced = [price(b, c, mesh, costing, comms) for b, c in zip(blocks, choices)]
+    if stages is None:
+        stages = partition(blocks, mesh, replace(costing, memory_limit_bytes=math.inf), comms,
+                           [[(c, p)] for c, p in zip(choices, priced)])
+        if stages is None:
+            return None
+    return compose(blocks, mesh, stages, choices, priced, costing, comms, "fixed")
+
+
+def solve_mesh(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, deadline: float,
+               baselines: Sequence[Choice] = ()) -> tuple[Candidate | None, float]:
+    """The best assignment on one mesh, and the smallest stage peak any assignment could reach
+    (for the infeasibility report)."""
+    comms = _Collectives(costing.cluster, mesh)
+    options = [[(c, price(b, c, mesh, costing, comms)) for c in choices_for(b, mesh, costing)] for b in blocks]
+    smallest = _smallest_peak(mesh, options)
+    stages = partition(blocks, mesh, costing, comms, options)
+    if stages is None:
+        return None, smallest
+    choices: list[Choice] = [Choice()] * len(blocks)
+    priced: list[Priced] = [options[i][0][1] for i in range(len(blocks))]
+    optimal, gap = True, 0.0
+    # Stages with the same blocks (by signature) and the same microbatches in flight have the
+    # same answer: solve once, reuse by position.
+    cache: dict[tuple, tuple[list[int], bool, float] | None] = {}
+    for s, indices in enumerate(stages):
+        flight = _stage_flight(mesh, s)
+        key = (tuple(blocks[i].signature + blocks[i].kind for i in indices), flight)
+        if key not in cache:
+            solved = solve_stage(blocks, indices, options, mesh, flight, costing, deadline)
+            cache[key] = None if solved is None else ([solved[0][i] for i in indices], solved[1], solved[2])
+        if cache[key] is None:
+            return None, smallest
+        positions, stage_optimal, stage_gap = cache[key]
+        optimal &= stage_optimal
+        gap = max(gap, stage_gap)
+        for i, o in zip(indices, positions):
+            choices[i], priced[i] = options[i][o]
+    best = compose(blocks, mesh, stages, choices, priced, costing, comms, "ilp", optimal, gap)
+    for base in baselines:  # a uniform assignment can win only through the pipeline max term
+        uniform = uniform_choices(blocks, base)
+        if any(c not in [o for o, _ in opts] for c, opts in zip(uniform, options)):
+            continue
+        cand = evaluate(blocks, mesh, uniform, costing, stages)
+        if cand is not None and cand.peak_memory_bytes <= costing.memory_limit_bytes and cand.step_time_s < best.step_time_s:
+            cand.how = f"uniform {base}"
+            best = cand
+    return best, smallest
+
+
+def _smallest_peak(mesh: Mesh, options: Sequence[Sequence[tuple[Choice, Priced]]]) -> float:
+    """A lower bound of the peak on this mesh: every block at its smallest, spread over pp stages."""
+    flight = _stage_flight(mesh, 0)
+    floor = sum(min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options)
+    spike = max((min(pr.transient_bytes for _, pr in opts) for opts in options), default=0.0)
+    return floor / mesh.pp + spike
+
+
+#: Uniform assignments compared against the ILP's answer on every mesh.
+BASELINES = (Choice(0), Choice(0, recompute=True), Choice(3), Choice(3, recompute=True))
+
+
+def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: Sequence[Mesh], costing: Costing,
+           time_limit_s: float | None = None) -> tuple[Candidate, list[Candidate], dict[str, float]]:
+    """Solve every mesh; returns the best candidate, all feasible ones (fastest first), and the
+    smallest peak per infeasible mesh.
+
+    Raises:
+        NoPlanError: nothing fits ``costing.memory_limit_bytes``.
+    """
+    start = time.perf_counter()
+    deadline = start + (time_limit_s if time_limit_s is not None else math.inf)
+    found: list[Candidate] = []
+    infeasible: dict[str, float] = {}
+    for mesh in mesh_list:
+        if time.perf_counter() > deadline and found:
+            log.warning("planner time limit %.1f s reached after %d meshes; keeping the best so far", time_limit_s, len(found) + len(infeasible))
+            break
+        blocks = layouts[(mesh.tp, mesh.sequence_parallel)]
+        cand, smallest = solve_mesh(blocks, mesh, costing, deadline, BASELINES)
+        if cand is None:
+            infeasible[str(mesh)] = smallest
+        else:
+            found.append(cand)
+    if not found:
+        least = min(infeasible.values(), default=math.nan)
+        raise NoPlanError(
+            f"no plan fits memory_budget={costing.memory_limit_bytes / 2**30:.2f} GiB per device: the "
+            f"smallest peak any of {len(infeasible)} meshes reaches is about {least / 2**30:.2f} GiB "
+            "(every block at its most memory-saving choice); raise memory_budget, add devices, or "
+            "shrink the batch"
+        )
+    found.sort(key=lambda c: c.step_time_s)
+    tied = [c for c in found if c.step_time_s <= found[0].step_time_s * (1 + _TIE_REL)]
+    best = min(tied, key=lambda c: (c.mesh.pp, c.mesh.microbatches, c.mesh.tp, c.mesh.sequence_parallel,
+                                    c.peak_memory_bytes))
+    found.remove(best)
+    return best, [best, *found], infeasible

@@ -1,0 +1,629 @@
+"""``graphpass.plan``: choose how to parallelise a model on a cluster, from its captured graph.
+
+The planner never runs the model: it captures it on fake tensors (meta-device models and inputs
+work, so a 175B model on 1024 GPUs plans on a laptop), measures the graph, and searches.
+
+1. **Measure the graph once** (:class:`GraphProfile`): split the nodes into *blocks* (the
+   segment before the first repeated layer, each repeated layer, the segment after the last);
+   per node, FLOPs and bytes (priced by the roofline, or profiled times when the cluster is this
+   machine and a profile exists, :mod:`graphpass.cost.profiler`); activations autograd saves for
+   backward, measured by running the graph on fake tensors under ``saved_tensors_hooks`` and
+   counting each storage once, attributed to the node that produced it.
+2. **Per tensor-parallel layout** ``(tp, sequence_parallel)``: dry-run the ``tensor_parallel``
+   pass (:func:`graphpass.passes.tensor_parallel.layout`) on a meta skeleton of the graph; every
+   node whose input or output it shards runs 1/tp of its compute and saves 1/tp of its
+   activations, parameters it shards hold 1/tp, and the collectives it emits are priced as they
+   are (``graphpass.cost.collectives.op_traffic``). A tp the model cannot take (heads, vocabulary
+   not divisible) is skipped with its reason.
+3. **Search** (:mod:`graphpass.cost.search`): meshes, pipeline stages by dynamic programming,
+   per-block ZeRO stage / split / recompute by an OR-Tools ILP over clusters of identical blocks.
+4. **Plan**: the winner becomes a :class:`~graphpass.plan.Plan` with predictions, a per-block
+   breakdown and the reasons (runner-up meshes, what did not fit and why).
+
+``strategy=gp.Strategy(...)`` prices that fixed uniform strategy with the same model instead of
+searching (the baselines a user would otherwise pick).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphpass import meta
+from graphpass.capture import capture, check_example_inputs
+from graphpass.cluster import Cluster, DeviceSpec
+from graphpass.cost import search as S
+from graphpass.cost.collectives import op_traffic
+from graphpass.cost.compute import grad_requiring_nodes, node_bytes, node_flops, op_name
+from graphpass.passes.split_operators import default_split
+from graphpass.passes.tensor_parallel import TensorParallelError, layout
+from graphpass.plan import Plan, Strategy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["plan", "parse_memory", "GraphProfile", "PlanningError"]
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+#: Default share of device memory the plan may use: the rest is for the CUDA context, the
+#: caching allocator's fragmentation and communication buffers.
+DEFAULT_MEMORY_FRACTION = 0.9
+#: Tensor-parallel degrees tried (within one node).
+_TP_DEGREES = (1, 2, 4, 8, 16)
+#: Adam / AdamW keep two states per parameter (exp_avg, exp_avg_sq).
+_ADAM_STATES = 2
+_DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class PlanningError(ValueError):
+    """The inputs cannot be planned (a model without parameters, a bad budget or cluster)."""
+
+
+def parse_memory(value: Any, name: str = "memory_budget") -> int:
+    """Bytes from an int/float or a string such as ``"70GiB"``, ``"80 GB"``, ``"1.5e10"``.
+
+    Raises:
+        ValueError: naming ``name`` and the accepted forms.
+    """
+    if isinstance(value, bool):
+        value = None
+    if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([KMGT]i?B|B)?\s*", value, re.IGNORECASE)
+        if match:
+            number = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+            if number > 0:
+                return int(number)
+    raise ValueError(
+        f"{name}={value!r} is not a memory size; give bytes as a positive number or a string like "
+        "'70GiB', '80GB', '512MiB' or '7.5e10'"
+    )
+
+
+def _resolve_cluster(cluster: Any) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, str):
+        match = re.fullmatch(r"([\w.-]+?)(?::(\d+)x(\d+))?", cluster.strip())
+        if match and match.group(2):
+            return Cluster.preset(match.group(1), nodes=int(match.group(2)), gpus_per_node=int(match.group(3)))
+        return Cluster.preset(cluster.strip())
+    raise TypeError(
+        f"cluster must be a graphpass.Cluster or a preset name such as 'h100-80g' or 'h100-80g:4x8', "
+        f"got {type(cluster).__name__}"
+    )
+
+
+# ------------------------------------------------------------------------------- graph profile
+
+
+@dataclass
+class _Block:
+    name: str
+    kind: str
+    layer: int | None
+    nodes: list[fx.Node]
+    params: list[fx.Node]
+    signature: str = ""
+    input_bytes: float = 0.0
+    output_bytes: float = 0.0
+
+
+def _tensor_bytes(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.numel() * value.element_size())
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0.0
+
+
+def _is_fake_or_meta(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+class _SavedTensors(fx.Interpreter):
+    """Runs the graph on fake tensors and attributes every tensor autograd saves for backward to
+    the node that produced its storage (each storage counted once)."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, flash_attention: bool):
+        super().__init__(gm)
+        self.mode = mode
+        self.flash = flash_attention
+        self.current: fx.Node | None = None
+        self.producer: dict[StorageWeakRef, fx.Node] = {}
+        self.saved: dict[StorageWeakRef, tuple[fx.Node, float]] = {}
+        self.params: set[StorageWeakRef] = set()
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor):
+            fake = self.mode.from_tensor(value)
+            self.params.add(StorageWeakRef(fake.untyped_storage()))
+            return fake
+        return value
+
+    def run_node(self, node: fx.Node) -> Any:
+        self.current = node
+        out = super().run_node(node)
+        for t in _flat_tensors(out):
+            self.producer.setdefault(StorageWeakRef(t.untyped_storage()), node)
+        if self.flash and op_name(node) == "scaled_dot_product_attention" and isinstance(out, torch.Tensor):
+            # Flash / memory-efficient attention saves q, k, v, the output and a float32
+            # logsumexp per (batch, head, query); the fake run takes the math path, which would
+            # also save the (s x s) probabilities.
+            for t in [*(a for a in self.fetched_args(node)), out]:
+                self._record(t, node)
+            b_h_s = out.shape[:-1]
+            self.saved[StorageWeakRef(torch.empty(0).untyped_storage())] = (node, 4.0 * math.prod(b_h_s))
+        return out
+
+    def fetched_args(self, node: fx.Node) -> list[torch.Tensor]:
+        return [self.env[a] for a in node.args[:3] if isinstance(a, fx.Node) and isinstance(self.env.get(a), torch.Tensor)]
+
+    def _record(self, t: torch.Tensor, owner: fx.Node) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in self.params or ref in self.saved:
+            return
+        self.saved[ref] = (self.producer.get(ref, owner), float(t.untyped_storage().nbytes()))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        node = self.current
+        if not (self.flash and node is not None and op_name(node) == "scaled_dot_product_attention"):
+            self._record(t, node)
+        return t
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat_tensors(v)]
+    return []
+
+
+def _saved_bytes_by_node(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], flash_attention: bool) -> dict[str, float]:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    interp = _SavedTensors(gm, mode, flash_attention)
+    fake_inputs = [mode.from_tensor(t) for t in inputs]
+    with mode, torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t):
+        interp.run(*fake_inputs)
+    out: dict[str, float] = defaultdict(float)
+    for node, nbytes in interp.saved.values():
+        if node is not None:
+            out[node.name] += nbytes
+    return dict(out)
+
+
+class GraphProfile:
+    """A captured graph measured once: blocks, per-node work, saved activations, parameters.
+
+    Args:
+        gm: the captured graph (at ``batch`` samples).
+        inputs: the example inputs it was captured with.
+        batch: samples in ``inputs`` (dim 0).
+        cluster: where it will run (decides flash-attention accounting and the roofline).
+        measured: profiled ``(forward_s, backward_s)`` per node name, when available.
+    """
+
+    def __init__(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor], batch: int, cluster: Cluster,
+                 measured: Mapping[str, tuple[float, float]] | None = None):
+        self.gm, self.batch, self.cluster = gm, batch, cluster
+        self.device: DeviceSpec = cluster.device
+        self.measured = dict(measured or {})
+        self.param_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND, None) == "parameter"]
+        self.tensors = {n.name: self._attr(n.target) for n in self.param_nodes}
+        trainable = [n for n in self.param_nodes if self.tensors[n.name].requires_grad]
+        if not trainable:
+            raise PlanningError(
+                f"{type(gm).__name__} captured from the model has no trainable parameters; there is "
+                "nothing to parallelise (check requires_grad, or that the model's weights are nn.Parameters)"
+            )
+        dtypes = {self.tensors[n.name].dtype for n in trainable}
+        self.param_dtype = max(dtypes, key=lambda d: torch.finfo(d).bits if d.is_floating_point else 0)
+        self.compute_dtype = _DTYPE_KEYS.get(self.param_dtype, "fp32")
+        if self.compute_dtype not in self.device.peak_tflops:
+            self.compute_dtype = next(iter(self.device.peak_tflops))
+        self.blocks = self._blocks()
+        self.owner = {n.name: b for b in self.blocks for n in (*b.nodes, *b.params)}
+        grad_nodes = grad_requiring_nodes(gm)
+        self.work: dict[str, tuple[float, float, float, float]] = {}
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                f, b = node_flops(node, grad_nodes)
+                weights = sum(_tensor_bytes(a.meta.get(meta.VAL)) for a in node.all_input_nodes if a.op == "get_attr")
+                has_backward = b > 0 or any(a in grad_nodes for a in node.all_input_nodes)
+                self.work[node.name] = (f, b, node_bytes(node) - weights, weights if has_backward else -weights)
+        self.saved = _saved_bytes_by_node(gm, inputs, flash_attention=cluster.device.kind == "cuda")
+        self.split_linears = set(default_split(gm, 2))
+
+    def _attr(self, target: str) -> torch.Tensor:
+        path, _, name = target.rpartition(".")
+        return getattr(self.gm.get_submodule(path), name)
+
+    # ---- blocks
+
+    def _blocks(self) -> list[_Block]:
+        nodes = list(self.gm.graph.nodes)
+        layered = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.meta.get(meta.LAYER) is not None]
+        first, last = (layered[0], layered[-1]) if layered else (len(nodes), len(nodes))
+        pre = _Block("pre", S.PRE, None, [], [])
+        post = _Block("post", S.POST, None, [], [])
+        layers: dict[int, _Block] = {}
+        owner: dict[fx.Node, _Block] = {}
+        current = pre
+        for i, node in enumerate(nodes):
+            if node.op != "call_function":
+                continue
+            layer = node.meta.get(meta.LAYER)
+            if layer is not None:
+                current = layers.setdefault(layer, _Block(f"layer {layer}", S.LAYER, layer, [], []))
+            elif i > last:
+                current = post
+            elif i < first:
+                current = pre
+            current.nodes.append(node)
+            owner[node] = current
+        for param in self.param_nodes:
+            users = [u for u in param.users if u in owner]
+            (owner[users[0]] if users else pre).params.append(param)
+        blocks = [b for b in (pre, *(layers[k] for k in sorted(layers)), post) if b.nodes or b.params]
+        for block in blocks:
+            members = set(block.nodes)
+            inputs = {a for n in block.nodes for a in n.all_input_nodes if a not in members and a.op != "get_attr"}
+            outputs = {n for n in block.nodes if any(u not in members and u.op != "output" for u in n.users)}
+            block.input_bytes = sum(_tensor_bytes(a.meta.get(meta.VAL)) for a in inputs if _is_float_node(a))
+            block.output_bytes = sum(_tensor_bytes(n.meta.get(meta.VAL)) for n in outputs if _is_float_node(n))
+            block.signature = self._signature(block)
+        return blocks
+
+    def _signature(self, block: _Block) -> str:
+        if block.kind != S.LAYER:
+            return block.kind
+        parts = [f"{op_name(n)}:{tuple(getattr(n.meta.get(meta.VAL), 'shape', ()))}" for n in block.nodes]
+        parts += [f"p{tuple(self.tensors[p.name].shape)}" for p in block.params]
+        return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+    # ---- per layout
+
+    def _time(self, name: str, scale: float, divide: float) -> tuple[float, float]:
+        """(forward_s, backward_s) of one node at ``scale`` times the captured batch, its compute
+        split ``divide`` ways."""
+        if name in self.measured:
+            f, b = self.measured[name]
+            return f * scale / divide, b * scale / divide
+        flops_f, flops_b, act_bytes, weights = self.work[name]
+        has_backward = weights >= 0
+        weights = abs(weights) / divide
+        peak = self.device.peak_tflops[self.compute_dtype] * 1e12 * float(getattr(self.device, "compute_efficiency", 0.6))
+        bandwidth = self.device.memory_bandwidth_gbps * 1e9 * float(getattr(self.device, "memory_efficiency", 0.8))
+        moved = act_bytes * scale / divide + weights
+        forward = max(flops_f * scale / divide / peak, moved / bandwidth)
+        backward = max(flops_b * scale / divide / peak, 2 * moved / bandwidth) if has_backward else 0.0
+        return forward, backward
+
+    def block_costs(self, tp: int, sequence_parallel: bool, batches: Sequence[int]) -> list[S.BlockCost]:
+        """The blocks under tensor-parallel layout ``(tp, sequence_parallel)``, with compute times at
+        every local batch in ``batches``.
+
+        Raises:
+            TensorParallelError: the model cannot take this tp.
+        """
+        placements: Mapping[str, Any] = {}
+        traffic: dict[str, list[tuple[str, str, float]]] = defaultdict(list)
+        if tp > 1:
+            lay = layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
+            placements = lay.placements
+            for c in lay.collectives:
+                block = self.owner.get(c.anchor, self.blocks[0])
+                for phase, kind, size in op_traffic(c.op, c.nbytes, grad=c.grad):
+                    traffic[block.name].append((phase, kind, float(size)))
+
+        def sharded(node: fx.Node) -> bool:
+            def is_split(n: fx.Node) -> bool:
+                p = placements.get(n.name)
+                return isinstance(p, (Shard, Partial)) or (isinstance(p, list) and any(isinstance(q, Shard) for q in p))
+            return tp > 1 and (is_split(node) or any(is_split(a) for a in node.all_input_nodes))
+
+        out = []
+        for block in self.blocks:
+            times = {}
+            split_nodes = {n.name: (tp if sharded(n) else 1) for n in block.nodes}
+            for b in batches:
+                scale = b / self.batch
+                fwd = bwd = 0.0
+                for node in block.nodes:
+                    f, bw = self._time(node.name, scale, split_nodes[node.name])
+                    fwd += f
+                    bwd += bw
+                times[b] = (fwd, bwd)
+            saved = sum(self.saved.get(n.name, 0.0) / split_nodes[n.name] for n in block.nodes)
+            if block.kind == S.PRE:  # inputs saved by the first ops (token ids)
+                saved += sum(v for k, v in self.saved.items() if k not in self.work)
+            params = param_bytes = split_bytes = 0.0
+            split_count = 0
+            for p in block.params:
+                tensor = self.tensors[p.name]
+                if not tensor.requires_grad:
+                    continue
+                share = tp if isinstance(placements.get(p.name), Shard) else 1
+                params += tensor.numel() / share
+                param_bytes += tensor.numel() * tensor.element_size() / share
+            for node in block.nodes:
+                if node.name in self.split_linears:
+                    w = node.args[1]
+                    split_bytes += _tensor_bytes(self.tensors[w.name]) if w.name in self.tensors else 0.0
+                    split_count += 1
+            scale_io = 1 / tp if sequence_parallel and tp > 1 else 1.0
+            out.append(S.BlockCost(
+                name=block.name, kind=block.kind, signature=block.signature, layer=block.layer,
+                params=params, param_bytes=param_bytes, split_bytes=split_bytes, split_count=split_count,
+                times=times, saved_bytes=saved, input_bytes=block.input_bytes * scale_io,
+                output_bytes=block.output_bytes * scale_io, tp_traffic=tuple(traffic.get(block.name, ())),
+            ))
+        return out
+
+
+def _is_float_node(node: fx.Node) -> bool:
+    val = node.meta.get(meta.VAL)
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> Plan:
+    from graphpass.api import plan_from_strategy
+
+    return plan_from_strategy(gm, Strategy(dp=1, tp=tp, sequence_parallel=sequence_parallel), ())
+
+
+# ------------------------------------------------------------------------------------- search
+
+
+def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float, optimizer_states: int,
+             executable_only: bool) -> S.Costing:
+    param_bytes = torch.finfo(profile.param_dtype).bits // 8
+    # fp32 training: gradients in fp32, optimizer states in fp32 (the weights are their own master
+    # copy). 16-bit weights: mixed precision, gradients in 16 bits, an fp32 master copy plus fp32
+    # states (ZeRO's K = 12 for Adam).
+    master = 4 if param_bytes < 4 else 0
+    return S.Costing(
+        cluster=cluster,
+        batch=batch,
+        memory_limit_bytes=float(budget),
+        grad_bytes_per_param=float(param_bytes),
+        optimizer_bytes_per_param=float(master + 4 * optimizer_states),
+        # NCCL runs on its own streams and hides behind compute; gloo on CPU ranks competes with
+        # compute for the same cores, so nothing is assumed hidden there.
+        overlap=1.0 if cluster.device.kind == "cuda" else 0.0,
+        executable_only=executable_only,
+    )
+
+
+def _layouts(profile: GraphProfile, mesh_list: Sequence[S.Mesh], batch: int) -> tuple[dict, dict[int, str]]:
+    needed: dict[tuple[int, bool], set[int]] = defaultdict(set)
+    for mesh in mesh_list:
+        needed[(mesh.tp, mesh.sequence_parallel)].add(S.local_batch(mesh, batch))
+    layouts, rejected = {}, {}
+    for (tp, sp), batches in sorted(needed.items()):
+        if tp in rejected:
+            continue
+        try:
+            layouts[(tp, sp)] = profile.block_costs(tp, sp, sorted(batches))
+        except TensorParallelError as exc:
+            rejected[tp] = str(exc)
+    return layouts, rejected
+
+
+def plan(
+    model: nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Sequence[torch.Tensor],
+    strategy: str | Strategy = "auto",
+    memory_budget: int | float | str | None = None,
+    time_limit_s: float | None = None,
+    *,
+    optimizer_states: int = _ADAM_STATES,
+    executable_only: bool = False,
+) -> Plan:
+    """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
+
+    Args:
+        model: the single-device model; meta-device parameters are fine (nothing is allocated).
+        cluster: a :class:`Cluster`, or a preset name (``"h100-80g"``, ``"a100-80g:16x8"`` for
+            16 nodes of 8).
+        example_inputs: one *global* batch (meta tensors are fine); dim 0 is the batch.
+        strategy: ``"auto"`` to search, or a uniform :class:`Strategy` to price.
+        memory_budget: per-device bytes (or ``"70GiB"``); default 90% of the device's memory.
+        time_limit_s: stop searching after this long and keep the best plan found.
+        optimizer_states: fp32 states per parameter (2 for Adam/AdamW, 1 for SGD with momentum).
+        executable_only: search only what ``graphpass.compile`` executes today (no pipeline
+            stages or microbatches); ``compile(strategy="auto")`` sets it.
+
+    Returns:
+        a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
+        per-block ``breakdown`` and ``reasons``.
+
+    Raises:
+        ValueError: unknown preset, unparsable budget, a batch no mesh divides.
+        PlanningError: a model without trainable parameters.
+        graphpass.cost.search.NoPlanError: nothing fits the budget (the message gives the
+            smallest peak any plan reaches).
+    """
+    start = time.perf_counter()
+    cluster = _resolve_cluster(cluster)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs = check_example_inputs(example_inputs)
+    if not inputs or inputs[0].dim() == 0:
+        raise ValueError("example_inputs[0] must have a batch dimension (dim 0)")
+    budget = (
+        parse_memory(memory_budget) if memory_budget is not None
+        else int(cluster.device.memory_bytes * DEFAULT_MEMORY_FRACTION)
+    )
+    if not isinstance(strategy, (str, Strategy)) or (isinstance(strategy, str) and strategy != "auto"):
+        raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise PlanningError(
+            f"{type(model).__name__} has no trainable parameters (model.parameters() is empty or "
+            "frozen); there is nothing to parallelise"
+        )
+    batch = int(inputs[0].shape[0])
+    captured = capture(model, inputs)
+    profile = GraphProfile(captured.gm, inputs, batch, cluster, _measured_times(captured.gm, cluster))
+    costing = _costing(profile, cluster, batch, budget, optimizer_states, executable_only)
+    num_blocks = len(profile.blocks)
+    measured_at = time.perf_counter()
+
+    if isinstance(strategy, Strategy):
+        strategy.check(cluster.world_size) if executable_only else _check_degrees(strategy, cluster)
+        mesh = S.Mesh(strategy.pp, strategy.dp, strategy.tp, strategy.microbatches, strategy.sequence_parallel)
+        if batch % (mesh.dp * mesh.microbatches):
+            raise ValueError(
+                f"the global batch of {batch} samples does not split into dp={mesh.dp} x "
+                f"microbatches={mesh.microbatches}; choose degrees dividing it"
+            )
+        layouts, rejected = _layouts(profile, [mesh], batch)
+        if mesh.tp in rejected:
+            raise ValueError(rejected[mesh.tp])
+        blocks = layouts[(mesh.tp, mesh.sequence_parallel)]
+        choice = S.Choice(strategy.zero if mesh.dp > 1 else 0, strategy.split, strategy.recompute)
+        cand = S.evaluate(blocks, mesh, S.uniform_choices(blocks, choice), costing)
+        if cand is None:
+            raise ValueError(f"Strategy pp={mesh.pp} needs at least {mesh.pp} blocks; the model has {num_blocks}")
+        reasons = [f"uniform strategy priced as given: {strategy}"]
+        if cand.peak_memory_bytes > budget:
+            reasons.append(
+                f"does NOT fit: predicted peak {cand.peak_memory_bytes / 2**30:.2f} GiB > budget "
+                f"{budget / 2**30:.2f} GiB"
+            )
+        return _to_plan(profile, blocks, cand, costing, strategy, reasons, start)
+
+    mesh_list = S.meshes(cluster, batch, _TP_DEGREES, num_blocks, executable_only=executable_only)
+    if not mesh_list:
+        raise ValueError(
+            f"no mesh of {cluster.world_size} devices divides the global batch of {batch} samples "
+            f"(dp must divide it); use a batch that is a multiple of the data-parallel degree"
+        )
+    layouts, rejected = _layouts(profile, mesh_list, batch)
+    usable = [m for m in mesh_list if (m.tp, m.sequence_parallel) in layouts]
+    remaining = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - start))
+    best, found, infeasible = S.search(layouts, usable, costing, remaining)
+    reasons = _reasons(best, found, infeasible, rejected, costing, len(usable), measured_at - start)
+    return _to_plan(profile, layouts[(best.mesh.tp, best.mesh.sequence_parallel)], best, costing, None, reasons, start)
+
+
+def _check_degrees(strategy: Strategy, cluster: Cluster) -> None:
+    if strategy.degree != cluster.world_size:
+        raise ValueError(
+            f"Strategy dp={strategy.dp} x tp={strategy.tp} x pp={strategy.pp} = {strategy.degree} devices, "
+            f"but the cluster has {cluster.world_size}"
+        )
+
+
+def _measured_times(gm: fx.GraphModule, cluster: Cluster) -> dict[str, tuple[float, float]]:
+    """Profiled node times when the profiler has them for this cluster's device (else empty: the
+    roofline prices everything, and the profiler logs what it lacked)."""
+    if not cluster.name.startswith("local"):  # profiles describe this machine, not a preset
+        return {}
+    try:
+        from graphpass.cost import profiler
+    except ImportError:  # the profiler module is optional at planning time
+        return {}
+    node_times = getattr(profiler, "node_times", None)
+    if node_times is None:
+        return {}
+    return dict(node_times(gm, cluster.device, measure=False))
+
+
+def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],
+             rejected: Mapping[int, str], costing: S.Costing, tried: int, measure_s: float) -> list[str]:
+    lines = [
+        f"searched {tried} meshes (pp x dp x tp x microbatches x sequence-parallel) under a "
+        f"{costing.memory_limit_bytes / 2**30:.2f} GiB per-device budget; {len(found)} fit",
+        f"chosen {best.mesh}: predicted step {best.step_time_s * 1e3:.2f} ms, peak "
+        f"{best.peak_memory_bytes / 2**30:.2f} GiB ({best.how}"
+        + ("" if best.optimal else f", gap {best.gap:.1%}") + ")",
+    ]
+    for other in found[1:4]:
+        lines.append(
+            f"runner-up {other.mesh}: {other.step_time_s * 1e3:.2f} ms "
+            f"({other.step_time_s / best.step_time_s:.2f}x), peak {other.peak_memory_bytes / 2**30:.2f} GiB"
+        )
+    if infeasible:
+        worst = sorted(infeasible.items(), key=lambda kv: kv[1])[:2]
+        lines.append(
+            f"{len(infeasible)} meshes cannot fit the budget, e.g. "
+            + ", ".join(f"{mesh} needs >= {need / 2**30:.2f} GiB" for mesh, need in worst)
+        )
+    for tp, why in sorted(rejected.items()):
+        lines.append(f"tp={tp} not possible: {why}")
+    if best.exposed_comm_s > 0:
+        lines.append(f"data-parallel communication not hidden behind compute: {best.exposed_comm_s * 1e3:.2f} ms per step")
+    lines.append(f"measuring the graph took {measure_s:.1f} s")
+    return lines
+
+
+def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
+             strategy: Strategy | None, reasons: list[str], start: float) -> Plan:
+    from graphpass.api import plan_from_strategy
+
+    mesh = cand.mesh
+    gm = profile.gm
+    base = plan_from_strategy(gm, Strategy(dp=mesh.dp, tp=mesh.tp, sequence_parallel=mesh.sequence_parallel), ())
+    zero: dict[str, int] = {}
+    split: dict[str, dict[str, Any]] = {}
+    recompute: list[int] = []
+    for gblock, choice in zip(profile.blocks, cand.choices):
+        if choice.zero:
+            for p in gblock.params:
+                tensor = profile.tensors[p.name]
+                if tensor.requires_grad and tensor.dim() > 0:
+                    zero[p.name] = choice.zero
+        if choice.split > 1:
+            names = {n.name for n in gblock.nodes}
+            split.update({k: v for k, v in default_split(gm, choice.split).items() if k in names})
+        if choice.recompute and gblock.layer is not None:
+            recompute.append(gblock.layer)
+    mesh_axes = ({"pp": mesh.pp} if mesh.pp > 1 else {}) | {"dp": mesh.dp} | ({"tp": mesh.tp} if mesh.tp > 1 else {})
+    stages = tuple(profile.blocks[stage[0]].nodes[0].name for stage in cand.stages) if mesh.pp > 1 else ("*",)
+    breakdown = []
+    for s, indices in enumerate(cand.stages):
+        for i in indices:
+            pr, block = cand.priced[i], blocks[i]
+            breakdown.append({
+                "block": block.name, "stage": s, "choice": str(cand.choices[i]),
+                "time_s": pr.time_s * mesh.microbatches, "tp_comm_s": pr.tp_comm_s * mesh.microbatches,
+                "dp_comm_s": pr.dp_comm_s, "state_bytes": pr.state_bytes, "activation_bytes": pr.act_bytes,
+                "transient_bytes": pr.transient_bytes,
+            })
+    reasons = list(reasons)
+    reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
+    return Plan(
+        mesh=mesh_axes,
+        placements=base.placements,
+        stages=stages,
+        strategy=strategy,
+        zero=zero,
+        recompute=tuple(sorted(recompute)),
+        split=split,
+        sequence_parallel=mesh.sequence_parallel,
+        microbatches=mesh.microbatches,
+        predicted_step_time_s=cand.step_time_s,
+        predicted_peak_memory_bytes=int(cand.peak_memory_bytes),
+        breakdown=tuple(breakdown),
+        reasons=tuple(reasons),
+    )
