@@ -22,8 +22,11 @@ graph captured from a meta-device 175B model is priced without allocating anythi
 * **Bytes.** Forward bytes read plus written: every tensor input and output, except that views
   move nothing and an embedding reads only the rows it gathers. Backward moves about twice the
   forward bytes (it reads ``dY`` and the saved inputs and writes a gradient per input).
-* **Time.** ``max(flops / (peak·efficiency), bytes / (bandwidth·memory_efficiency))`` per node; a
-  measured time (``graph_compute(..., measured=...)``, from the profiler) replaces the roofline.
+* **Time.** ``max(flops / (peak·efficiency), bytes / (bandwidth·memory_efficiency))`` per node,
+  the efficiencies being the device's (``DeviceSpec.compute_efficiency``/``memory_efficiency``:
+  0.6/0.8 for spec-sheet peaks, 1.0 for a profiled device whose figures are achieved rates); a
+  measured time (``graph_compute(..., measured=...)``, from ``graphpass.cost.profiler.node_times``)
+  replaces the roofline.
 
 Example::
 
@@ -45,7 +48,8 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from graphpass import meta
-from graphpass.cluster import DeviceSpec
+# The default efficiencies live with DeviceSpec (its fields default to them); re-exported here.
+from graphpass.cluster import DEFAULT_EFFICIENCY, DEFAULT_MEMORY_EFFICIENCY, DeviceSpec
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +65,6 @@ __all__ = [
     "DEFAULT_MEMORY_EFFICIENCY",
 ]
 
-#: Typical achieved fraction of peak tensor-core FLOP/s for large dense matmuls in training
-#: (Megatron-LM reports 0.5-0.6 model FLOPs utilisation on A100, Narayanan et al. 2021, table 1).
-#: A default only: the profiler replaces it with measured times.
-DEFAULT_EFFICIENCY = 0.6
-#: Typical achieved fraction of HBM bandwidth for streaming pointwise kernels (STREAM-like copies
-#: reach ~80-90% on A100/H100). A default only: the profiler replaces it with measured times.
-DEFAULT_MEMORY_EFFICIENCY = 0.8
 
 # Ops that only reinterpret or select storage: no FLOPs and no bytes moved.
 _VIEWS = frozenset({
@@ -309,8 +306,8 @@ def roofline_time_s(
     bytes_moved: float,
     device: DeviceSpec,
     dtype: str = "bf16",
-    efficiency: float = DEFAULT_EFFICIENCY,
-    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY,
+    efficiency: float | None = None,
+    memory_efficiency: float | None = None,
 ) -> float:
     """Roofline time: the slower of doing the arithmetic and moving the bytes.
 
@@ -319,10 +316,10 @@ def roofline_time_s(
         bytes_moved: Bytes read plus written to device memory.
         device: Peak FLOP/s per dtype and memory bandwidth.
         dtype: Key of ``device.peak_tflops`` (``"bf16"``, ``"fp16"``, ``"tf32"``, ``"fp32"``).
-        efficiency: Achieved fraction of peak FLOP/s (typical for large matmuls; the profiler
-            replaces it with measurements).
-        memory_efficiency: Achieved fraction of peak bandwidth (typical for streaming kernels;
-            the profiler replaces it with measurements).
+        efficiency: Achieved fraction of peak FLOP/s; None takes ``device.compute_efficiency``
+            (`DEFAULT_EFFICIENCY` for spec-sheet peaks, 1.0 for a profiled device).
+        memory_efficiency: Achieved fraction of peak bandwidth; None takes
+            ``device.memory_efficiency``.
 
     Raises:
         ValueError: unknown dtype, an efficiency outside (0, 1], or negative work.
@@ -332,6 +329,10 @@ def roofline_time_s(
             f"dtype {dtype!r} has no peak in DeviceSpec {device.name!r}.peak_tflops; "
             f"use one of {sorted(device.peak_tflops)}"
         )
+    if efficiency is None:
+        efficiency = device.compute_efficiency
+    if memory_efficiency is None:
+        memory_efficiency = device.memory_efficiency
     for field, value in (("efficiency", efficiency), ("memory_efficiency", memory_efficiency)):
         if not 0 < value <= 1:
             raise ValueError(f"{field} must be in (0, 1], got {value!r}")
@@ -365,8 +366,8 @@ def graph_compute(
     device: DeviceSpec,
     dtype: str = "bf16",
     *,
-    efficiency: float = DEFAULT_EFFICIENCY,
-    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY,
+    efficiency: float | None = None,
+    memory_efficiency: float | None = None,
     measured: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict[str, NodeCost]:
     """Compute cost of every ``call_function`` node of ``gm``, keyed by node name.
@@ -375,8 +376,8 @@ def graph_compute(
         gm: The IR (every tensor node carries a fake value).
         device: The device the graph runs on.
         dtype: Compute dtype, a key of ``device.peak_tflops``.
-        efficiency: See :func:`roofline_time_s`.
-        memory_efficiency: See :func:`roofline_time_s`.
+        efficiency: See :func:`roofline_time_s` (None: the device's).
+        memory_efficiency: See :func:`roofline_time_s` (None: the device's).
         measured: Profiled ``(forward_s, backward_s)`` per node name; these replace the roofline
             times (FLOPs and bytes are still reported).
 

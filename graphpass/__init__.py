@@ -12,6 +12,8 @@ from graphpass.capture import CaptureError, capture
 from graphpass.cluster import Cluster, DeviceSpec, LinkSpec, presets
 from graphpass.pass_manager import PassError, PassRecord
 from graphpass.plan import Plan, Strategy
+from graphpass.cost.profiler import profile
+from graphpass.planner import plan
 from graphpass.runtime.launch import RankError, launch
 from graphpass.runtime.module import DistributedModule
 
@@ -29,6 +31,8 @@ __all__ = [
     "capture",
     "compile",
     "launch",
+    "plan",
+    "profile",
     "presets",
 ]
 

@@ -55,11 +55,7 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
     if isinstance(strategy, str):
         if strategy != "auto":
             raise ValueError(f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {strategy!r}")
-        chosen = Strategy(dp=world_size)
-        return chosen, None, [
-            f"strategy='auto' chose data parallel over all {world_size} ranks "
-            "(the cost-model planner is not built yet)"
-        ]
+        return None, None, []
     if isinstance(strategy, Strategy):
         strategy.check(world_size)
         return strategy, None, ["uniform strategy given by the user"]
@@ -71,6 +67,12 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
             )
         if strategy.strategy is not None:
             strategy.strategy.check(world_size)
+        if strategy.mesh.get("pp", 1) > 1 or strategy.microbatches > 1:
+            raise NotImplementedError(
+                f"the Plan uses pipeline stages (mesh {dict(strategy.mesh)}) or microbatches "
+                f"({strategy.microbatches}); graphpass cannot execute those yet (partition_stages is "
+                "not built). Plan with graphpass.plan(..., executable_only=True) for a plan compile runs"
+            )
         return strategy.strategy, strategy, []
     raise TypeError(
         f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {type(strategy).__name__}"
@@ -177,6 +179,8 @@ def compile(  # noqa: A001 - the public name the contract uses
             "graphpass.Cluster.local()"
         )
     chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
+    if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
+        given_plan = _auto_plan(model, cluster, inputs, rank, world_size)
     dp = given_plan.mesh.get("dp", 1) if given_plan is not None else chosen.dp  # type: ignore[union-attr]
 
     # Capture at this rank's share of the batch: shapes are specialised in the graph.
@@ -214,6 +218,31 @@ def compile(  # noqa: A001 - the public name the contract uses
         model,
         captured.route,
     )
+
+
+def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int) -> Plan:
+    """The planner's choice among what the runtime executes, solved on rank 0 and broadcast, so
+    that every rank runs the same plan. A planning error on rank 0 is raised on every rank."""
+    from graphpass.planner import plan as make_plan
+
+    text, error = None, None
+    if rank == 0:
+        try:
+            text = make_plan(model, cluster, inputs, executable_only=True).to_json(indent=None)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank alike
+            error = f"{type(exc).__name__}: {exc}"
+            if world_size == 1:
+                raise
+    if world_size > 1:
+        box = [text, error]
+        dist.broadcast_object_list(box, src=0)
+        text, error = box
+    if error is not None:
+        raise RuntimeError(f"graphpass.compile(strategy='auto'): planning failed on rank 0: {error}")
+    chosen = Plan.from_json(text)
+    if rank == 0:
+        log.info("strategy='auto' planned:\n%s", chosen.explain())
+    return chosen
 
 
 def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:

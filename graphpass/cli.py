@@ -3,6 +3,7 @@
     graphpass presets                 # the cluster presets and their figures
     graphpass explain plan.json       # Plan.explain() of a saved plan
     graphpass dumps DIR               # summary.txt and the collectives in each rank's final graph
+    graphpass profile --world-size 2  # measure this machine; Cluster.local(2) then loads it
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def _dumps(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from graphpass.cost.profiler import run_profile  # imports torch: only for this command
+
+    dtypes = args.dtypes.split(",") if args.dtypes else None
+    try:
+        report = run_profile(world_size=args.world_size, path=args.out, dtypes=dtypes, quick=args.quick)
+    except ValueError as exc:
+        print(f"graphpass profile: {exc}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphpass`` console script."""
     parser = argparse.ArgumentParser(prog="graphpass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("dumps", help="summarise a dump directory")
     p.add_argument("dir")
     p.set_defaults(fn=_dumps)
+    p = sub.add_parser("profile", help="measure this machine's device and links into a cluster JSON")
+    p.add_argument("--world-size", type=int, default=1, help="local ranks to profile (default 1)")
+    p.add_argument("--out", default=None, help="JSON path (default: where Cluster.local looks)")
+    p.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes, e.g. bf16,fp32")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds)")
+    p.set_defaults(fn=_profile)
     args = parser.parse_args(argv)
     return args.fn(args)
 

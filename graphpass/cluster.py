@@ -16,7 +16,17 @@ Where the figures come from:
   device memory, world size) and, for a GPU that matches a preset, that
   preset's compute and link figures. Everything else (CPU compute, CPU links,
   unknown GPUs) is a *default, unprofiled* placeholder until the profiler
-  measures it; the cluster's ``name`` says so.
+  measures it; the cluster's ``name`` says so, and a warning says so once.
+* **Profiled clusters** (`graphpass.profile`, in ``graphpass.cost.profiler``)
+  hold measured, *achieved* rates: matmul TFLOP/s, copy bandwidth, and a
+  fitted alpha-beta link. They are written to `profile_path` (under
+  `cache_dir`), where `Cluster.local` finds them for the same device name and
+  world size and loads them instead of the defaults.
+
+Efficiencies: a spec-sheet peak is not achievable, so `DeviceSpec` carries the
+fraction the roofline applies (``compute_efficiency``, ``memory_efficiency``;
+`DEFAULT_EFFICIENCY` and `DEFAULT_MEMORY_EFFICIENCY` for presets and defaults).
+A profiled device already records achieved rates and sets both to 1.0.
 
 Units follow the names: ``_tflops`` is 1e12 FLOP/s, ``_gbps`` is GB/s (1e9
 bytes per second, not gigabits), ``_bytes`` bytes, ``_s`` seconds. Link
@@ -38,10 +48,21 @@ import json
 import logging
 import math
 import os
+import pathlib
+import re
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-__all__ = ["DeviceSpec", "LinkSpec", "Cluster", "presets"]
+__all__ = [
+    "DEFAULT_EFFICIENCY",
+    "DEFAULT_MEMORY_EFFICIENCY",
+    "Cluster",
+    "DeviceSpec",
+    "LinkSpec",
+    "cache_dir",
+    "presets",
+    "profile_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +70,14 @@ DEVICE_KINDS = ("cuda", "cpu")
 BACKENDS = ("nccl", "gloo")
 
 GiB = 2**30
+
+#: Typical achieved fraction of peak tensor-core FLOP/s for large dense matmuls in training
+#: (Megatron-LM reports 0.5-0.6 model FLOPs utilisation on A100, Narayanan et al. 2021, table 1).
+#: The default `DeviceSpec.compute_efficiency`; a profiled device measures achieved rates (1.0).
+DEFAULT_EFFICIENCY = 0.6
+#: Typical achieved fraction of HBM bandwidth for streaming pointwise kernels (STREAM-like copies
+#: reach ~80-90% on A100/H100). The default `DeviceSpec.memory_efficiency`.
+DEFAULT_MEMORY_EFFICIENCY = 0.8
 
 
 # --------------------------------------------------------------------------- validation
@@ -104,6 +133,10 @@ class DeviceSpec:
             ``"tf32"``), no structured sparsity.
         memory_bytes: Device memory (for a CPU rank: its share of host RAM).
         memory_bandwidth_gbps: HBM (or DRAM) bandwidth in GB/s.
+        compute_efficiency: Fraction of ``peak_tflops`` the roofline model assumes is achieved,
+            in (0, 1]; 1.0 when ``peak_tflops`` was measured.
+        memory_efficiency: Fraction of ``memory_bandwidth_gbps`` assumed achieved, in (0, 1];
+            1.0 when the bandwidth was measured.
     """
 
     name: str
@@ -111,6 +144,8 @@ class DeviceSpec:
     peak_tflops: dict[str, float]
     memory_bytes: int
     memory_bandwidth_gbps: float
+    compute_efficiency: float = DEFAULT_EFFICIENCY
+    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
 
     def __post_init__(self) -> None:
         _check_str("DeviceSpec", "name", self.name)
@@ -133,11 +168,16 @@ class DeviceSpec:
             "memory_bandwidth_gbps",
             _check_number("DeviceSpec", "memory_bandwidth_gbps", self.memory_bandwidth_gbps),
         )
+        for name in ("compute_efficiency", "memory_efficiency"):
+            value = _check_number("DeviceSpec", name, getattr(self, name))
+            if value > 1:
+                raise ValueError(f"DeviceSpec.{name} must be in (0, 1], got {value!r}")
+            object.__setattr__(self, name, value)
 
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
         return hash(
             (self.name, self.kind, tuple(sorted(self.peak_tflops.items())), self.memory_bytes,
-             self.memory_bandwidth_gbps)
+             self.memory_bandwidth_gbps, self.compute_efficiency, self.memory_efficiency)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,11 +188,17 @@ class DeviceSpec:
             "peak_tflops": dict(self.peak_tflops),
             "memory_bytes": self.memory_bytes,
             "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
+            "compute_efficiency": self.compute_efficiency,
+            "memory_efficiency": self.memory_efficiency,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
-        """Builds a spec from `to_dict` output; unknown or missing keys raise ValueError."""
+        """Builds a spec from `to_dict` output; unknown or missing keys raise ValueError.
+
+        The efficiencies may be missing (JSON written before they existed): they take their
+        defaults.
+        """
         return cls(**_from_fields(cls, data, "DeviceSpec"))
 
 
@@ -295,6 +341,69 @@ def _preset_for_gpu(device_name: str) -> str | None:
     if "A100" in upper:
         return "a100-80g" if "80G" in upper else "a100-40g"
     return None
+
+
+# --------------------------------------------------------------------------- profile cache
+
+#: Environment variable naming the cache directory (profiles, per-op times).
+CACHE_DIR_ENV = "GRAPHPASS_CACHE_DIR"
+
+# (device name, world size) pairs already warned about as unprofiled, so the warning shows once.
+_WARNED_UNPROFILED: set[tuple[str, int]] = set()
+
+
+def cache_dir() -> pathlib.Path:
+    """``$GRAPHPASS_CACHE_DIR``, else ``~/.cache/graphpass``: profiles and per-op times."""
+    raw = os.environ.get(CACHE_DIR_ENV)
+    return pathlib.Path(raw) if raw else pathlib.Path.home() / ".cache" / "graphpass"
+
+
+def device_slug(device_name: str) -> str:
+    """A file-name-safe form of a device name: ``"NVIDIA H200"`` → ``"nvidia-h200"``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    return slug or "device"
+
+
+def profile_path(device_name: str, world_size: int) -> pathlib.Path:
+    """Where `graphpass.profile` writes, and `Cluster.local` looks for, a profiled cluster:
+    ``cache_dir() / "clusters" / "<device slug>-<world_size>.json"``."""
+    _check_positive_int("profile_path", "world_size", world_size)
+    return cache_dir() / "clusters" / f"{device_slug(device_name)}-{world_size}.json"
+
+
+def _load_profile(device_name: str, kind: str, world_size: int) -> Cluster | None:
+    """The profiled cluster for this device and world size, or None (with a warning when a file
+    exists but cannot be used)."""
+    path = profile_path(device_name, world_size)
+    if not path.is_file():
+        return None
+    try:
+        cluster = Cluster.from_json(path.read_text())
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        logger.warning("ignoring unreadable cluster profile %s: %s", path, exc)
+        return None
+    found = (cluster.device.name, cluster.device.kind, cluster.world_size)
+    if found != (device_name, kind, world_size):
+        logger.warning(
+            "ignoring cluster profile %s: it describes (device, kind, world_size) = %s, "
+            "this job is %s",
+            path, found, (device_name, kind, world_size),
+        )
+        return None
+    logger.info("Cluster.local: using the profiled cluster %s (%s)", path, cluster.name)
+    return cluster
+
+
+def _warn_unprofiled(device_name: str, world_size: int, why: str) -> None:
+    if (device_name, world_size) in _WARNED_UNPROFILED:
+        return
+    _WARNED_UNPROFILED.add((device_name, world_size))
+    logger.warning(
+        "Cluster.local: %s; %d x %r uses %s figures (nothing at %s). Measure this machine with "
+        "graphpass.profile(world_size=%d) or `graphpass profile --world-size %d`.",
+        why, world_size, device_name, _UNPROFILED, profile_path(device_name, world_size),
+        world_size, world_size,
+    )
 
 
 def _env_int(var: str) -> int | None:
@@ -444,8 +553,11 @@ class Cluster:
         argument, else 1. A ``world_size`` argument that disagrees with either source
         raises. With CUDA, ranks are grouped ``min(device_count, world_size)`` per node
         (``LOCAL_WORLD_SIZE`` overrides when set); on CPU all ranks are one node and
-        share the host's RAM. Figures the hardware does not report are presets (for a
-        known GPU) or default, unprofiled placeholders (the ``name`` then says so).
+        share the host's RAM. A profile written by `graphpass.profile` for this device
+        name and world size (`profile_path`) supplies every figure when it exists.
+        Otherwise figures the hardware does not report are presets (for a known GPU) or
+        default, unprofiled placeholders (the ``name`` then says so, and a warning is
+        logged once).
 
         Args:
             world_size: Expected number of ranks; None to take it from the environment.
@@ -498,14 +610,20 @@ class Cluster:
                 f"Cluster.local: world_size={world_size} is not a multiple of the ranks per node "
                 f"({per_node}); set LOCAL_WORLD_SIZE or launch whole nodes"
             )
+        profiled = _load_profile(device_name, "cuda", world_size)
+        if profiled is not None:
+            return profiled
         preset = _preset_for_gpu(device_name)
         if preset is not None:
             spec, intra, inter = _PRESETS[preset]
             peaks, bandwidth, name = spec.peak_tflops, spec.memory_bandwidth_gbps, "local"
+            logger.info(
+                "Cluster.local: %r priced by the %s spec-sheet preset (no profile at %s)",
+                device_name, preset, profile_path(device_name, world_size),
+            )
         else:
-            logger.warning(
-                "GPU %r matches no preset (%s); using %s figures",
-                device_name, ", ".join(presets()), _UNPROFILED,
+            _warn_unprofiled(
+                device_name, world_size, f"GPU matches no preset ({', '.join(presets())})"
             )
             peaks, bandwidth = _GPU_DEFAULT_TFLOPS, _GPU_DEFAULT_MEMORY_BANDWIDTH_GBPS
             intra, inter, name = _PCIE, _NET_DEFAULT, f"local ({_UNPROFILED})"
@@ -514,6 +632,10 @@ class Cluster:
 
     @classmethod
     def _local_cpu(cls, world_size: int) -> Cluster:
+        profiled = _load_profile("cpu", "cpu", world_size)
+        if profiled is not None:
+            return profiled
+        _warn_unprofiled("cpu", world_size, "CPU compute and loopback links are not profiled")
         ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         device = DeviceSpec(
             name="cpu",

@@ -54,7 +54,7 @@ from graphpass.plan import Plan, Strategy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["plan", "parse_memory", "GraphProfile", "PlanningError"]
+__all__ = ["plan", "Planner", "parse_memory", "GraphProfile", "PlanningError"]
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -334,16 +334,19 @@ class GraphProfile:
                 for phase, kind, size in op_traffic(c.op, c.nbytes, grad=c.grad):
                     traffic[block.name].append((phase, kind, float(size)))
 
-        def sharded(node: fx.Node) -> bool:
-            def is_split(n: fx.Node) -> bool:
-                p = placements.get(n.name)
-                return isinstance(p, (Shard, Partial)) or (isinstance(p, list) and any(isinstance(q, Shard) for q in p))
-            return tp > 1 and (is_split(node) or any(is_split(a) for a in node.all_input_nodes))
+        def placed(node: fx.Node, kinds: tuple[type, ...]) -> bool:
+            p = placements.get(node.name)
+            return isinstance(p, kinds) or (isinstance(p, list) and any(isinstance(q, kinds) for q in p))
+
+        def runs_sharded(node: fx.Node) -> bool:
+            """Computes on local shards: a sharded or partial output, or a sharded input (a partial
+            input reaches the node through the all-reduce the pass inserts, so it is whole)."""
+            return tp > 1 and (placed(node, (Shard, Partial)) or any(placed(a, (Shard,)) for a in node.all_input_nodes))
 
         out = []
         for block in self.blocks:
             times = {}
-            split_nodes = {n.name: (tp if sharded(n) else 1) for n in block.nodes}
+            split_nodes = {n.name: (tp if runs_sharded(n) else 1) for n in block.nodes}
             for b in batches:
                 scale = b / self.batch
                 fwd = bwd = 0.0
@@ -352,7 +355,7 @@ class GraphProfile:
                     fwd += f
                     bwd += bw
                 times[b] = (fwd, bwd)
-            saved = sum(self.saved.get(n.name, 0.0) / split_nodes[n.name] for n in block.nodes)
+            saved = sum(self.saved.get(n.name, 0.0) / (tp if tp > 1 and placed(n, (Shard,)) else 1) for n in block.nodes)
             if block.kind == S.PRE:  # inputs saved by the first ops (token ids)
                 saved += sum(v for k, v in self.saved.items() if k not in self.work)
             params = param_bytes = split_bytes = 0.0
@@ -413,19 +416,130 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
     )
 
 
-def _layouts(profile: GraphProfile, mesh_list: Sequence[S.Mesh], batch: int) -> tuple[dict, dict[int, str]]:
-    needed: dict[tuple[int, bool], set[int]] = defaultdict(set)
-    for mesh in mesh_list:
-        needed[(mesh.tp, mesh.sequence_parallel)].add(S.local_batch(mesh, batch))
-    layouts, rejected = {}, {}
-    for (tp, sp), batches in sorted(needed.items()):
-        if tp in rejected:
-            continue
-        try:
-            layouts[(tp, sp)] = profile.block_costs(tp, sp, sorted(batches))
-        except TensorParallelError as exc:
-            rejected[tp] = str(exc)
-    return layouts, rejected
+class Planner:
+    """One model on one cluster, measured once; :meth:`auto` searches, :meth:`price` prices a
+    uniform strategy. ``graphpass.plan`` is ``Planner(...).auto()`` or ``.price(strategy)``;
+    benchmarks that price many strategies of one model keep the Planner.
+
+    Args: as :func:`plan`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cluster: Cluster | str,
+        example_inputs: Sequence[torch.Tensor],
+        memory_budget: int | float | str | None = None,
+        *,
+        optimizer_states: int = _ADAM_STATES,
+        executable_only: bool = False,
+    ):
+        start = time.perf_counter()
+        self.cluster = _resolve_cluster(cluster)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        inputs = check_example_inputs(example_inputs)
+        if not inputs or inputs[0].dim() == 0:
+            raise ValueError("example_inputs[0] must have a batch dimension (dim 0)")
+        self.budget = (
+            parse_memory(memory_budget) if memory_budget is not None
+            else int(self.cluster.device.memory_bytes * DEFAULT_MEMORY_FRACTION)
+        )
+        if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
+            raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise PlanningError(
+                f"{type(model).__name__} has no trainable parameters (model.parameters() is empty or "
+                "frozen); there is nothing to parallelise"
+            )
+        self.batch = int(inputs[0].shape[0])
+        captured = capture(model, inputs)
+        self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster,
+                                    _measured_times(captured.gm, self.cluster))
+        self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only)
+        self.executable_only = executable_only
+        self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
+        self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
+        self._rejected: dict[int, str] = {}
+        self.measure_s = time.perf_counter() - start
+
+    def blocks(self, mesh: S.Mesh) -> list[S.BlockCost] | None:
+        """Block costs for ``mesh``'s layout (None when the model cannot take its tp)."""
+        return self._ensure([mesh]).get((mesh.tp, mesh.sequence_parallel))
+
+    def _ensure(self, meshes: Sequence[S.Mesh]) -> dict[tuple[int, bool], list[S.BlockCost]]:
+        wanted: dict[tuple[int, bool], set[int]] = defaultdict(set)
+        for mesh in meshes:
+            wanted[(mesh.tp, mesh.sequence_parallel)].add(S.local_batch(mesh, self.batch))
+        for key, batches in wanted.items():
+            if key[0] in self._rejected or (key in self._layouts and batches <= self._batches[key]):
+                continue
+            self._batches[key] |= batches
+            try:
+                self._layouts[key] = self.profile.block_costs(key[0], key[1], sorted(self._batches[key]))
+            except TensorParallelError as exc:
+                self._rejected[key[0]] = str(exc)
+        return self._layouts
+
+    def _with_budget(self, memory_budget: int | float | str | None) -> tuple[int, S.Costing]:
+        if memory_budget is None:
+            return self.budget, self.costing
+        budget = parse_memory(memory_budget)
+        return budget, replace(self.costing, memory_limit_bytes=float(budget))
+
+    def price(self, strategy: Strategy, memory_budget: int | float | str | None = None) -> Plan:
+        """The plan of a uniform ``strategy``, priced; a reason line says when it does not fit
+        ``memory_budget`` (default: the Planner's)."""
+        start = time.perf_counter()
+        budget, costing = self._with_budget(memory_budget)
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a graphpass.Strategy, got {type(strategy).__name__}")
+        strategy.check(self.cluster.world_size) if self.executable_only else _check_degrees(strategy, self.cluster)
+        mesh = S.Mesh(strategy.pp, strategy.dp, strategy.tp, strategy.microbatches, strategy.sequence_parallel)
+        if self.batch % (mesh.dp * mesh.microbatches):
+            raise ValueError(
+                f"the global batch of {self.batch} samples does not split into dp={mesh.dp} x "
+                f"microbatches={mesh.microbatches}; choose degrees dividing it"
+            )
+        blocks = self.blocks(mesh)
+        if blocks is None:
+            raise ValueError(self._rejected[mesh.tp])
+        choice = S.Choice(strategy.zero if mesh.dp > 1 else 0, strategy.split, strategy.recompute)
+        cand = S.evaluate(blocks, mesh, S.uniform_choices(blocks, choice), costing)
+        if cand is None:
+            raise ValueError(
+                f"Strategy pp={mesh.pp} needs at least {mesh.pp} blocks; the model has {len(self.profile.blocks)}"
+            )
+        reasons = [f"uniform strategy priced as given: {strategy}"]
+        if cand.peak_memory_bytes > budget:
+            reasons.append(
+                f"does NOT fit: predicted peak {cand.peak_memory_bytes / 2**30:.2f} GiB > budget "
+                f"{budget / 2**30:.2f} GiB"
+            )
+        return _to_plan(self.profile, blocks, cand, costing, strategy, reasons, start)
+
+    def auto(self, time_limit_s: float | None = None, memory_budget: int | float | str | None = None) -> Plan:
+        """Search every mesh and per-block choice; the fastest plan that fits ``memory_budget``
+        (default: the Planner's).
+
+        Raises:
+            graphpass.cost.search.NoPlanError: nothing fits the budget.
+        """
+        start = time.perf_counter()
+        mesh_list = S.meshes(self.cluster, self.batch, _TP_DEGREES, len(self.profile.blocks),
+                             executable_only=self.executable_only)
+        if not mesh_list:
+            raise ValueError(
+                f"no mesh of {self.cluster.world_size} devices divides the global batch of {self.batch} "
+                "samples (dp must divide it); use a batch that is a multiple of the data-parallel degree"
+            )
+        layouts = self._ensure(mesh_list)
+        usable = [m for m in mesh_list if (m.tp, m.sequence_parallel) in layouts]
+        _, costing = self._with_budget(memory_budget)
+        best, found, infeasible = S.search(layouts, usable, costing, time_limit_s)
+        reasons = _reasons(best, found, infeasible, self._rejected, costing, len(usable), self.measure_s)
+        return _to_plan(self.profile, layouts[(best.mesh.tp, best.mesh.sequence_parallel)], best, costing,
+                        None, reasons, start - self.measure_s)
 
 
 def plan(
@@ -458,72 +572,16 @@ def plan(
         per-block ``breakdown`` and ``reasons``.
 
     Raises:
-        ValueError: unknown preset, unparsable budget, a batch no mesh divides.
+        ValueError: unknown preset, unparsable budget, a batch no mesh divides, a bad strategy.
         PlanningError: a model without trainable parameters.
         graphpass.cost.search.NoPlanError: nothing fits the budget (the message gives the
             smallest peak any plan reaches).
     """
-    start = time.perf_counter()
-    cluster = _resolve_cluster(cluster)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = check_example_inputs(example_inputs)
-    if not inputs or inputs[0].dim() == 0:
-        raise ValueError("example_inputs[0] must have a batch dimension (dim 0)")
-    budget = (
-        parse_memory(memory_budget) if memory_budget is not None
-        else int(cluster.device.memory_bytes * DEFAULT_MEMORY_FRACTION)
-    )
-    if not isinstance(strategy, (str, Strategy)) or (isinstance(strategy, str) and strategy != "auto"):
+    if not isinstance(strategy, Strategy) and strategy != "auto":
         raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise PlanningError(
-            f"{type(model).__name__} has no trainable parameters (model.parameters() is empty or "
-            "frozen); there is nothing to parallelise"
-        )
-    batch = int(inputs[0].shape[0])
-    captured = capture(model, inputs)
-    profile = GraphProfile(captured.gm, inputs, batch, cluster, _measured_times(captured.gm, cluster))
-    costing = _costing(profile, cluster, batch, budget, optimizer_states, executable_only)
-    num_blocks = len(profile.blocks)
-    measured_at = time.perf_counter()
-
-    if isinstance(strategy, Strategy):
-        strategy.check(cluster.world_size) if executable_only else _check_degrees(strategy, cluster)
-        mesh = S.Mesh(strategy.pp, strategy.dp, strategy.tp, strategy.microbatches, strategy.sequence_parallel)
-        if batch % (mesh.dp * mesh.microbatches):
-            raise ValueError(
-                f"the global batch of {batch} samples does not split into dp={mesh.dp} x "
-                f"microbatches={mesh.microbatches}; choose degrees dividing it"
-            )
-        layouts, rejected = _layouts(profile, [mesh], batch)
-        if mesh.tp in rejected:
-            raise ValueError(rejected[mesh.tp])
-        blocks = layouts[(mesh.tp, mesh.sequence_parallel)]
-        choice = S.Choice(strategy.zero if mesh.dp > 1 else 0, strategy.split, strategy.recompute)
-        cand = S.evaluate(blocks, mesh, S.uniform_choices(blocks, choice), costing)
-        if cand is None:
-            raise ValueError(f"Strategy pp={mesh.pp} needs at least {mesh.pp} blocks; the model has {num_blocks}")
-        reasons = [f"uniform strategy priced as given: {strategy}"]
-        if cand.peak_memory_bytes > budget:
-            reasons.append(
-                f"does NOT fit: predicted peak {cand.peak_memory_bytes / 2**30:.2f} GiB > budget "
-                f"{budget / 2**30:.2f} GiB"
-            )
-        return _to_plan(profile, blocks, cand, costing, strategy, reasons, start)
-
-    mesh_list = S.meshes(cluster, batch, _TP_DEGREES, num_blocks, executable_only=executable_only)
-    if not mesh_list:
-        raise ValueError(
-            f"no mesh of {cluster.world_size} devices divides the global batch of {batch} samples "
-            f"(dp must divide it); use a batch that is a multiple of the data-parallel degree"
-        )
-    layouts, rejected = _layouts(profile, mesh_list, batch)
-    usable = [m for m in mesh_list if (m.tp, m.sequence_parallel) in layouts]
-    remaining = None if time_limit_s is None else max(0.0, time_limit_s - (time.perf_counter() - start))
-    best, found, infeasible = S.search(layouts, usable, costing, remaining)
-    reasons = _reasons(best, found, infeasible, rejected, costing, len(usable), measured_at - start)
-    return _to_plan(profile, layouts[(best.mesh.tp, best.mesh.sequence_parallel)], best, costing, None, reasons, start)
+    planner = Planner(model, cluster, example_inputs, memory_budget,
+                      optimizer_states=optimizer_states, executable_only=executable_only)
+    return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
 
 
 def _check_degrees(strategy: Strategy, cluster: Cluster) -> None:

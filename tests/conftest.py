@@ -23,6 +23,21 @@ if str(_REPO_ROOT / "examples") not in sys.path:
 from graphpass.runtime.launch import RankPool
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_profile_cache(tmp_path_factory):
+    """Tests never read or write the user's profiles (~/.cache/graphpass): a profile there would
+    change what Cluster.local() and the planner see. Ranks inherit the variable."""
+    import os
+
+    old = os.environ.get("GRAPHPASS_CACHE_DIR")
+    os.environ["GRAPHPASS_CACHE_DIR"] = str(tmp_path_factory.mktemp("graphpass-cache"))
+    yield
+    if old is None:
+        os.environ.pop("GRAPHPASS_CACHE_DIR", None)
+    else:
+        os.environ["GRAPHPASS_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="module")
 def rank_pool():
     """Return ``get(world_size) -> RankPool``, one cached pool per world size in this module.

@@ -46,3 +46,14 @@ def test_missing_files_are_reported(tmp_path, capsys):
     assert main(["dumps", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no such plan file" in err and "has no summary.txt" in err
+
+
+def test_profile_writes_a_cluster_json_and_prints_its_figures(tmp_path, capsys):
+    out = tmp_path / "cpu-1.json"
+    assert main(["profile", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    cluster = gp.Cluster.from_json(out.read_text())
+    assert cluster.world_size == 1 and cluster.device.compute_efficiency == 1.0
+    assert "TFLOP/s" in printed and "GB/s" in printed and str(out) in printed
+    assert main(["profile", "--world-size", "999"]) == 2  # more ranks than cores: a clear error
+    assert "world_size=999" in capsys.readouterr().err

@@ -15,6 +15,13 @@ from graphpass.cluster import Cluster, DeviceSpec, LinkSpec, presets
 GiB = 2**30
 
 
+@pytest.fixture(autouse=True)
+def empty_cache_dir(tmp_path, monkeypatch):
+    # Cluster.local loads a profile written by graphpass.profile() when one exists: keep a
+    # developer's real ~/.cache/graphpass out of these tests of the default figures.
+    monkeypatch.setenv("GRAPHPASS_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def test_presets_lists_the_four_spec_sheet_parts():
     assert {"a100-40g", "a100-80g", "h100-80g", "h200"} <= set(presets())
     assert presets() == sorted(presets())

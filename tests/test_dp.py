@@ -23,7 +23,8 @@ RTOL, ATOL = 1e-5, 1e-6
 def _train_dp(name: str, steps: int, batch: int):
     model = zoo.build(name)
     data = zoo.batches(name, steps, batch)
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy="auto")
+    world_size = torch.distributed.get_world_size()
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=gp.Strategy(dp=world_size))
     first_grads = {}
     losses = zoo.train_compiled(
         dmodel, data, on_first_step=lambda m: first_grads.update({k: p.grad.clone() for k, p in m.named_parameters()})
@@ -58,14 +59,14 @@ def _compile_expect_error(kind: str):
     model = zoo.build("gpt")
     data = zoo.batches("gpt", 1, 8)[0]
     if kind == "batch_not_divisible":
-        data = zoo.batches("gpt", 1, 6)[0]  # 6 rows on 4 ranks
-        gp.compile(model, gp.Cluster.local(), example_inputs=data)
+        data = zoo.batches("gpt", 1, 6)[0]  # 6 rows on 4 ranks (auto would pick dp=2 x tp=2)
+        gp.compile(model, gp.Cluster.local(), example_inputs=data, strategy=gp.Strategy(dp=4))
     elif kind == "degrees":
         gp.compile(model, gp.Cluster.local(), example_inputs=data, strategy=gp.Strategy(dp=2))
     elif kind == "not_scalar":
         gp.compile(zoo.EncoderLM().encoder, gp.Cluster.local(), example_inputs=(torch.randn(8, 4, 64),))
     elif kind == "train_step_batch":
-        dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data)
+        dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data, strategy=gp.Strategy(dp=4))
         dmodel.train_step(*zoo.batches("gpt", 1, 6)[0])
     elif kind == "uncapturable":
         gp.compile(_DataDependent(), gp.Cluster.local(), example_inputs=(torch.randn(8, 4),))

@@ -1,0 +1,908 @@
+"""Measure this machine: device throughput, the alpha-beta of its links, and per-op times.
+
+The cost model prices a plan from a `Cluster` (figures per device and per link) and from per-node
+compute times (`graphpass.cost.compute.graph_compute`). Presets and `Cluster.local`'s defaults are
+spec-sheet or guessed figures; this module replaces them with measurements, all cached under
+`graphpass.cluster.cache_dir` (``$GRAPHPASS_CACHE_DIR``, else ``~/.cache/graphpass``):
+
+* **Device** (`profile`): large square matmuls per dtype give achieved TFLOP/s (best over a few
+  sizes, median of repeats after warmup); a large tensor copy gives achieved memory bandwidth
+  (bytes read plus written). The `DeviceSpec` records these *achieved* rates with
+  ``compute_efficiency = memory_efficiency = 1.0``, so the roofline applies no further discount.
+* **Links** (`profile`, ``world_size > 1``): ``world_size`` local ranks
+  (`graphpass.runtime.launch.launch`, gloo on CPU, nccl on GPU) time ``all_reduce`` over a ladder
+  of sizes: median of repeats after warmup on each rank, the slowest rank's median per size. The
+  ring model of `graphpass.cost.collectives` (``all_reduce_time``)::
+
+      t(S) = 2(n-1) * alpha + 2(n-1)/n * S / B
+
+  is fitted by least squares on relative error (each point weighted by ``1/t``, so 4 KiB and
+  16 MiB count alike) with ``alpha >= 0``, giving ``LinkSpec(B, alpha, "measured")``. One machine
+  is one node: the measured link is both ``intra_node`` and ``inter_node``. The cluster goes to
+  `graphpass.cluster.profile_path` (``clusters/<device>-<world_size>.json``), where
+  `Cluster.local` picks it up.
+* **Per-op times** (`node_times`): every ``call_function`` node of a captured graph is keyed by
+  `op_key` (op overload, input shapes, strides, dtypes, which inputs need a gradient, the
+  non-tensor arguments, the device); keys found in ``ops/<device>.json`` are returned, and with
+  ``measure=True`` on this machine's device the missing ones are run in isolation on random inputs
+  of the fake shapes, forward and backward, and written back. Identical keys are measured once, so
+  a 96-layer model measures one layer's ops. Views cost 0 and are never measured. Whatever stays
+  unpriced is logged at WARNING (the roofline prices it): never silently.
+
+**Threads (CPU).** A CPU `DeviceSpec` is one rank's share of the host. `launch` gives each rank
+``os.cpu_count() // world_size`` torch threads (1 each for 2 ranks on this 2-core machine), and
+device figures for ``world_size > 1`` are measured on all ranks at once, so they include the
+contention for cores and DRAM that training sees; the slowest rank's figure is kept. With
+``world_size == 1`` the device is measured in this process with its current thread count. Per-op
+times depend on the thread count too, so a CPU `op_key` names it (``cpu/1t``): a cache measured
+with 1 thread is not used by a process running 2.
+
+Example::
+
+    cluster = graphpass.profile(world_size=2)        # writes clusters/cpu-2.json; logs a summary
+    Cluster.local(2) == cluster                      # later jobs load it
+    times = node_times(gm, cluster.device, measure=True)
+    costs = graph_compute(gm, cluster.device, "fp32", measured=times)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from graphpass import meta
+from graphpass.cluster import (
+    Cluster,
+    DeviceSpec,
+    LinkSpec,
+    _LOOPBACK,
+    _PCIE,
+    _PRESETS,
+    _preset_for_gpu,
+    cache_dir,
+    device_slug,
+    profile_path,
+)
+from graphpass.cost.collectives import Link, all_gather_time, all_reduce_time, reduce_scatter_time
+from graphpass.cost.compute import _VIEWS, grad_requiring_nodes, op_name
+
+__all__ = [
+    "ProfileReport",
+    "fit_ring_all_reduce",
+    "is_this_machine",
+    "node_times",
+    "op_cache_path",
+    "op_key",
+    "profile",
+    "profile_path",
+    "run_profile",
+]
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "tf32": torch.float32,  # fp32 storage, TF32 tensor-core matmuls (CUDA only)
+}
+_CPU_DTYPES = ("fp32",)
+_CUDA_DTYPES = ("bf16", "fp16", "fp32", "tf32")
+# A dtype left unmeasured takes the measured rate of the first of these that was measured
+# (logged): the cost model needs a figure per dtype, and these are the nearest stand-ins.
+_STAND_INS = {
+    "bf16": ("fp16", "fp32"),
+    "fp16": ("bf16", "fp32"),
+    "tf32": ("fp32",),
+    "fp32": ("tf32", "bf16", "fp16"),
+}
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """How much to measure: matmul sizes, copy size, all_reduce ladder, repeats."""
+
+    matmul_sizes: tuple[int, ...]
+    copy_bytes: int
+    ladder_bytes: tuple[int, ...]
+    warmup: int
+    repeats: int
+
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+def _budget(kind: str, quick: bool, world_size: int) -> _Budget:
+    if kind == "cuda":
+        if quick:
+            return _Budget((4096,), 256 * MiB, (64 * KiB, 4 * MiB, 64 * MiB), 2, 5)
+        return _Budget((4096, 8192), GiB, tuple(64 * KiB * 4**i for i in range(7)), 5, 20)
+    if quick:
+        # 512^3 fp32 is ~2 ms on one core here; 64 MiB copies already run at DRAM speed here.
+        return _Budget((512,), 64 * MiB, (4 * KiB, 64 * KiB, MiB, 4 * MiB), 2, 9)
+    # A copy must not fit in the last-level cache (480 MiB on this VM's Xeon) to measure DRAM;
+    # cap it at an eighth of each rank's RAM share.
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    copy_bytes = int(min(max(256 * MiB, 2 * _last_level_cache_bytes()), ram // (8 * world_size)))
+    # 4 KiB ... 16 MiB in steps of 4: latency-bound to bandwidth-bound on loopback TCP.
+    return _Budget((1024, 2048), copy_bytes, tuple(4 * KiB * 4**i for i in range(7)), 5, 20)
+
+
+def _last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache sysfs reports (0 when it reports none)."""
+    best = 0
+    for path in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+            scale = {"K": KiB, "M": MiB, "G": GiB}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return best
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _sync(kind: str) -> None:
+    if kind == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_once_s(fn: Callable[[], Any], kind: str) -> float:
+    if kind == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_s = time.perf_counter()
+    fn()
+    return time.perf_counter() - start_s
+
+
+def _median_s(fn: Callable[[], Any], kind: str, *, warmup: int, repeats: int) -> float:
+    """Median of ``repeats`` timed calls after ``warmup`` untimed ones. The median, not the mean
+    or the minimum: a 2-core machine shares its cores with the OS, and single outliers are common."""
+    for _ in range(warmup):
+        fn()
+    _sync(kind)
+    return statistics.median(_time_once_s(fn, kind) for _ in range(repeats))
+
+
+def _adaptive_median_s(fn: Callable[[], Any], kind: str, *, budget_s: float = 0.02,
+                       min_repeats: int = 3, max_repeats: int = 25) -> float:
+    """Median timing whose repeat count fits ``budget_s``: many repeats for µs ops, few for slow ones."""
+    first_s = _time_once_s(fn, kind)  # also the warmup (allocator, kernel selection)
+    repeats = int(min(max_repeats, max(min_repeats, budget_s / max(first_s, 1e-7))))
+    return _median_s(fn, kind, warmup=1, repeats=repeats)
+
+
+# --------------------------------------------------------------------------- device
+
+
+def _matmul_tflops(dtype: str, sizes: Sequence[int], device: torch.device, budget: _Budget) -> float:
+    kind = device.type
+    torch_dtype = _TORCH_DTYPES[dtype]
+    best = 0.0
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32 if kind == "cuda" else None
+    try:
+        if kind == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+        for n in sizes:
+            a = torch.randn(n, n, dtype=torch_dtype, device=device)
+            b = torch.randn(n, n, dtype=torch_dtype, device=device)
+            out = torch.empty(n, n, dtype=torch_dtype, device=device)
+            seconds = _median_s(lambda: torch.mm(a, b, out=out), kind,
+                                warmup=budget.warmup, repeats=budget.repeats)
+            best = max(best, 2.0 * n**3 / seconds / 1e12)
+            del a, b, out
+    finally:
+        if kind == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+    return best
+
+
+def _copy_gbps(num_bytes: int, device: torch.device, budget: _Budget) -> float:
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    # A copy reads the source and writes the destination: 2 x its size crosses the memory bus.
+    seconds = _median_s(lambda: dst.copy_(src), device.type,
+                        warmup=max(1, budget.warmup // 2), repeats=max(3, budget.repeats // 4))
+    return 2.0 * src.nbytes / seconds / 1e9
+
+
+def _measure_device(kind: str, dtypes: Sequence[str], quick: bool, world_size: int) -> dict[str, Any]:
+    """Achieved TFLOP/s per dtype and copy GB/s of this process's device (picklable result)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    budget = _budget(kind, quick, world_size)
+    tflops = {dtype: _matmul_tflops(dtype, budget.matmul_sizes, device, budget) for dtype in dtypes}
+    return {
+        "tflops": tflops,
+        "memory_bandwidth_gbps": _copy_gbps(budget.copy_bytes, device, budget),
+        "threads": torch.get_num_threads(),
+        "matmul_sizes": budget.matmul_sizes,
+        "copy_bytes": budget.copy_bytes,
+    }
+
+
+# --------------------------------------------------------------------------- links
+
+
+def _measure_collectives(kind: str, quick: bool) -> dict[str, Any]:
+    """This rank's median all_reduce time per ladder size, plus one all_gather and reduce_scatter."""
+    n = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    budget = _budget(kind, quick, n)
+    tensors = [torch.ones(size // 4, dtype=torch.float32, device=device) for size in budget.ladder_bytes]
+    # The first collectives of a fresh group pay for connection set-up and buffer allocation:
+    # warm passes over the whole ladder before timing keep that out of the smallest sizes.
+    for _ in range(2 + budget.warmup):
+        for tensor in tensors:
+            dist.all_reduce(tensor)
+    # Rounds over the ladder, one timed call per size per round, each after a barrier so that
+    # the ranks start together: a slow spell of the machine (other processes, the OS) then
+    # spreads over all sizes instead of skewing one, and the median per size discards it.
+    samples: list[list[float]] = [[] for _ in tensors]
+    for _ in range(budget.repeats):
+        for tensor, times in zip(tensors, samples):
+            dist.barrier()
+            times.append(_time_once_s(lambda: dist.all_reduce(tensor), kind))
+    all_reduce = [(size, statistics.median(times)) for size, times in zip(budget.ladder_bytes, samples)]
+    # For the report only: the same size as the ladder's largest step.
+    size = budget.ladder_bytes[-1] - budget.ladder_bytes[-1] % (4 * n)
+    gathered = torch.empty(size // 4, dtype=torch.float32, device=device)
+    shard = torch.ones(size // 4 // n, dtype=torch.float32, device=device)
+    # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    others = {}
+    for name, call in (
+        ("all_gather", lambda: all_gather(gathered, shard)),
+        ("reduce_scatter", lambda: reduce_scatter(shard, gathered)),
+    ):
+        try:
+            dist.barrier()
+            others[name] = (size, _median_s(call, kind, warmup=1, repeats=max(3, budget.repeats // 2)))
+        except (RuntimeError, NotImplementedError) as exc:  # not every backend has every op
+            others[name] = (size, None)
+            logger.debug("%s not timed on %s: %s", name, dist.get_backend(), exc)
+    return {"all_reduce": all_reduce, **others}
+
+
+def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, Any]:
+    """Runs on every rank (module-level for `launch`): the device, then the collectives."""
+    if kind == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    dist.barrier()  # all ranks measure their device at once: shared cores and DRAM show up
+    device = _measure_device(kind, dtypes, quick, dist.get_world_size())
+    dist.barrier()
+    return {"device": device, "collectives": _measure_collectives(kind, quick)}
+
+
+def fit_ring_all_reduce(
+    sizes_bytes: Sequence[float], times_s: Sequence[float], num_ranks: int
+) -> tuple[LinkSpec, float]:
+    """Fits ``t(S) = 2(n-1) alpha + 2(n-1)/n * S / B`` to measured ring all_reduce times.
+
+    Least squares on relative error (rows weighted by ``1/t``) with ``alpha >= 0``: when the free
+    fit gives a negative alpha, alpha is 0 and ``1/B`` is refitted alone.
+
+    Args:
+        sizes_bytes: Tensor sizes ``S``.
+        times_s: Measured all_reduce times.
+        num_ranks: ``n >= 2``.
+
+    Returns:
+        ``(LinkSpec(B, alpha, "measured"), rms relative residual)``.
+
+    Raises:
+        ValueError: fewer than two points, ``n < 2``, non-positive times, or times that do not
+            grow with size (no bandwidth term to fit).
+    """
+    if num_ranks < 2:
+        raise ValueError(f"fit_ring_all_reduce: num_ranks must be >= 2, got {num_ranks}")
+    if len(sizes_bytes) != len(times_s) or len(sizes_bytes) < 2:
+        raise ValueError("fit_ring_all_reduce: needs two or more (size, time) points of equal count")
+    if any(not t > 0 for t in times_s):
+        raise ValueError(f"fit_ring_all_reduce: times must be > 0, got {list(times_s)}")
+    n = num_ranks
+    rows = [(2.0 * (n - 1) / t, 2.0 * (n - 1) / n * s / t) for s, t in zip(sizes_bytes, times_s)]
+    saa = sum(a * a for a, _ in rows)
+    sab = sum(a * b for a, b in rows)
+    sbb = sum(b * b for _, b in rows)
+    sa = sum(a for a, _ in rows)
+    sb = sum(b for _, b in rows)
+    det = saa * sbb - sab * sab
+    alpha, inv_bw = ((sa * sbb - sb * sab) / det, (saa * sb - sab * sa) / det) if det > 0 else (-1.0, 0.0)
+    if alpha < 0:
+        alpha, inv_bw = 0.0, sb / sbb
+    if not inv_bw > 0:
+        raise ValueError(
+            f"fit_ring_all_reduce: all_reduce times {list(times_s)} do not grow with sizes "
+            f"{list(sizes_bytes)}; use a ladder that reaches bandwidth-bound sizes"
+        )
+    residual = math.sqrt(sum((alpha * a + inv_bw * b - 1.0) ** 2 for a, b in rows) / len(rows))
+    return LinkSpec(bandwidth_gbps=1.0 / inv_bw / 1e9, latency_s=alpha, name="measured"), residual
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@dataclass
+class ProfileReport:
+    """What `run_profile` measured.
+
+    Attributes:
+        cluster: The profiled cluster (also written to ``path``).
+        path: Where its JSON was written (None on ranks other than 0 under torchrun).
+        threads: Torch threads per rank during the device measurement.
+        all_reduce: ``(size_bytes, seconds)`` per ladder size, slowest rank; empty for 1 rank.
+        fit_residual: RMS relative error of the ring fit (None for 1 rank).
+        others: ``{"all_gather": (size_bytes, seconds or None), "reduce_scatter": ...}``.
+        filled_dtypes: Unmeasured dtypes priced at a measured stand-in's rate: ``{dtype: stand-in}``.
+        seconds: Wall time of the whole profile.
+    """
+
+    cluster: Cluster
+    path: pathlib.Path | None
+    threads: int
+    all_reduce: list[tuple[int, float]] = field(default_factory=list)
+    fit_residual: float | None = None
+    others: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    filled_dtypes: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        """A few human lines: TFLOP/s, GB/s, alpha, beta, fit residual."""
+        c, d = self.cluster, self.cluster.device
+        rates = ", ".join(
+            f"{dtype} {tflops:.3g}" + (f" (= {self.filled_dtypes[dtype]})" if dtype in self.filled_dtypes else "")
+            for dtype, tflops in sorted(d.peak_tflops.items())
+        )
+        lines = [
+            f"profiled {c.world_size} x {d.name} ({c.backend}) in {self.seconds:.1f} s"
+            + (f" -> {self.path}" if self.path else ""),
+            f"  matmul TFLOP/s per rank: {rates}" + (f"  [{self.threads} thread(s) per rank]" if d.kind == "cpu" else ""),
+            f"  memory (copy) {d.memory_bandwidth_gbps:.3g} GB/s per rank, {d.memory_bytes / GiB:.1f} GiB",
+        ]
+        if self.all_reduce:
+            link = c.intra_node
+            span = f"{_fmt_bytes(self.all_reduce[0][0])}..{_fmt_bytes(self.all_reduce[-1][0])}"
+            lines.append(
+                f"  all_reduce ring fit over {len(self.all_reduce)} sizes ({span}): alpha "
+                f"{link.latency_s * 1e6:.1f} us, beta {link.bandwidth_gbps:.3g} GB/s, "
+                f"rms relative residual {self.fit_residual:.0%}"
+            )
+            model = Link.from_spec(link)
+            predict = {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time}
+            for name, (size, seconds) in self.others.items():
+                if seconds is None:
+                    lines.append(f"  {name}: not supported by {c.backend}")
+                else:
+                    lines.append(
+                        f"  {name} {_fmt_bytes(size)}: {seconds * 1e3:.2f} ms measured, "
+                        f"{predict[name](size, c.world_size, model) * 1e3:.2f} ms by the fitted link"
+                    )
+        else:
+            lines.append(f"  links: one rank, nothing measured; kept the default {c.intra_node.name} link")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(num: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if num >= scale:
+            return f"{num / scale:g} {unit}"
+    return f"{num:g} B"
+
+
+def _resolve_target(cluster: Cluster | None, world_size: int | None) -> tuple[str, int]:
+    """``(device kind, world size)`` to profile, checked against this machine."""
+    where = "world_size"
+    if cluster is not None:
+        if not isinstance(cluster, Cluster):
+            raise TypeError(f"profile(cluster=...) must be a Cluster, got {type(cluster).__name__}")
+        if world_size is not None and world_size != cluster.world_size:
+            raise ValueError(
+                f"profile: world_size={world_size} conflicts with cluster.world_size="
+                f"{cluster.world_size}; pass one of them"
+            )
+        if cluster.num_nodes != 1:
+            raise ValueError(
+                f"profile: Cluster.num_nodes={cluster.num_nodes}, but profile measures the ranks of "
+                f"this one machine; profile a one-node cluster (num_nodes=1)"
+            )
+        kind, world_size, where = cluster.device.kind, cluster.world_size, "Cluster.devices_per_node"
+    else:
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        world_size = 1 if world_size is None else world_size
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"profile: world_size must be a positive int, got {world_size!r}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "profile: Cluster.device.kind='cuda', but this machine has no CUDA device; "
+                "profile a CPU cluster (Cluster.local() here) instead"
+            )
+        if world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"profile: {where}={world_size} exceeds the {torch.cuda.device_count()} CUDA "
+                f"devices of this machine"
+            )
+    elif world_size > (os.cpu_count() or 1):
+        raise ValueError(
+            f"profile: {where}={world_size} exceeds this machine's {os.cpu_count()} CPU cores; "
+            f"oversubscribed ranks would measure contention, not the hardware"
+        )
+    return kind, world_size
+
+
+def _check_dtypes(dtypes: Sequence[str] | None, kind: str) -> tuple[str, ...]:
+    if dtypes is None:
+        return _CUDA_DTYPES if kind == "cuda" else _CPU_DTYPES
+    if isinstance(dtypes, str):
+        dtypes = (dtypes,)
+    unknown = [d for d in dtypes if d not in _TORCH_DTYPES]
+    if unknown or not dtypes:
+        raise ValueError(f"profile: dtypes must be a non-empty subset of {sorted(_TORCH_DTYPES)}, got {dtypes!r}")
+    return tuple(dict.fromkeys(dtypes))
+
+
+def _fill_dtypes(tflops: dict[str, float]) -> tuple[dict[str, float], dict[str, str]]:
+    """Adds a rate for each standard dtype left unmeasured, from its nearest measured stand-in."""
+    out, filled = dict(tflops), {}
+    for dtype, stand_ins in _STAND_INS.items():
+        if dtype in out:
+            continue
+        source = next((s for s in stand_ins if s in tflops), None)
+        if source is not None:
+            out[dtype], filled[dtype] = tflops[source], source
+    return out, filled
+
+
+def run_profile(
+    cluster: Cluster | None = None,
+    *,
+    world_size: int | None = None,
+    path: str | os.PathLike | None = None,
+    dtypes: Sequence[str] | None = None,
+    quick: bool = False,
+) -> ProfileReport:
+    """`profile`, returning the full `ProfileReport` (the raw ladder, the fit residual...)."""
+    start_s = time.perf_counter()
+    kind, world_size = _resolve_target(cluster, world_size)
+    dtypes = _check_dtypes(dtypes, kind)
+    report_links: list[tuple[int, float]] = []
+    others: dict[str, tuple[int, float | None]] = {}
+    residual = None
+    if world_size == 1:
+        if kind == "cuda":
+            torch.cuda.set_device(0)
+        device_result = _measure_device(kind, dtypes, quick, 1)
+        device_name = torch.cuda.get_device_name(0) if kind == "cuda" else "cpu"
+        # One rank has no link to measure: keep Cluster.local's default for this device kind.
+        link = _default_link(kind, device_name)
+        logger.info("profile: one rank, no collectives to time; keeping the default %s link "
+                    "(%.3g GB/s, %.3g us)", link.name, link.bandwidth_gbps, link.latency_s * 1e6)
+        intra = inter = link
+    else:
+        from graphpass.runtime.launch import launch
+
+        results = launch(_rank_profile, world_size, (kind, dtypes, quick),
+                         backend="nccl" if kind == "cuda" else "gloo", timeout_s=600.0)
+        device_name = torch.cuda.get_device_name(0) if kind == "cuda" else "cpu"
+        # The slowest rank bounds every synchronous step: keep each figure's minimum over ranks.
+        device_result = {
+            "tflops": {d: min(r["device"]["tflops"][d] for r in results) for d in dtypes},
+            "memory_bandwidth_gbps": min(r["device"]["memory_bandwidth_gbps"] for r in results),
+            "threads": results[0]["device"]["threads"],
+        }
+        ladder = results[0]["collectives"]["all_reduce"]
+        report_links = [
+            (size, max(r["collectives"]["all_reduce"][i][1] for r in results))
+            for i, (size, _) in enumerate(ladder)
+        ]
+        link, residual = fit_ring_all_reduce(
+            [s for s, _ in report_links], [t for _, t in report_links], world_size
+        )
+        intra = inter = link  # one machine is one node
+        for name in ("all_gather", "reduce_scatter"):
+            size, _ = results[0]["collectives"][name]
+            times = [r["collectives"][name][1] for r in results]
+            others[name] = (size, None if None in times else max(times))
+    peaks, filled = _fill_dtypes(device_result["tflops"])
+    if filled:
+        logger.info(
+            "profile: %s not measured; priced at the measured rate of %s (pass dtypes= to measure them)",
+            ", ".join(filled), ", ".join(f"{d} <- {s}" for d, s in filled.items()),
+        )
+    if kind == "cuda":
+        memory_bytes = int(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        memory_bytes = max(1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world_size)
+    device = DeviceSpec(
+        name=device_name,
+        kind=kind,
+        peak_tflops=peaks,
+        memory_bytes=memory_bytes,
+        memory_bandwidth_gbps=device_result["memory_bandwidth_gbps"],
+        compute_efficiency=1.0,  # achieved rates, not peaks
+        memory_efficiency=1.0,
+    )
+    today = datetime.date.today().isoformat()
+    profiled = Cluster(
+        device=device, num_nodes=1, devices_per_node=world_size, intra_node=intra, inter_node=inter,
+        backend="nccl" if kind == "cuda" else "gloo",
+        name=f"local (profiled {today}{', quick' if quick else ''})",
+    )
+    out_path: pathlib.Path | None = pathlib.Path(path) if path is not None else profile_path(device_name, world_size)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        out_path = None  # under torchrun every rank profiles; rank 0 alone writes
+    if out_path is not None:
+        _write_atomic(out_path, profiled.to_json())
+    return ProfileReport(
+        cluster=profiled, path=out_path, threads=device_result["threads"], all_reduce=report_links,
+        fit_residual=residual, others=others, filled_dtypes=filled,
+        seconds=time.perf_counter() - start_s,
+    )
+
+
+def _default_link(kind: str, device_name: str) -> LinkSpec:
+    """The link `Cluster.local` assumes for this device kind when nothing is measured."""
+    if kind == "cpu":
+        return _LOOPBACK
+    preset = _preset_for_gpu(device_name)
+    return _PRESETS[preset][1] if preset is not None else _PCIE
+
+
+def profile(
+    cluster: Cluster | None = None,
+    *,
+    world_size: int | None = None,
+    path: str | os.PathLike | None = None,
+    dtypes: Sequence[str] | None = None,
+    quick: bool = False,
+) -> Cluster:
+    """Measures this machine's device and links and writes a cluster JSON that `Cluster.local` loads.
+
+    Args:
+        cluster: What to profile: its world size and device kind (``"cpu"``/``"cuda"``) decide.
+            It must describe this machine: one node, a device kind this machine has, no more ranks
+            than devices (GPU) or cores (CPU). None: this machine's accelerator (else CPU) and
+            ``world_size``.
+        world_size: Ranks to profile (default 1; with ``cluster``, must agree with it). With more
+            than one, local ranks time the collectives and the ring alpha-beta is fitted.
+        path: Where to write the JSON; default `graphpass.cluster.profile_path` (device name,
+            world size), where `Cluster.local` looks.
+        dtypes: Matmul dtypes to time; default ``("fp32",)`` on CPU, ``("bf16", "fp16", "fp32",
+            "tf32")`` on CUDA. Other standard dtypes take a measured stand-in's rate (logged).
+        quick: Fewer sizes and repeats: seconds instead of about a minute, noisier figures (a test
+            mode; the quick CPU copy may partly hit cache).
+
+    Returns:
+        The profiled `Cluster` (``compute_efficiency = memory_efficiency = 1.0``).
+
+    Raises:
+        ValueError: ``cluster`` does not describe this machine (the message names the field), or
+            bad ``world_size``/``dtypes``.
+        RankError, TimeoutError: a profiling rank failed or hung (all ranks were killed).
+    """
+    report = run_profile(cluster, world_size=world_size, path=path, dtypes=dtypes, quick=quick)
+    logger.info("%s", report.summary())
+    return report.cluster
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------- per-op times
+
+_CACHE_VERSION = 1
+# Integer inputs index into another input: (op names, how to find the bound from the fake inputs).
+_CLASS_DIM_OPS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd",
+                            "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward"})
+_MAX_REPORTED = 5
+
+
+def op_cache_path(device: DeviceSpec) -> pathlib.Path:
+    """Where per-op times of ``device`` are cached: ``cache_dir() / "ops" / "<device slug>.json"``."""
+    return cache_dir() / "ops" / f"{device_slug(device.name)}.json"
+
+
+def _device_tag(device: DeviceSpec) -> str:
+    # A CPU op's time depends on the threads it may use (see the module docstring).
+    return f"{device.name}/{torch.get_num_threads()}t" if device.kind == "cpu" else device.name
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)  # "aten.linear.default": the overload is part of the name
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    return f"{module}.{name}" if module else name
+
+
+def _fmt_tensor(t: torch.Tensor) -> str:
+    text = f"{str(t.dtype).removeprefix('torch.')}[{','.join(str(int(s)) for s in t.shape)}]"
+    if not t.is_contiguous():  # a transposed operand can run a different kernel
+        text += f"s({','.join(str(int(s)) for s in t.stride())})"
+    return text
+
+
+def _fmt_arg(value: Any, grad_nodes: Collection[fx.Node]) -> str:
+    if isinstance(value, fx.Node):
+        val = value.meta.get(meta.VAL)
+        text = _fmt_arg(val, ()) if val is not None else f"?{value.name}"
+        return text + ("+grad" if value in grad_nodes else "")
+    if isinstance(value, torch.Tensor):
+        return _fmt_tensor(value)
+    if isinstance(value, (list, tuple)):
+        inner = ",".join(_fmt_arg(v, grad_nodes) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}={_fmt_arg(v, grad_nodes)}" for k, v in sorted(value.items())) + "}"
+    return repr(value)
+
+
+def op_key(node: fx.Node, device: DeviceSpec, grad_nodes: Collection[fx.Node] | None = None) -> str:
+    """A stable string naming what one op's time depends on.
+
+    ``"<op overload>(<args>; <kwargs>) @<device>"``, each tensor input as dtype, shape (and stride
+    when not contiguous) with ``+grad`` when it needs a gradient, every non-tensor argument (dims,
+    causal flags, reductions) by ``repr``. Two nodes with the same key cost the same.
+
+    Args:
+        node: A ``call_function`` node whose inputs carry fake values.
+        device: The device the time is for; a CPU key also names the current torch thread count.
+        grad_nodes: `graphpass.cost.compute.grad_requiring_nodes` of the node's graph (computed
+            when None; pass it when keying many nodes).
+
+    Example: ``aten.addmm.default(f32[64]+grad,f32[8,16],f32[16,64]s(1,16)+grad; ) @cpu/2t``.
+    """
+    if grad_nodes is None:
+        grad_nodes = grad_requiring_nodes(node.graph.owning_module)
+    args = ",".join(_fmt_arg(a, grad_nodes) for a in node.args)
+    kwargs = ",".join(f"{k}={_fmt_arg(v, grad_nodes)}" for k, v in sorted(node.kwargs.items()))
+    return f"{_target_name(node.target)}({args}; {kwargs}) @{_device_tag(device)}"
+
+
+def _read_cache(path: pathlib.Path) -> dict[str, tuple[float, float]]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != _CACHE_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {_CACHE_VERSION}")
+        return {k: (float(f), float(b)) for k, (f, b) in data["times"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.warning("ignoring unreadable op-time cache %s: %s", path, exc)
+        return {}
+
+
+def _write_cache(path: pathlib.Path, device: DeviceSpec, new: dict[str, tuple[float, float]]) -> None:
+    # Merge with what is on disk now: another process (rank) may have written meanwhile.
+    merged = {**_read_cache(path), **new}
+    text = json.dumps({"version": _CACHE_VERSION, "device": device.name,
+                       "times": {k: list(v) for k, v in sorted(merged.items())}}, indent=1)
+    _write_atomic(path, text)
+
+
+def is_this_machine(device: DeviceSpec) -> bool:
+    """Whether ``device`` names this machine's CPU or one of its GPUs (so ops can be measured)."""
+    if device.kind == "cpu":
+        return device.name == "cpu"  # Cluster.local and profile name every CPU "cpu"
+    if not torch.cuda.is_available():
+        return False
+    names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+    return device.name in names or device.name in {_preset_for_gpu(n) for n in names}
+
+
+def _index_bound(node: fx.Node) -> int | None:
+    """The exclusive upper bound of ``node``'s integer inputs when they index another input."""
+    name = op_name(node)
+    floats = [v for v in (a.meta.get(meta.VAL) for a in node.all_input_nodes)
+              if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not floats:
+        return None
+    if name == "embedding":
+        table = next((v for v in floats if v.dim() == 2), None)
+        return int(table.shape[0]) if table is not None else None
+    if name in _CLASS_DIM_OPS:
+        logits = floats[0]
+        return int(logits.shape[1] if logits.dim() >= 2 else logits.shape[0])
+    return None
+
+
+def _materialise(val: torch.Tensor, device: torch.device, needs_grad: bool, bound: int | None) -> torch.Tensor:
+    """A real tensor with ``val``'s shape, stride and dtype: random floats, valid indices."""
+    shape, stride = tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride())
+    strided = not val.is_contiguous() and all(shape)
+    # A non-contiguous input (a transposed weight, an expanded bias) keeps its strides: it can
+    # select another kernel. Its storage spans 1 + sum((size - 1) * stride) elements.
+    size = (1 + sum((s - 1) * st for s, st in zip(shape, stride)),) if strided else shape
+    if val.is_floating_point() or val.is_complex():
+        base = torch.randn(size, dtype=val.dtype, device=device)
+    elif val.dtype == torch.bool:
+        base = torch.ones(size, dtype=torch.bool, device=device)
+    elif bound is not None and bound > 0:
+        base = torch.randint(0, bound, size, dtype=val.dtype, device=device)
+    else:
+        base = torch.zeros(size, dtype=val.dtype, device=device)  # a valid index for most ops
+    base.requires_grad_(needs_grad)
+    return base.as_strided(shape, stride) if strided else base
+
+
+def _measure_node(node: fx.Node, grad_nodes: Collection[fx.Node], device: torch.device) -> tuple[float, float]:
+    """``(forward_s, backward_s)`` of one node run in isolation on random inputs of its shapes.
+
+    Backward is ``torch.autograd.grad(outputs, inputs, grad_outputs=randn_like(outputs))`` (the
+    gradient of ``(out * randn_like(out)).sum()`` without that extra op) over the float inputs that
+    need a gradient; 0 when none does.
+    """
+    bound = _index_bound(node)
+    grad_inputs: list[torch.Tensor] = []
+
+    def real(arg: fx.Node) -> Any:
+        val = arg.meta.get(meta.VAL)
+        if not isinstance(val, torch.Tensor):
+            return val  # ints, SymInt specialised values, None
+        needs_grad = arg in grad_nodes and (val.is_floating_point() or val.is_complex())
+        tensor = _materialise(val, device, needs_grad, bound)
+        if needs_grad:
+            grad_inputs.append(tensor)
+        return tensor
+
+    args = fx.node.map_arg(node.args, real)
+    kwargs = fx.node.map_arg(node.kwargs, real)
+    target = node.target
+
+    def forward() -> Any:
+        return target(*args, **kwargs)
+
+    forward_s = _adaptive_median_s(forward, device.type)
+    if not grad_inputs:
+        return forward_s, 0.0
+    out = forward()
+    outputs = [t for t in _flat_tensors(out) if t.requires_grad]
+    if not outputs:
+        return forward_s, 0.0
+    grad_outputs = [torch.randn_like(t) for t in outputs]
+
+    def backward() -> Any:
+        return torch.autograd.grad(outputs, grad_inputs, grad_outputs, retain_graph=True, allow_unused=True)
+
+    # Each autograd.grad call pays the engine's start-up (~30 us here), which a whole-graph
+    # backward pays once, not per node: subtract it, keeping at least a tenth of the reading.
+    measured_s = _adaptive_median_s(backward, device.type)
+    return forward_s, max(measured_s - _autograd_overhead_s(device), 0.1 * measured_s)
+
+
+_AUTOGRAD_OVERHEAD_S: dict[str, float] = {}
+
+
+def _autograd_overhead_s(device: torch.device) -> float:
+    """Time of ``autograd.grad`` through one view of a 1-element tensor: the engine's fixed cost."""
+    if device.type not in _AUTOGRAD_OVERHEAD_S:
+        x = torch.ones(1, device=device, requires_grad=True)
+        y = x.view(1)
+        g = torch.ones(1, device=device)
+        _AUTOGRAD_OVERHEAD_S[device.type] = _adaptive_median_s(
+            lambda: torch.autograd.grad(y, x, g, retain_graph=True), device.type, min_repeats=15
+        )
+    return _AUTOGRAD_OVERHEAD_S[device.type]
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat_tensors(v)]
+    return []
+
+
+def node_times(
+    gm: fx.GraphModule,
+    device: DeviceSpec,
+    *,
+    measure: bool = False,
+    cache_path: str | os.PathLike | None = None,
+) -> dict[str, tuple[float, float]]:
+    """Profiled ``(forward_s, backward_s)`` per ``call_function`` node, for `graph_compute(measured=)`.
+
+    Views (`graphpass.cost.compute`'s ``_VIEWS``) cost ``(0, 0)``. Other nodes get their cached time
+    by `op_key`; with ``measure=True`` and ``device`` this machine's device, missing keys are run
+    (each distinct key once), cached and returned. Ops that fail in isolation are logged and left
+    out. Every node left out is reported in one WARNING: the roofline model prices it.
+
+    Args:
+        gm: The IR; every tensor node carries a fake value (a meta-device capture works).
+        device: The device the times are for (its name keys the cache).
+        measure: Run the ops missing from the cache on this machine.
+        cache_path: The JSON cache; default `op_cache_path(device)`.
+
+    Returns:
+        ``{node name: (forward_s, backward_s)}`` for the nodes with a profiled (or view) time.
+    """
+    path = pathlib.Path(cache_path) if cache_path is not None else op_cache_path(device)
+    cache = _read_cache(path)
+    grad_nodes = grad_requiring_nodes(gm)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    times: dict[str, tuple[float, float]] = {}
+    pending: dict[str, list[fx.Node]] = {}
+    for node in nodes:
+        if op_name(node) in _VIEWS:
+            times[node.name] = (0.0, 0.0)
+            continue
+        key = op_key(node, device, grad_nodes)
+        if key in cache:
+            times[node.name] = cache[key]
+        else:
+            pending.setdefault(key, []).append(node)
+    if pending and measure:
+        if is_this_machine(device):
+            _measure_pending(pending, times, grad_nodes, device, path)
+        else:
+            logger.warning(
+                "node_times(measure=True): %r is not this machine's device; using cached times only",
+                device.name,
+            )
+    missing = [n for group in pending.values() for n in group]
+    if missing:
+        listed = ", ".join(f"{n.name} ({op_name(n)})" for n in missing[:_MAX_REPORTED])
+        more = f", ... {len(missing) - _MAX_REPORTED} more" if len(missing) > _MAX_REPORTED else ""
+        logger.warning(
+            "%d of %d nodes have no profiled time on %s; priced by the roofline model: %s%s",
+            len(missing), len(nodes), device.name, listed, more,
+        )
+    return times
+
+
+def _measure_pending(pending: dict[str, list[fx.Node]], times: dict[str, tuple[float, float]],
+                     grad_nodes: Collection[fx.Node], device: DeviceSpec, path: pathlib.Path) -> None:
+    """Measures one node per pending key, fills ``times``, removes the measured keys from ``pending``
+    and writes them to the cache."""
+    torch_device = torch.device("cuda", torch.cuda.current_device()) if device.kind == "cuda" else torch.device("cpu")
+    measured: dict[str, tuple[float, float]] = {}
+    failed: dict[str, str] = {}
+    start_s = time.perf_counter()
+    for key, group in pending.items():
+        try:
+            measured[key] = _measure_node(group[0], grad_nodes, torch_device)
+        except Exception as exc:  # noqa: BLE001 - reported below; the roofline prices the node
+            failed[group[0].name] = f"{op_name(group[0])}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    for key, value in measured.items():
+        for node in pending.pop(key):
+            times[node.name] = value
+    if measured:
+        _write_cache(path, device, measured)
+    logger.info("measured %d distinct ops on %s in %.2f s -> %s",
+                len(measured), device.name, time.perf_counter() - start_s, path)
+    if failed:
+        logger.warning(
+            "%d ops could not run in isolation on %s (left to the roofline): %s",
+            len(failed), device.name, "; ".join(f"{k}: {v}" for k, v in list(failed.items())[:_MAX_REPORTED]),
+        )
