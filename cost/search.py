@@ -92,6 +92,10 @@ _MAX_PP = 64
 #: Weight of hidden data-parallel communication in the ILP objective: breaks ties between choices
 #: whose step time is equal (everything overlapped) in favour of the one that moves fewer bytes.
 _TIE_BREAK = 1e-3
+#: MILP backend of the stage ILP. SCIP, not HiGHS: HiGHS 1.12 prints a debug line to stdout from
+#: inside its MIP solver (transformNewIntegerFeasibleSolution) that no option silences, and these
+#: problems are a few dozen integer variables, where SCIP is as fast.
+_STAGE_BACKEND = "SCIP"
 #: Candidates within this relative step time of the fastest count as tied; the simplest mesh wins.
 _TIE_REL = 1e-6
 
@@ -443,9 +447,8 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
     clusters: dict[str, list[int]] = {}
     for i in indices:
         clusters.setdefault(blocks[i].signature + f"|{blocks[i].kind}", []).append(i)
-    solver = pywraplp.Solver.CreateSolver("HIGHS") or pywraplp.Solver.CreateSolver("CBC")
+    solver = pywraplp.Solver.CreateSolver(_STAGE_BACKEND)
     solver.SuppressOutput()
-    solver.SetSolverSpecificParametersAsString("output_flag=false\n")  # else HiGHS prints a banner
     inf = solver.infinity()
     m = mesh.microbatches
     limit = costing.memory_limit_bytes

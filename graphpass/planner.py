@@ -421,7 +421,9 @@ class Planner:
     uniform strategy. ``graphpass.plan`` is ``Planner(...).auto()`` or ``.price(strategy)``;
     benchmarks that price many strategies of one model keep the Planner.
 
-    Args: as :func:`plan`.
+    Args: as :func:`plan`, plus ``measure_ops``: on a local cluster, time every op of the graph
+    that the profiler's cache lacks on this machine (:func:`graphpass.cost.profiler.node_times`)
+    instead of pricing it by the roofline.
     """
 
     def __init__(
@@ -433,6 +435,7 @@ class Planner:
         *,
         optimizer_states: int = _ADAM_STATES,
         executable_only: bool = False,
+        measure_ops: bool = False,
     ):
         start = time.perf_counter()
         self.cluster = _resolve_cluster(cluster)
@@ -455,7 +458,7 @@ class Planner:
         self.batch = int(inputs[0].shape[0])
         captured = capture(model, inputs)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster,
-                                    _measured_times(captured.gm, self.cluster))
+                                    _measured_times(captured.gm, self.cluster, measure_ops))
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only)
         self.executable_only = executable_only
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
@@ -592,19 +595,27 @@ def _check_degrees(strategy: Strategy, cluster: Cluster) -> None:
         )
 
 
-def _measured_times(gm: fx.GraphModule, cluster: Cluster) -> dict[str, tuple[float, float]]:
-    """Profiled node times when the profiler has them for this cluster's device (else empty: the
-    roofline prices everything, and the profiler logs what it lacked)."""
-    if not cluster.name.startswith("local"):  # profiles describe this machine, not a preset
+def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool) -> dict[str, tuple[float, float]]:
+    """Profiled node times when the cluster is this machine (presets are priced by the roofline).
+
+    ``measure`` runs the ops the cache lacks (:func:`graphpass.cost.profiler.node_times`); the
+    profiler logs loudly whatever it cannot supply. On CPU, op times are measured by one process,
+    while ``world_size`` ranks share the host's cores: when ranks x threads per rank exceed the
+    cores, every op takes that many times longer.
+    """
+    if not cluster.name.startswith("local"):
         return {}
-    try:
-        from graphpass.cost import profiler
-    except ImportError:  # the profiler module is optional at planning time
-        return {}
-    node_times = getattr(profiler, "node_times", None)
-    if node_times is None:
-        return {}
-    return dict(node_times(gm, cluster.device, measure=False))
+    from graphpass.cost import profiler
+
+    times = profiler.node_times(gm, cluster.device, measure=measure)
+    if cluster.device.kind == "cpu":
+        import os
+
+        cores = os.cpu_count() or 1
+        threads = max(1, cores // cluster.world_size)  # what graphpass.launch gives each rank
+        factor = max(1.0, cluster.world_size * threads / cores)
+        times = {k: (f * factor, b * factor) for k, (f, b) in times.items()}
+    return dict(times)
 
 
 def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],

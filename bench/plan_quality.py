@@ -1,0 +1,247 @@
+"""Plan quality: the planner's automatic plan against the best uniform strategy it could have been told.
+
+What is measured: for each scenario (an example model from ``examples/configs.py`` in bf16, a
+cluster preset with nodes of 8 GPUs, a global batch and a per-device memory budget) one
+:class:`graphpass.planner.Planner` is built (capture + graph measurement, once) and asked for
+
+* **auto**: ``planner.auto()``, the searched plan (mesh, pipeline stages, per-block ZeRO stage /
+  operator split / recomputation);
+* **baselines**: ``planner.price(Strategy(...))`` of the uniform strategies an engineer would try
+  by hand, priced by the very same cost model:
+
+  - ``dp``: pure data parallelism, ``Strategy(dp=W)``;
+  - ``zero3``: ``Strategy(dp=W, zero=3)``;
+  - ``meg``: the Megatron-LM grid ``tp in {1,2,4,8} x pp in {1,2,4,8,16}``, ``dp = W/(tp*pp)``,
+    ``zero=0``, with and without recomputation; for ``pp > 1`` the best of
+    ``microbatches in {pp, 2pp, 4pp}`` that divide the per-replica batch (``pp = 1``: one
+    microbatch). ``tp=1 pp=1`` without recomputation is ``dp`` again.
+
+  A baseline counts only when its predicted peak fits the budget; degrees that do not divide the
+  batch or the model (``Planner.price`` raises ``ValueError``) are skipped.
+
+Nothing runs on a GPU: every number is the cost model's prediction (roofline compute, alpha-beta
+collectives, analytic memory) for the preset's published figures, so this checks the *search*,
+not the model's accuracy.
+
+How to read it: one row per scenario. ``auto`` is the chosen mesh (``pp/dp/tp``, ``m``
+microbatches, ``sp`` sequence parallel) and how many blocks took which choice (``z3`` ZeRO-3,
+``rc`` recompute, ``s2`` operator split 2); ``auto s`` its predicted step time and ``peak/budget``
+its predicted peak against the budget in GiB. ``best baseline`` is the fastest baseline that fits
+and ``ratio`` is ``auto / best``: the search includes every baseline, so it must be <= 1.00 (the
+planner treats candidates within 1e-6 as tied and picks the simplest, so ratios up to 1 + 1e-6
+pass). ``fits`` lists which baseline families fit (``meg k/n``: k of the n Megatron points
+priced). A row where no baseline fits but auto does is marked ``auto only``. The last line
+counts the rows where auto <= best; the script exits 1 if any row fails.
+
+    python bench/plan_quality.py                  # all scenarios (~5 min on the 2-core machine)
+    python bench/plan_quality.py --only 175b      # scenarios whose label contains "175b"
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+from configs import build, example_inputs  # noqa: E402  (examples/ is not a package)
+
+from graphpass.cost.search import NoPlanError  # noqa: E402
+from graphpass.plan import Plan, Strategy  # noqa: E402
+from graphpass.planner import Planner  # noqa: E402
+
+GiB = 2**30
+#: The planner's own tie tolerance (graphpass.cost.search._TIE_REL): among candidates this close it
+#: returns the simplest mesh, which may be that much slower than the fastest.
+TIE_REL = 1e-6
+TPS = (1, 2, 4, 8)
+PPS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: str
+    preset: str
+    nodes: int
+    batch: int
+    budget: str | None = None  # None: the planner's default, 90% of device memory
+
+    @property
+    def world(self) -> int:
+        return self.nodes * 8
+
+    @property
+    def label(self) -> str:
+        return (f"{self.model} {self.preset} {self.nodes}x8 b{self.batch} "
+                f"{self.budget or 'default'}")
+
+
+# Global batches as published for these sizes (GPT-3 paper Table 2.1: 1.3B 1M tokens = 512
+# sequences, 13B 1024, 175B 1536 (3.2M tokens); Llama 4M tokens = 1024 x 4096), smaller ones on
+# small clusters; every one divides by the dp degrees that matter. Budgets: default (90% of the
+# card), and tighter ones that force sharding, recomputation or pipelining.
+SCENARIOS = [
+    Scenario("gpt3-1.3b", "a100-40g", 1, 256),
+    Scenario("gpt3-1.3b", "a100-80g", 4, 512),
+    Scenario("gpt3-1.3b", "a100-80g", 4, 512, "16GiB"),
+    Scenario("gpt3-6.7b", "a100-40g", 4, 512),
+    Scenario("gpt3-6.7b", "h100-80g", 8, 512, "40GiB"),
+    Scenario("gpt3-13b", "a100-40g", 8, 512),
+    Scenario("gpt3-13b", "a100-80g", 16, 1024),
+    Scenario("gpt3-13b", "a100-80g", 16, 1024, "40GiB"),
+    Scenario("llama-7b", "h100-80g", 8, 512),
+    Scenario("llama-7b", "a100-40g", 4, 256, "30GiB"),
+    Scenario("llama-70b", "a100-80g", 32, 1024, "40GiB"),
+    Scenario("llama-70b", "h100-80g", 64, 1024),
+    Scenario("gpt3-175b", "a100-40g", 64, 1536),
+    Scenario("gpt3-175b", "a100-80g", 128, 1536),
+    Scenario("gpt3-175b", "h100-80g", 128, 1536, "40GiB"),
+]
+
+
+def baselines(world: int, batch: int) -> list[tuple[str, str, list[Strategy]]]:
+    """(family, name, strategies to try: the best that fits stands for the name)."""
+    out = [("dp", "dp", [Strategy(dp=world)]), ("zero3", "zero3", [Strategy(dp=world, zero=3)])]
+    for tp in TPS:
+        for pp in PPS:
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            per_replica = batch // dp if batch % dp == 0 else 0
+            counts = [m for m in (pp, 2 * pp, 4 * pp) if per_replica and per_replica % m == 0] if pp > 1 else [1]
+            for recompute in (False, True):
+                if tp == pp == 1 and not recompute:
+                    continue  # that is "dp"
+                name = f"tp{tp} pp{pp}" + (" rc" if recompute else "")
+                out.append(("meg", name, [Strategy(dp=dp, tp=tp, pp=pp, microbatches=m, recompute=recompute)
+                                          for m in counts]))
+    return out
+
+
+def price_baselines(planner: Planner, world: int, batch: int) -> tuple[dict[str, list[int]], tuple[str, Plan] | None]:
+    """Per family [fitting, priced]; the fastest fitting baseline as (name, plan)."""
+    fits: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    best: tuple[str, Plan] | None = None
+    for family, name, strategies in baselines(world, batch):
+        fitting = []
+        priced = False
+        for strategy in strategies:
+            try:
+                plan = planner.price(strategy)
+            except ValueError:  # degrees that divide neither the batch nor the model
+                continue
+            priced = True
+            if plan.predicted_peak_memory_bytes <= planner.budget:
+                fitting.append((plan.predicted_step_time_s, strategy.microbatches, plan))
+        if not priced:
+            continue
+        fits[family][1] += 1
+        if fitting:
+            fits[family][0] += 1
+            _, m, plan = min(fitting, key=lambda f: f[0])
+            label = name + (f" m{m}" if m > 1 else "")
+            if best is None or plan.predicted_step_time_s < best[1].predicted_step_time_s:
+                best = (label, plan)
+    return fits, best
+
+
+def describe(plan: Plan) -> str:
+    """``pp4 dp32 tp8 m16 sp | 40 z1+rc, 2 z1``."""
+    mesh = plan.mesh
+    text = " ".join(f"{axis}{mesh.get(axis, 1)}" for axis in ("pp", "dp", "tp"))
+    if plan.microbatches > 1:
+        text += f" m{plan.microbatches}"
+    if plan.sequence_parallel:
+        text += " sp"
+    counts = collections.Counter(_short(row["choice"]) for row in plan.breakdown)
+    return text + " | " + ", ".join(f"{n} {c}" for c, n in counts.most_common())
+
+
+def _short(choice: str) -> str:
+    return (choice.replace("zero-", "z").replace(" + recompute", "+rc").replace(" + split ", "+s")
+            .replace("dp+", "").replace("dp", "z0"))
+
+
+def _fits_text(fits: dict[str, list[int]]) -> str:
+    parts = [f for f in ("dp", "zero3") if fits.get(f, [0, 0])[0]]
+    if "meg" in fits:
+        parts.append(f"meg {fits['meg'][0]}/{fits['meg'][1]}")
+    return ",".join(parts) or "-"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=None, help="run only scenarios whose label contains this text")
+    p.add_argument("--time-limit", type=float, default=None, help="planner.auto(time_limit_s=...)")
+    args = p.parse_args(argv)
+    scenarios = [s for s in SCENARIOS if args.only is None or args.only in s.label]
+    if not scenarios:
+        p.error(f"no scenario label contains {args.only!r}")
+
+    start = time.perf_counter()
+    models: dict[str, torch.nn.Module] = {}
+    header = (f"{'scenario':42s} {'auto plan':44s} {'auto s':>8s} {'peak/budget GiB':>15s} "
+              f"{'best baseline':20s} {'base s':>8s} {'ratio':>6s}  fits")
+    print(header)
+    print("-" * len(header))
+    passed, failures, auto_only = 0, [], []
+    for sc in scenarios:
+        if sc.model not in models:
+            with torch.device("meta"):
+                models[sc.model] = build(sc.model).to(torch.bfloat16)
+        inputs = example_inputs(sc.model, batch=sc.batch, device="meta")
+        planner = Planner(models[sc.model], f"{sc.preset}:{sc.nodes}x8", inputs, memory_budget=sc.budget)
+        try:
+            auto = planner.auto(time_limit_s=args.time_limit)
+        except NoPlanError as exc:
+            auto = None
+            why = str(exc)
+        fits, best = price_baselines(planner, sc.world, sc.batch)
+        budget = planner.budget / GiB
+        if auto is None:
+            auto_text, auto_s, peak = "no plan fits", "-", f"- /{budget:.1f}"
+        else:
+            auto_text, auto_s = describe(auto), f"{auto.predicted_step_time_s:8.3f}"
+            peak = f"{auto.predicted_peak_memory_bytes / GiB:.1f}/{budget:.1f}"
+        if best is None:
+            base_name, base_s, ratio_text = "none fits", "-", "-"
+        else:
+            base_name, base_s = best[0], f"{best[1].predicted_step_time_s:8.3f}"
+            ratio_text = "-" if auto is None else f"{auto.predicted_step_time_s / best[1].predicted_step_time_s:6.3f}"
+        print(f"{sc.label:42s} {auto_text:44s} {auto_s:>8s} {peak:>15s} {base_name:20s} {base_s:>8s} "
+              f"{ratio_text:>6s}  {_fits_text(fits)}", flush=True)
+        if best is None:
+            if auto is not None:
+                auto_only.append(sc.label)
+                passed += 1
+            else:
+                print(f"  (no plan and no baseline fits: {why})")
+                passed += 1
+        elif auto is None:
+            failures.append(f"{sc.label}: auto found no plan ({why}) but baseline {best[0]} fits")
+        elif auto.predicted_step_time_s <= best[1].predicted_step_time_s * (1 + TIE_REL):
+            passed += 1
+        else:
+            failures.append(
+                f"{sc.label}: auto {auto.predicted_step_time_s:.4f} s ({describe(auto)}, peak "
+                f"{auto.predicted_peak_memory_bytes / GiB:.2f} GiB) > {best[0]} "
+                f"{best[1].predicted_step_time_s:.4f} s (peak {best[1].predicted_peak_memory_bytes / GiB:.2f} GiB)"
+            )
+    print()
+    for label in auto_only:
+        print(f"auto only (no uniform baseline fits, auto does): {label}")
+    for line in failures:
+        print(f"FAIL {line}")
+    print(f"auto <= best fitting baseline in {passed}/{len(scenarios)} scenarios (target: all)")
+    print(f"(wall time {time.perf_counter() - start:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
