@@ -93,6 +93,8 @@ class Link:
 
     bandwidth_bytes_per_s: float
     latency_s: float
+    #: measured slowdown of each collective kind against the ring formula (``LinkSpec.kind_factors``)
+    kind_factors: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0 or not math.isfinite(self.bandwidth_bytes_per_s):
@@ -103,7 +105,12 @@ class Link:
     @classmethod
     def from_spec(cls, spec: LinkSpec) -> Link:
         """Converts a `LinkSpec` (GB/s = 1e9 bytes/s) to a `Link`."""
-        return cls(bandwidth_bytes_per_s=spec.bandwidth_gbps * 1e9, latency_s=spec.latency_s)
+        return cls(bandwidth_bytes_per_s=spec.bandwidth_gbps * 1e9, latency_s=spec.latency_s,
+                   kind_factors=tuple(sorted(spec.kind_factors.items())))
+
+    def factor(self, kind: str) -> float:
+        """The measured multiplier for ``kind`` (1 when not measured)."""
+        return dict(self.kind_factors).get(kind, 1.0)
 
 
 # --------------------------------------------------------------------------- checks
@@ -193,7 +200,7 @@ def _ring_steps(kind: str, num_ranks: int) -> int:
 
 def _ring_time(kind: str, size_bytes: float, num_ranks: int, link: Link) -> float:
     volume = ring_volume_bytes(kind, size_bytes, num_ranks)
-    return _ring_steps(kind, num_ranks) * link.latency_s + volume / link.bandwidth_bytes_per_s
+    return link.factor(kind) * (_ring_steps(kind, num_ranks) * link.latency_s + volume / link.bandwidth_bytes_per_s)
 
 
 def all_reduce_time(size_bytes: float, num_ranks: int, link: Link, algorithm: str = "ring") -> float:

@@ -199,6 +199,8 @@ class Costing:
             the cores with compute, so less).
         executable_only: enumerate only what graphpass's runtime executes today (no pipeline, no
             microbatching, no split with tp).
+        optimizer_s_per_param: measured optimizer-step seconds per parameter element on this
+            machine (None: priced as memory traffic, ``2p + g + 2o`` bytes at the bandwidth).
     """
 
     cluster: Cluster
@@ -208,6 +210,7 @@ class Costing:
     optimizer_bytes_per_param: float
     overlap: float = 1.0
     executable_only: bool = False
+    optimizer_s_per_param: float | None = None
 
 
 @dataclass(frozen=True)
@@ -377,11 +380,20 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
         # this layer's and the prefetched next layer's weights (forward): two of them either way.
         transient += 2 * largest * (1.0 if p_bytes else 0.0)
 
-    # Optimizer step: reads and writes weights and state, reads gradients, on this rank's share.
+    # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
+    # and writes weights and state, reads gradients).
     share = 1 / dp if zero >= 1 else 1.0
-    optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / (
-        costing.cluster.device.memory_bandwidth_gbps * 1e9 * _memory_efficiency(costing.cluster)
-    )
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * _memory_efficiency(costing.cluster)
+    if costing.optimizer_s_per_param is not None:
+        optimizer_s = share * block.params * costing.optimizer_s_per_param
+    else:
+        optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
+    # Flat-buffer copies around the data-parallel collectives (bytes read + written): a gradient
+    # bucket is flattened and copied back (zero 0/1); a gather writes the flat buffer and the
+    # parameters are views into it after one unpacking copy; a reduce-scatter flattens its input.
+    copies = {0: 4 * g_bytes, 1: 2 * p_bytes + 4 * g_bytes, 2: 2 * p_bytes + 2 * g_bytes,
+              3: m * (4 * p_bytes + 2 * g_bytes)}[zero] if dp > 1 else 0.0
+    time_s += copies / bandwidth / m
     return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
                   tp_forward * (2 if choice.recompute else 1) + tp_backward)
 
@@ -478,9 +490,13 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
                 link.SetCoefficient(used[key, o], -float(len(members)))
     for (key, o), z in used.items():
         row = solver.Constraint(-inf, 1.0)
+        layer_transient = blocks[clusters[key][0]].kind == LAYER
         for (k2, o2), n in counts.items():
             pr = options[clusters[k2][0]][o2][1]
-            row.SetCoefficient(n, (pr.state_bytes + flight * pr.act_bytes) * mem_scale)
+            # A layer's transient (in its backward) never meets the post block's activations:
+            # backward frees them before it reaches any layer.
+            act = 0.0 if layer_transient and blocks[clusters[k2][0]].kind == POST else pr.act_bytes
+            row.SetCoefficient(n, (pr.state_bytes + flight * act) * mem_scale)
         row.SetCoefficient(z, options[clusters[key][0]][o][1].transient_bytes * mem_scale)
     objective.SetMinimization()
     if math.isfinite(deadline):
@@ -503,9 +519,13 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
 # -------------------------------------------------------------------------------- composition
 
 
-def _stage_peak(indices: Sequence[int], priced: Sequence[Priced], flight: int) -> float:
+def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Sequence[Priced], flight: int) -> float:
+    """Kept state and in-flight activations, plus the largest transient with what it meets (a
+    layer's transient comes after backward freed the post block's activations)."""
     base = sum(priced[i].state_bytes + flight * priced[i].act_bytes for i in indices)
-    return base + max((priced[i].transient_bytes for i in indices), default=0.0)
+    post = sum(flight * priced[i].act_bytes for i in indices if blocks[i].kind == POST)
+    spikes = [priced[i].transient_bytes - (post if blocks[i].kind == LAYER else 0.0) for i in indices]
+    return base + max(0.0, max(spikes, default=0.0))
 
 
 def compose(blocks: Sequence[BlockCost], mesh: Mesh, stages: list[list[int]], choices: list[Choice],
@@ -522,7 +542,7 @@ def compose(blocks: Sequence[BlockCost], mesh: Mesh, stages: list[list[int]], ch
         comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices)
         tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
         stage_times.append(t)
-        peaks.append(_stage_peak(indices, priced, _stage_flight(mesh, s)))
+        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(mesh, s)))
     m = mesh.microbatches
     step = sum(stage_times) + (m - 1) * max(stage_times) + max(tails)
     exposed = max(max(0.0, sum(priced[i].dp_comm_s - priced[i].window_s for i in st)) for st in stages)

@@ -50,7 +50,7 @@ import math
 import os
 import pathlib
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 __all__ = [
@@ -210,11 +210,16 @@ class LinkSpec:
         bandwidth_gbps: Usable GB/s per GPU per direction.
         latency_s: Per-message latency (alpha), seconds.
         name: Label for summaries, e.g. ``"nvlink"``, ``"ib"``, ``"loopback"``.
+        kind_factors: Measured multiplier on the ring model's time per collective kind (e.g.
+            ``{"all_gather": 2.1}``): the profiler fits alpha-beta to all-reduce and records how
+            much slower the backend runs the other kinds than the ring formula says (gloo's
+            all-gather and reduce-scatter are not bandwidth-optimal rings). Empty = 1 for all.
     """
 
     bandwidth_gbps: float
     latency_s: float
     name: str = ""
+    kind_factors: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -224,10 +229,24 @@ class LinkSpec:
             self, "latency_s", _check_number("LinkSpec", "latency_s", self.latency_s, allow_zero=True)
         )
         _check_str("LinkSpec", "name", self.name)
+        if not isinstance(self.kind_factors, dict):
+            raise ValueError(f"LinkSpec.kind_factors must be a dict of kind -> factor, got {self.kind_factors!r}")
+        factors = {}
+        for kind, value in self.kind_factors.items():
+            if not isinstance(kind, str):
+                raise ValueError(f"LinkSpec.kind_factors keys must be collective kinds, got {kind!r}")
+            factors[kind] = _check_number("LinkSpec", f"kind_factors[{kind!r}]", value)
+        object.__setattr__(self, "kind_factors", factors)
+
+    def __hash__(self) -> int:  # the dict field would make the generated hash fail
+        return hash((self.bandwidth_gbps, self.latency_s, self.name, tuple(sorted(self.kind_factors.items()))))
 
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-ready dict; `from_dict` inverts it exactly."""
-        return {"bandwidth_gbps": self.bandwidth_gbps, "latency_s": self.latency_s, "name": self.name}
+        data: dict[str, Any] = {"bandwidth_gbps": self.bandwidth_gbps, "latency_s": self.latency_s, "name": self.name}
+        if self.kind_factors:
+            data["kind_factors"] = dict(self.kind_factors)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LinkSpec:

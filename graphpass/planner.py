@@ -326,9 +326,13 @@ class GraphProfile:
         """
         placements: Mapping[str, Any] = {}
         traffic: dict[str, list[tuple[str, str, float]]] = defaultdict(list)
+        gathered: set[str] = set()
         if tp > 1:
             lay = layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
             placements = lay.placements
+            # A sharded value that the pass all-gathers for its consumers (sequence parallelism:
+            # the norm output before column linears) is saved by them whole, as gathered.
+            gathered = {c.anchor for c in lay.collectives if c.op == "tp_all_gather"}
             for c in lay.collectives:
                 block = self.owner.get(c.anchor, self.blocks[0])
                 for phase, kind, size in op_traffic(c.op, c.nbytes, grad=c.grad):
@@ -355,7 +359,10 @@ class GraphProfile:
                     fwd += f
                     bwd += bw
                 times[b] = (fwd, bwd)
-            saved = sum(self.saved.get(n.name, 0.0) / (tp if tp > 1 and placed(n, (Shard,)) else 1) for n in block.nodes)
+            saved = sum(
+                self.saved.get(n.name, 0.0) / (tp if tp > 1 and placed(n, (Shard,)) and n.name not in gathered else 1)
+                for n in block.nodes
+            )
             if block.kind == S.PRE:  # inputs saved by the first ops (token ids)
                 saved += sum(v for k, v in self.saved.items() if k not in self.work)
             params = param_bytes = split_bytes = 0.0
@@ -396,8 +403,40 @@ def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> Plan:
 # ------------------------------------------------------------------------------------- search
 
 
+def _oversubscription(cluster: Cluster) -> float:
+    """How many times slower one rank's compute runs than one process measured it: on CPU, when
+    ranks x threads per rank (as ``graphpass.launch`` sets them) exceed the cores."""
+    if cluster.device.kind != "cpu":
+        return 1.0
+    import os
+
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // cluster.world_size)
+    return max(1.0, cluster.world_size * threads / cores)
+
+
+def _measure_optimizer(dtype: torch.dtype, states: int, device: str = "cpu", elements: int = 2**21) -> float:
+    """Seconds per parameter element of one optimizer step on this machine: AdamW (foreach, the
+    default implementation) for 2 states, SGD with momentum for 1, plain SGD for 0."""
+    param = torch.nn.Parameter(torch.randn(elements, dtype=dtype, device=device))
+    param.grad = torch.randn_like(param)
+    if states >= 2:
+        opt: torch.optim.Optimizer = torch.optim.AdamW([param], lr=1e-4)
+    else:
+        opt = torch.optim.SGD([param], lr=1e-4, momentum=0.9 if states == 1 else 0.0)
+    times = []
+    for i in range(7):
+        start = time.perf_counter()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] / elements
+
+
 def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float, optimizer_states: int,
-             executable_only: bool) -> S.Costing:
+             executable_only: bool, measure: bool = False) -> S.Costing:
     param_bytes = torch.finfo(profile.param_dtype).bits // 8
     # fp32 training: gradients in fp32, optimizer states in fp32 (the weights are their own master
     # copy). 16-bit weights: mixed precision, gradients in 16 bits, an fp32 master copy plus fp32
@@ -413,6 +452,10 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         # compute for the same cores, so nothing is assumed hidden there.
         overlap=1.0 if cluster.device.kind == "cuda" else 0.0,
         executable_only=executable_only,
+        optimizer_s_per_param=(
+            _measure_optimizer(profile.param_dtype, optimizer_states, cluster.device.kind) * _oversubscription(cluster)
+            if measure and cluster.name.startswith("local") else None
+        ),
     )
 
 
@@ -459,7 +502,8 @@ class Planner:
         captured = capture(model, inputs)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster,
                                     _measured_times(captured.gm, self.cluster, measure_ops))
-        self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only)
+        self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
+                                measure_ops)
         self.executable_only = executable_only
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
@@ -608,14 +652,8 @@ def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool) -> dict
     from graphpass.cost import profiler
 
     times = profiler.node_times(gm, cluster.device, measure=measure)
-    if cluster.device.kind == "cpu":
-        import os
-
-        cores = os.cpu_count() or 1
-        threads = max(1, cores // cluster.world_size)  # what graphpass.launch gives each rank
-        factor = max(1.0, cluster.world_size * threads / cores)
-        times = {k: (f * factor, b * factor) for k, (f, b) in times.items()}
-    return dict(times)
+    factor = _oversubscription(cluster)
+    return {k: (f * factor, b * factor) for k, (f, b) in times.items()}
 
 
 def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],

@@ -136,6 +136,12 @@ def test_rediscovers_dp_then_sharding_then_tp_pp_and_recompute(planner_13b):
     assert 3 in ample["zero"] or ample["mesh"].get("tp", 1) > 1  # 13B does not fit 40 GB replicated
     tight = _summary(plans[8])
     assert tight["mesh"].get("pp", 1) > 1 or tight["recompute"]
+    # Across the budgets the planner reaches for every memory-saving tool, each where it pays.
+    seen = [_summary(p) for p in plans.values()]
+    assert any(s["zero"] & {2, 3} for s in seen)
+    assert any(s["mesh"].get("tp", 1) > 1 for s in seen)
+    assert any(s["mesh"].get("pp", 1) > 1 for s in seen)
+    assert any(s["recompute"] for s in seen)
     with pytest.raises(NoPlanError, match=r"smallest peak any of \d+ meshes reaches is about"):
         planner_13b.auto(memory_budget="2GiB")
 

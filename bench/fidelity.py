@@ -1,0 +1,314 @@
+"""Cost-model fidelity: the planner's predicted step time and peak memory against measured ones.
+
+What is measured: for each world size in ``--world-sizes`` (default 2 and 4 gloo ranks of this
+machine) the machine is profiled first (``gp.profile(world_size=W)``: matmul rate, copy bandwidth,
+gloo all-reduce alpha/beta; cached where ``Cluster.local(W)`` loads it; ``--no-profile`` reuses
+the cached one). ``gp.profile`` refuses more ranks than cores, so on this 2-core machine the
+4-rank predictions use the 2-rank profile's figures (:func:`local_cluster`). Then, for at least
+six uniform strategies per world size:
+
+* **predicted**: one :class:`graphpass.planner.Planner` per world size, in this process, with
+  ``measure_ops=True`` (every op of the captured graph timed on this machine, with the threads per
+  rank that ``gp.launch`` gives ranks, since op-time cache keys include the thread count) and
+  ``optimizer_states=2`` (AdamW); ``planner.price(Strategy(...))`` gives
+  ``predicted_step_time_s`` and ``predicted_peak_memory_bytes`` (per rank) and a per-block
+  breakdown;
+* **measured**: on ``W`` ranks, the same GPT (``examples/gpt.py``, fp32, dropout 0, same seed)
+  compiled with ``gp.compile(model, gp.Cluster.local(), strategy=...)``, ``AdamW`` over
+  ``dmodel.parameters()``. A *step* is ``train_step`` + ``opt.step()`` +
+  ``opt.zero_grad(set_to_none=True)``, the scope the planner prices. After ``--warmup`` steps,
+  ``--steps`` steps are timed, each started by a barrier; the step time is the median over steps
+  of the slowest rank's time. Then one more step runs under
+  :class:`graphpass.runtime.memory.MemoryProbe`, as ``bench/memory.py`` does: the baseline is the
+  parameters, the AdamW state (it exists after the first step) and the batch, so the probe's peak
+  is absolute live tensor bytes on the rank; the figure is the max over ranks. The probe counts
+  tensor storages only (no allocator slack, no gloo staging buffers): the same scope as the
+  prediction.
+
+Errors are signed, ``(predicted - measured) / measured``: positive means the planner
+over-estimates. The median absolute error is printed per world size and overall next to the
+targets (time <= 15%, memory <= 10%). Both error columns are reported whatever they are.
+
+The second table per world size splits each side into terms for diagnosis. Predicted: ``comp``
+= sum of the blocks' compute (forward + backward + recomputed forward), ``tp`` = tensor-parallel
+collectives, ``dp`` = data-parallel collectives (on CPU the planner hides none of it behind
+compute), ``opt`` = the optimizer step (the rest of the predicted step); ``state``,
+``act`` (activations saved for backward) and ``trans`` (the largest transient: gathered ZeRO-3
+weights, recomputed activations) in MiB. Measured: ``train`` = ``train_step`` (forward, backward
+and every collective), ``opt`` = ``opt.step`` + ``zero_grad``; ``state`` = parameters + gradients
++ AdamW state after the step, ``fwd+bwd`` and ``opt`` = the peak above the state during
+``train_step`` and during ``opt.step`` (as in ``bench/memory.py``).
+
+The ranks share the machine's cores (``cpu_count // W`` threads each, at least one; at 4 ranks on
+2 cores they oversubscribe, which the planner models by scaling op times by
+``ranks x threads / cores``). MiB = 2**20 bytes.
+
+    python bench/fidelity.py                       # 2 then 4 ranks (about 2.5 min here)
+    python bench/fidelity.py --world-sizes 2 --no-profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import graphpass as gp
+from graphpass.planner import Planner
+from graphpass.runtime.memory import MemoryProbe, optimizer_state_tensors, tensor_bytes
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from gpt import GPT  # noqa: E402  (examples/ is not a package)
+from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
+
+MIB = 2**20
+TIME_TARGET = 0.15
+MEMORY_TARGET = 0.10
+
+#: world size -> (row name, Strategy keyword arguments).
+STRATEGIES = {
+    2: (
+        ("dp 2", dict(dp=2)),
+        ("dp 2 zero-1", dict(dp=2, zero=1)),
+        ("dp 2 zero-2", dict(dp=2, zero=2)),
+        ("dp 2 zero-3", dict(dp=2, zero=3)),
+        ("dp 2 zero-3 split 2", dict(dp=2, zero=3, split=2)),
+        ("tp 2", dict(tp=2)),
+        ("tp 2 sp", dict(tp=2, sequence_parallel=True)),
+        ("dp 2 recompute", dict(dp=2, recompute=True)),
+    ),
+    4: (
+        ("dp 4", dict(dp=4)),
+        ("dp 4 zero-3", dict(dp=4, zero=3)),
+        ("dp 2 tp 2", dict(dp=2, tp=2)),
+        ("tp 4", dict(tp=4)),
+        ("dp 4 recompute", dict(dp=4, recompute=True)),
+        ("dp 2 tp 2 zero-3", dict(dp=2, tp=2, zero=3)),
+    ),
+}
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated gloo rank counts (default 2,4)")
+    add_gpt_args(p, vocab_size=2048, n_embd=256)
+    p.set_defaults(n_head=4)
+    p.add_argument("--batch", type=int, default=16, help="global batch (split over the dp ranks)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy first")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per strategy")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--no-profile", action="store_true",
+                   help="reuse the cached cluster profile of each world size instead of measuring it")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    args.profiled = set()
+    for w in args.world_sizes:
+        if w not in STRATEGIES:
+            p.error(f"no strategies listed for world size {w} (have {sorted(STRATEGIES)})")
+        if args.batch % w:
+            p.error(f"--batch {args.batch} must be a multiple of every world size (got {w})")
+    return args
+
+
+def _threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+# ---------------------------------------------------------------------------- predicted
+
+def local_cluster(args: argparse.Namespace, world: int) -> gp.Cluster:
+    """This machine as ``world`` ranks, profiled with ``world`` ranks (unless ``--no-profile``).
+
+    With more ranks than cores, the profile measures the ranks' contention for the cores, which
+    is what the timed runs see too; the planner scales single-process op times by
+    ``ranks x threads / cores``.
+    """
+    if not args.no_profile and world not in args.profiled:
+        gp.profile(world_size=world)
+        args.profiled.add(world)
+    return gp.Cluster.local(world)
+
+
+def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> tuple[dict[str, dict], float]:
+    """Per row: predicted step time, peak and breakdown terms; and the planner's measuring time."""
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(_threads(world))  # op-time cache keys include the thread count
+    try:
+        torch.manual_seed(args.seed)
+        model = GPT(gpt_config(args))
+        start = time.perf_counter()
+        planner = Planner(model, cluster, example_inputs=gpt_batches(args, 1)[0],
+                          measure_ops=True, optimizer_states=2)
+        measure_s = time.perf_counter() - start
+        out = {}
+        for name, kwargs in STRATEGIES[world]:
+            plan = planner.price(gp.Strategy(**kwargs))
+            rows = plan.breakdown
+            compute = sum(r["time_s"] - r["tp_comm_s"] for r in rows)
+            tp = sum(r["tp_comm_s"] for r in rows)
+            dp = sum(r["dp_comm_s"] for r in rows)
+            out[name] = {
+                "time": plan.predicted_step_time_s,
+                "peak": plan.predicted_peak_memory_bytes,
+                "compute": compute, "tp": tp, "dp": dp,
+                # On CPU nothing hides dp communication (Costing.overlap = 0): the rest is the optimizer.
+                "opt": plan.predicted_step_time_s - compute - tp - dp,
+                "state": sum(r["state_bytes"] for r in rows),
+                "act": sum(r["activation_bytes"] for r in rows),
+                "transient": max(r["transient_bytes"] for r in rows),
+            }
+        return out, measure_s
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+# ---------------------------------------------------------------------------- measured
+
+def _measure_strategy(args, strategy: gp.Strategy, data) -> dict:
+    torch.manual_seed(args.seed)
+    model = GPT(gpt_config(args))
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+    del model  # compile keeps only this rank's shards
+    params = list(dmodel.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr)
+
+    def step(batch) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        dmodel.train_step(*batch)
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return t1 - t0, time.perf_counter() - t1
+
+    for i in range(args.warmup):
+        step(data[i])
+    times = []
+    for i in range(args.warmup, args.warmup + args.steps):
+        dist.barrier()
+        times.append(step(data[i]))
+
+    gc.collect()
+    batch = data[args.warmup + args.steps]
+    state = params + optimizer_state_tensors(opt)
+    with MemoryProbe(baseline=state + list(batch)) as probe:
+        dmodel.train_step(*batch)
+        train_peak = probe.peak_bytes
+        probe.reset_peak()
+        opt.step()
+        opt_peak = probe.peak_bytes
+    model_state = tensor_bytes(state + [p.grad for p in params if p.grad is not None])
+    opt.zero_grad(set_to_none=True)
+    return {"times": times, "peak": max(train_peak, opt_peak), "train_peak": train_peak,
+            "opt_peak": opt_peak, "state": model_state}
+
+
+def _run_rank(args: argparse.Namespace, rows) -> dict:
+    torch.set_num_threads(_threads(dist.get_world_size()))
+    data = gpt_batches(args, args.warmup + args.steps + 1)
+    out = {}
+    for name, kwargs in rows:
+        out[name] = _measure_strategy(args, gp.Strategy(**kwargs), data)
+        gc.collect()
+    return out
+
+
+def measure(args: argparse.Namespace, world: int) -> dict[str, dict]:
+    """Per row: measured step time (median over steps of the slowest rank), its split into
+    train_step / optimizer, and the peak and state bytes (max over ranks)."""
+    rows = STRATEGIES[world]
+    results = gp.launch(_run_rank, world, args=(args, rows), timeout_s=900)
+    out = {}
+    for name, _ in rows:
+        per_rank = [r[name] for r in results]
+        steps = list(zip(*(r["times"] for r in per_rank)))  # per step: (train_s, opt_s) of each rank
+        totals = [max(t + o for t, o in step) for step in steps]
+        out[name] = {
+            "time": statistics.median(totals),
+            "train": statistics.median(max(t for t, _ in step) for step in steps),
+            "opt": statistics.median(max(o for _, o in step) for step in steps),
+            "peak": max(r["peak"] for r in per_rank),
+            "state": max(r["state"] for r in per_rank),
+            "fwd_bwd": max(r["train_peak"] - r["state"] for r in per_rank),
+            "opt_mem": max(r["opt_peak"] - r["state"] for r in per_rank),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------- report
+
+def _err(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+def _medians(errors: list[tuple[float, float]]) -> tuple[float, float]:
+    return (statistics.median(abs(t) for t, _ in errors), statistics.median(abs(m) for _, m in errors))
+
+
+def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, float]]:
+    print(f"{world} gloo ranks, {_threads(world)} thread(s) each")
+    print(f"  {'strategy':22s} {'pred ms':>8s} {'meas ms':>8s} {'time err':>9s} "
+          f"{'pred MiB':>9s} {'meas MiB':>9s} {'mem err':>8s}")
+    errors = []
+    for name, _ in STRATEGIES[world]:
+        p, m = predicted[name], measured[name]
+        et, em = _err(p["time"], m["time"]), _err(p["peak"], m["peak"])
+        errors.append((et, em))
+        print(f"  {name:22s} {p['time'] * 1e3:8.1f} {m['time'] * 1e3:8.1f} {et:+9.1%} "
+              f"{p['peak'] / MIB:9.1f} {m['peak'] / MIB:9.1f} {em:+8.1%}")
+    time_med, mem_med = _medians(errors)
+    print(f"  median |error|: time {time_med:.1%} (target <= {TIME_TARGET:.0%}), "
+          f"memory {mem_med:.1%} (target <= {MEMORY_TARGET:.0%})")
+    print()
+    print("  terms         predicted ms: comp     tp     dp    opt | measured ms: train    opt"
+          " || predicted MiB: state    act  trans | measured MiB: state fwd+bwd    opt")
+    for name, _ in STRATEGIES[world]:
+        p, m = predicted[name], measured[name]
+        print(f"  {name:22s} {p['compute'] * 1e3:15.1f} {p['tp'] * 1e3:6.1f} {p['dp'] * 1e3:6.1f} "
+              f"{p['opt'] * 1e3:6.1f} | {m['train'] * 1e3:18.1f} {m['opt'] * 1e3:6.1f} || "
+              f"{p['state'] / MIB:20.1f} {p['act'] / MIB:6.1f} {p['transient'] / MIB:6.1f} | "
+              f"{m['state'] / MIB:19.1f} {m['fwd_bwd'] / MIB:7.1f} {m['opt_mem'] / MIB:6.1f}")
+    return errors
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
+    t0 = time.perf_counter()
+    c = gpt_config(args)
+    num_params = sum(p.numel() for p in GPT(c).parameters())  # tied weights once
+    print(f"GPT vocab={c.vocab_size} block={c.block_size} layers={c.n_layer} heads={c.n_head} "
+          f"embd={c.n_embd}: {num_params / 1e6:.2f}M params ({4 * num_params / MIB:.1f} MiB fp32); "
+          f"global batch {args.batch}; AdamW")
+    print(f"step = train_step + AdamW.step + zero_grad; {args.steps} timed steps after {args.warmup} "
+          f"warm-up (median of the slowest rank's step); peak over one more step (max over ranks); "
+          f"errors (predicted - measured) / measured; MiB = 2**20 bytes")
+    print()
+    all_errors = []
+    for world in args.world_sizes:
+        start = time.perf_counter()
+        cluster = local_cluster(args, world)
+        profile_s = time.perf_counter() - start
+        predicted, planner_s = predict(args, world, cluster)
+        start = time.perf_counter()
+        measured = measure(args, world)
+        measure_s = time.perf_counter() - start
+        all_errors += report(world, predicted, measured)
+        print(f"  cluster: {cluster.name}: {cluster.device.peak_tflops['fp32']:.3f} TFLOP/s, "
+              f"copy {cluster.device.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node.bandwidth_gbps:.2f} GB/s "
+              f"+ {cluster.intra_node.latency_s * 1e6:.0f} us")
+        print(f"  (profile {profile_s:.0f} s, planner {planner_s:.0f} s, measuring {measure_s:.0f} s)")
+        print()
+    time_med, mem_med = _medians(all_errors)
+    print(f"overall median |error| over {len(all_errors)} strategies: time {time_med:.1%} "
+          f"(target <= {TIME_TARGET:.0%}), memory {mem_med:.1%} (target <= {MEMORY_TARGET:.0%})")
+    print(f"(wall time {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
