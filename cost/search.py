@@ -383,7 +383,7 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
     # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
     # and writes weights and state, reads gradients).
     share = 1 / dp if zero >= 1 else 1.0
-    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * _memory_efficiency(costing.cluster)
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
     if costing.optimizer_s_per_param is not None:
         optimizer_s = share * block.params * costing.optimizer_s_per_param
     else:
@@ -396,10 +396,6 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
     time_s += copies / bandwidth / m
     return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
                   tp_forward * (2 if choice.recompute else 1) + tp_backward)
-
-
-def _memory_efficiency(cluster: Cluster) -> float:
-    return float(getattr(cluster.device, "memory_efficiency", 0.8))
 
 
 # ------------------------------------------------------------------------------------- stages

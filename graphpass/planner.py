@@ -131,12 +131,6 @@ def _tensor_bytes(value: Any) -> float:
     return 0.0
 
 
-def _is_fake_or_meta(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor) or t.device.type == "meta"
-
-
 class _SavedTensors(fx.Interpreter):
     """Runs the graph on fake tensors and attributes every tensor autograd saves for backward to
     the node that produced its storage (each storage counted once)."""
@@ -310,8 +304,8 @@ class GraphProfile:
         flops_f, flops_b, act_bytes, weights = self.work[name]
         has_backward = weights >= 0
         weights = abs(weights) / divide
-        peak = self.device.peak_tflops[self.compute_dtype] * 1e12 * float(getattr(self.device, "compute_efficiency", 0.6))
-        bandwidth = self.device.memory_bandwidth_gbps * 1e9 * float(getattr(self.device, "memory_efficiency", 0.8))
+        peak = self.device.peak_tflops[self.compute_dtype] * 1e12 * self.device.compute_efficiency
+        bandwidth = self.device.memory_bandwidth_gbps * 1e9 * self.device.memory_efficiency
         moved = act_bytes * scale / divide + weights
         forward = max(flops_f * scale / divide / peak, moved / bandwidth)
         backward = max(flops_b * scale / divide / peak, 2 * moved / bandwidth) if has_backward else 0.0
