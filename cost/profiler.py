@@ -412,6 +412,9 @@ def _fmt_bytes(num: float) -> str:
     return f"{num:g} B"
 
 
+_MAX_RANKS_PER_CORE = 4
+
+
 def _resolve_target(cluster: Cluster | None, world_size: int | None) -> tuple[str, int]:
     """``(device kind, world size)`` to profile, checked against this machine."""
     where = "world_size"
@@ -445,14 +448,24 @@ def _resolve_target(cluster: Cluster | None, world_size: int | None) -> tuple[st
                 f"profile: {where}={world_size} exceeds the {torch.cuda.device_count()} CUDA "
                 f"devices of this machine"
             )
-    elif world_size > (os.cpu_count() or 1):
-        # More ranks than cores share them: the figures then include that contention, which is
-        # what a job of that many ranks on this machine sees (the planner's op-time scaling
-        # covers compute; the links are only measurable this way).
-        logger.warning(
-            "profile: %s=%d ranks share this machine's %d CPU cores; the figures include that contention",
-            where, world_size, os.cpu_count(),
-        )
+    else:
+        cores = os.cpu_count() or 1
+        if world_size > _MAX_RANKS_PER_CORE * cores:
+            # Each rank is a process with its own torch import (~300 MB); hundreds of them swap
+            # the machine to a standstill long before a single collective is timed.
+            raise ValueError(
+                f"profile: {where}={world_size} local ranks on {cores} CPU cores is more than "
+                f"{_MAX_RANKS_PER_CORE} per core; profile at most {_MAX_RANKS_PER_CORE * cores} "
+                f"ranks here (the link fit extrapolates to larger clusters)"
+            )
+        if world_size > cores:
+            # More ranks than cores share them: the figures then include that contention, which
+            # is what a job of that many ranks on this machine sees (the planner's op-time
+            # scaling covers compute; the links are only measurable this way).
+            logger.warning(
+                "profile: %s=%d ranks share this machine's %d CPU cores; the figures include that contention",
+                where, world_size, cores,
+            )
     return kind, world_size
 
 
