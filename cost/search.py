@@ -242,7 +242,8 @@ class Candidate:
     optimal: bool = True
     gap: float = 0.0
     how: str = "ilp"
-    notes: list[str] = field(default_factory=list)
+    #: (label, step time, peak) of the uniform baselines priced on this mesh, for explain().
+    uniform: list[tuple[str, float, float]] = field(default_factory=list)
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -599,14 +600,19 @@ def solve_mesh(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, deadli
         for i, o in zip(indices, positions):
             choices[i], priced[i] = options[i][o]
     best = compose(blocks, mesh, stages, choices, priced, costing, comms, "ilp", optimal, gap)
+    uniform_prices = []
     for base in baselines:  # a uniform assignment can win only through the pipeline max term
         uniform = uniform_choices(blocks, base)
         if any(c not in [o for o, _ in opts] for c, opts in zip(uniform, options)):
             continue
         cand = evaluate(blocks, mesh, uniform, costing, stages)
-        if cand is not None and cand.peak_memory_bytes <= costing.memory_limit_bytes and cand.step_time_s < best.step_time_s:
+        if cand is None:
+            continue
+        uniform_prices.append((str(base), cand.step_time_s, cand.peak_memory_bytes))
+        if cand.peak_memory_bytes <= costing.memory_limit_bytes and cand.step_time_s < best.step_time_s:
             cand.how = f"uniform {base}"
             best = cand
+    best.uniform = uniform_prices
     return best, smallest
 
 

@@ -659,6 +659,17 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
         f"{best.peak_memory_bytes / 2**30:.2f} GiB ({best.how}"
         + ("" if best.optimal else f", gap {best.gap:.1%}") + ")",
     ]
+    if best.uniform:
+        # Why not the textbook strategy on the same mesh (e.g. ZeRO-2 over pure data parallel:
+        # the same traffic, and each rank steps the optimizer on 1/dp of the parameters).
+        lines.append(
+            "same mesh, uniform: "
+            + "; ".join(
+                f"{label} {t * 1e3:.2f} ms ({t / best.step_time_s:.2f}x), peak {peak / 2**30:.2f} GiB"
+                + ("" if peak <= costing.memory_limit_bytes else " (over budget)")
+                for label, t, peak in best.uniform
+            )
+        )
     for other in found[1:4]:
         lines.append(
             f"runner-up {other.mesh}: {other.step_time_s * 1e3:.2f} ms "
