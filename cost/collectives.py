@@ -281,8 +281,9 @@ def collective_time(
         cluster: Where the group runs.
         algorithm: ``"ring"`` (flat ring on `link_for_group`), ``"tree"`` (all-reduce only),
             ``"hierarchical"`` (all-reduce over whole nodes only), or ``"auto"``: for an
-            all-reduce over ``k > 1`` ranks on each of several nodes, the cheaper of the flat
-            ring and the hierarchical form; otherwise the flat ring.
+            all-reduce, the cheapest of the flat ring, the tree (NCCL clusters only, as NCCL's
+            tuner chooses) and, over ``k > 1`` ranks on each of several nodes, the hierarchical
+            form; otherwise the flat ring.
 
     Raises:
         ValueError: Unknown kind or algorithm, a bad group, or an algorithm that does not apply.
@@ -307,6 +308,10 @@ def collective_time(
         return flat
     if algorithm == "tree":
         return all_reduce_time(size_bytes, num_ranks, link, algorithm="tree")
+    if cluster.backend == "nccl":
+        # NCCL's tuner picks the double binary tree where latency dominates (small messages,
+        # many ranks); gloo's all-reduce is a ring, and profiled gloo links are fitted to it.
+        flat = min(flat, all_reduce_time(size_bytes, num_ranks, link, algorithm="tree"))
     # Hierarchical needs the same number of ranks on every node it touches, more than one node
     # and more than one rank per node (otherwise it is the flat ring).
     per_node = set(nodes.values())

@@ -201,6 +201,8 @@ class Costing:
             microbatching, no split with tp).
         optimizer_s_per_param: measured optimizer-step seconds per parameter element on this
             machine (None: priced as memory traffic, ``2p + g + 2o`` bytes at the bandwidth).
+        bucket_cap_bytes: gradient all-reduce bucket size of pure data parallelism
+            (``Plan.bucket_cap_bytes``): one collective's latency per bucket, not per block.
     """
 
     cluster: Cluster
@@ -211,6 +213,7 @@ class Costing:
     overlap: float = 1.0
     executable_only: bool = False
     optimizer_s_per_param: float | None = None
+    bucket_cap_bytes: float = 25 * 2**20  # DDP's default, as Plan's
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,10 @@ class _Collectives:
         self.dp, self.tp, self.pp = _groups(mesh)
         self.memo: dict[tuple[str, str, float], float] = {}
 
+    def latency(self, axis: str, kind: str) -> float:
+        """The size-independent part of one collective (its time for one byte)."""
+        return self.time(axis, kind, 1.0)
+
     def time(self, axis: str, kind: str, size: float) -> float:
         group = {"dp": self.dp, "tp": self.tp, "pp": self.pp}[axis]
         if len(group) == 1 or size <= 0:
@@ -361,7 +368,8 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
 
     ag = lambda size: comms.time("dp", "all_gather", size)  # noqa: E731
     if zero == 0:
-        dp_comm = comms.time("dp", "all_reduce", g_bytes)
+        # Gradients travel in shared buckets: the latency is charged per bucket in compose().
+        dp_comm = max(0.0, comms.time("dp", "all_reduce", g_bytes) - comms.latency("dp", "all_reduce"))
         window = backward_s
     elif zero == 1:
         dp_comm = ag(p_bytes) + comms.time("dp", "all_reduce", g_bytes)
@@ -531,19 +539,30 @@ def compose(blocks: Sequence[BlockCost], mesh: Mesh, stages: list[list[int]], ch
     """Step time and per-stage peaks of a full assignment (the formula in the module docstring)."""
     b = local_batch(mesh, costing.batch)
     scale = b / costing.batch
-    stage_times, tails, peaks = [], [], []
+    stage_times, tails, peaks, exposed = [], [], [], []
     for s, indices in enumerate(stages):
         t = sum(priced[i].time_s for i in indices)
         if s + 1 < len(stages):  # activation forward, its gradient back
             t += 2 * comms.time("pp", "send_recv", blocks[indices[-1]].output_bytes * scale)
-        comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices)
+        comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
+            blocks, indices, choices, mesh, costing, comms)
         tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
+        exposed.append(max(0.0, comm))
         stage_times.append(t)
         peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(mesh, s)))
     m = mesh.microbatches
     step = sum(stage_times) + (m - 1) * max(stage_times) + max(tails)
-    exposed = max(max(0.0, sum(priced[i].dp_comm_s - priced[i].window_s for i in st)) for st in stages)
-    return Candidate(mesh, stages, list(choices), list(priced), stage_times, peaks, step, exposed, optimal, gap, how)
+    return Candidate(mesh, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)
+
+
+def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], mesh: Mesh,
+                    costing: Costing, comms: _Collectives) -> float:
+    """One all-reduce latency per gradient bucket of the stage's pure data-parallel blocks (ZeRO
+    stages reduce per parameter group: their latency is in each block's price)."""
+    grads = sum(blocks[i].params * costing.grad_bytes_per_param for i in indices if choices[i].zero == 0)
+    if grads <= 0 or mesh.dp == 1:
+        return 0.0
+    return math.ceil(grads / costing.bucket_cap_bytes) * comms.latency("dp", "all_reduce")
 
 
 def uniform_choices(blocks: Sequence[BlockCost], choice: Choice) -> list[Choice]:

@@ -142,12 +142,21 @@ def test_hierarchical_all_reduce_over_two_nodes(cluster):
 
 
 @pytest.mark.parametrize("size", [0, 8, 1e6, 1.6e9])
-def test_auto_all_reduce_takes_the_cheaper_of_flat_ring_and_hierarchical(cluster, size):
+def test_auto_all_reduce_takes_the_cheapest_of_ring_tree_and_hierarchical(cluster, size):
     flat = collective_time("all_reduce", size, BOTH_NODES, cluster, algorithm="ring")
+    tree = collective_time("all_reduce", size, BOTH_NODES, cluster, algorithm="tree")
     hier = collective_time("all_reduce", size, BOTH_NODES, cluster, algorithm="hierarchical")
     auto = collective_time("all_reduce", size, BOTH_NODES, cluster)
-    assert auto == min(flat, hier)
+    assert auto == min(flat, tree, hier)
     assert hier <= flat
+
+
+def test_small_nccl_all_reduces_take_the_tree_and_gloo_keeps_its_ring(cluster):
+    # 8 bytes over 8 NVLink ranks: ring 14 x 5 us = 70 us, tree 2 x 3 x 5 us = 30 us (NCCL's
+    # tuner picks the tree for latency-bound sizes); gloo's all-reduce is a ring.
+    assert collective_time("all_reduce", 8, NODE0, cluster) == pytest.approx(30e-6, rel=1e-3)
+    gloo = Cluster.from_dict({**cluster.to_dict(), "backend": "gloo"})
+    assert collective_time("all_reduce", 8, NODE0, gloo) == pytest.approx(70e-6, rel=1e-3)
 
 
 def test_hierarchical_is_much_cheaper_than_a_flat_ring_for_large_two_node_all_reduces(cluster):

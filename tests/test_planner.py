@@ -161,6 +161,21 @@ def test_rediscovers_dp_then_sharding_then_tp_pp_and_recompute(planner_13b):
         planner_13b.auto(memory_budget="2GiB")
 
 
+def test_wide_layers_on_single_gpu_nodes_rediscover_osdp_splitting():
+    """OSDP's regime: layers whose weights dwarf their activations (8192 wide, 256 tokens x 16
+    samples) on 8 single-GPU nodes, so tensor parallelism is not available. Under ZeRO-3 a layer's
+    gathered weights and full gradient are the transient peak; splitting the big matmuls into
+    slices gathered one at a time is what shrinks it, and the planner reaches for it."""
+    cfg = GPTConfig(vocab_size=32768, block_size=256, n_layer=8, n_head=64, n_embd=8192, dropout=0.0, bias=False)
+    planner = Planner(_meta(cfg), "a100-40g:8x1", example_inputs(cfg, batch=16, device="meta"))
+    peak = planner.auto().predicted_peak_memory_bytes
+    plans = [planner.auto(memory_budget=int(peak * f)) for f in (0.9, 0.8)]
+    for f, plan in zip((0.9, 0.8), plans):
+        assert plan.predicted_peak_memory_bytes <= peak * f, plan.explain()
+        assert "tp" not in dict(plan.mesh)
+    assert any(_summary(plan)["split"] and 3 in _summary(plan)["zero"] for plan in plans)
+
+
 def test_ample_memory_is_data_parallel_and_tightening_adds_sharding(small_planner):
     ample = _summary(small_planner.auto())
     assert ample["mesh"] == {"dp": 8} and ample["zero"] <= {0, 1, 2} and not ample["recompute"]
@@ -194,6 +209,15 @@ def test_on_gloo_ample_memory_is_pure_dp_and_the_budget_walks_the_known_strategi
     assert seen[-1]["recompute"] or seen[-1]["mesh"].get("pp", 1) == 4  # the tightest needs both ends
     with pytest.raises(NoPlanError):
         planner.auto(memory_budget=int(peak * 0.1))
+
+
+def test_a_tiny_model_is_latency_bound_and_gets_plain_data_parallelism():
+    """A 0.4M-parameter model on 8 H100s: its whole gradient is one 25 MiB bucket, one
+    all-reduce (NCCL's tree at this size), so plain DP beats any pipeline, whose point-to-point
+    hops and bubbles only add latency."""
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64, dropout=0.0, bias=True)
+    plan = Planner(_meta(cfg), "h100-80g:1x8", example_inputs(cfg, batch=8, device="meta")).auto()
+    assert dict(plan.mesh) == {"dp": 8} and plan.microbatches == 1, plan.explain()
 
 
 def test_explain_prices_the_uniform_strategies_on_the_chosen_mesh(small_planner):
