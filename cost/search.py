@@ -382,7 +382,11 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
         rest = p_bytes - (block.split_bytes if k > 1 else 0.0)
         slices = block.split_count * k if k > 1 else 0
         gathers = ag(rest) + (slices * ag(block.split_bytes / slices) if slices else 0.0)
-        dp_comm = m * (2 * gathers + comms.time("dp", "reduce_scatter", g_bytes))
+        # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
+        split_grads = g_bytes * block.split_bytes / p_bytes if slices and p_bytes else 0.0
+        rs = lambda size: comms.time("dp", "reduce_scatter", size)  # noqa: E731
+        reduces = rs(g_bytes - split_grads) + (slices * rs(split_grads / slices) if slices else 0.0)
+        dp_comm = m * (2 * gathers + reduces)
         window = m * (forward_s + backward_s)
         largest = rest + (block.split_bytes / slices if slices else 0.0)
         # The gathered weights and their full gradient before the reduce-scatter (backward), or
