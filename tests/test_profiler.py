@@ -94,8 +94,12 @@ def test_profile_two_ranks_measures_a_link_that_predicts_an_unseen_size(tmp_path
     # 2 MiB is not on the quick ladder (4 KiB, 64 KiB, 1 MiB, 4 MiB). gloo on loopback swings by
     # 1.5x between runs at this size on a 2-core machine (and switches algorithm near 1 MiB, which
     # the alpha-beta line smooths over), so the prediction only has to land within 2x.
+    # The check is taken as the best of three medians, as timeit does: in CI once the direct
+    # 2 MiB median came out above the profile's own 4 MiB one (3.9 vs 3.1 ms), i.e. the ranks
+    # were slowed by something else on the 2 cores (the profile's ranks still exiting), not by
+    # the link.
     size = 2 * 2**20
-    measured = max(rank_pool(2).run(_direct_all_reduce_s, size))
+    measured = min(max(rank_pool(2).run(_direct_all_reduce_s, size)) for _ in range(3))
     predicted = all_reduce_time(size, 2, Link.from_spec(link))
     assert measured / 2 < predicted < measured * 2, (predicted, measured, report.summary())
 
