@@ -80,6 +80,7 @@ from graphpass.cluster import (
 )
 from graphpass.cost.collectives import Link, all_gather_time, all_reduce_time, reduce_scatter_time
 from graphpass.cost.compute import _VIEWS, grad_requiring_nodes, op_name
+from graphpass.cost.memory import format_bytes
 
 __all__ = [
     "ProfileReport",
@@ -384,7 +385,7 @@ class ProfileReport:
         ]
         if self.all_reduce:
             link = c.intra_node
-            span = f"{_fmt_bytes(self.all_reduce[0][0])}..{_fmt_bytes(self.all_reduce[-1][0])}"
+            span = f"{format_bytes(self.all_reduce[0][0])}..{format_bytes(self.all_reduce[-1][0])}"
             lines.append(
                 f"  all_reduce ring fit over {len(self.all_reduce)} sizes ({span}): alpha "
                 f"{link.latency_s * 1e6:.1f} us, beta {link.bandwidth_gbps:.3g} GB/s, "
@@ -397,19 +398,12 @@ class ProfileReport:
                     lines.append(f"  {name}: not supported by {c.backend}")
                 else:
                     lines.append(
-                        f"  {name} {_fmt_bytes(size)}: {seconds * 1e3:.2f} ms measured, "
+                        f"  {name} {format_bytes(size)}: {seconds * 1e3:.2f} ms measured, "
                         f"{predict[name](size, c.world_size, model) * 1e3:.2f} ms by the fitted link"
                     )
         else:
             lines.append(f"  links: one rank, nothing measured; kept the default {c.intra_node.name} link")
         return "\n".join(lines)
-
-
-def _fmt_bytes(num: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if num >= scale:
-            return f"{num / scale:g} {unit}"
-    return f"{num:g} B"
 
 
 _MAX_RANKS_PER_CORE = 4

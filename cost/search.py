@@ -63,6 +63,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from graphpass.cluster import Cluster
+from graphpass.cost.memory import format_bytes
 from graphpass.cost.collectives import collective_time
 from graphpass.cost.memory import in_flight_microbatches
 
@@ -676,8 +677,8 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
     if not found:
         least = min(infeasible.values(), default=math.nan)
         raise NoPlanError(
-            f"no plan fits memory_budget={costing.memory_limit_bytes / 2**30:.2f} GiB per device: the "
-            f"smallest peak any of {len(infeasible)} meshes reaches is about {least / 2**30:.2f} GiB "
+            f"no plan fits memory_budget={format_bytes(costing.memory_limit_bytes)} per device: the "
+            f"smallest peak any of {len(infeasible)} meshes reaches is about {format_bytes(least)} "
             "(every block at its most memory-saving choice); raise memory_budget, add devices, or "
             "shrink the batch"
         )

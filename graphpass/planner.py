@@ -101,6 +101,10 @@ def _resolve_cluster(cluster: Any) -> Cluster:
         match = re.fullmatch(r"([\w.-]+?)(?::(\d+)x(\d+))?", cluster.strip())
         if match and match.group(2):
             return Cluster.preset(match.group(1), nodes=int(match.group(2)), gpus_per_node=int(match.group(3)))
+        if ":" in cluster:
+            raise ValueError(
+                f"cluster={cluster!r}: write a preset as NAME or NAME:NODESxGPUS, e.g. 'h100-80g:16x8'"
+            )
         return Cluster.preset(cluster.strip())
     raise TypeError(
         f"cluster must be a graphpass.Cluster or a preset name such as 'h100-80g' or 'h100-80g:4x8', "
@@ -566,6 +570,8 @@ class Planner:
         Raises:
             graphpass.cost.search.NoPlanError: nothing fits the budget.
         """
+        if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+            raise ValueError(f"time_limit_s must be a positive number of seconds or None, got {time_limit_s!r}")
         start = time.perf_counter()
         mesh_list = S.meshes(self.cluster, self.batch, _TP_DEGREES, len(self.profile.blocks),
                              executable_only=self.executable_only)

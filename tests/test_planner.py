@@ -277,8 +277,12 @@ def test_bad_input_errors():
         gp.plan(model, "b200", inputs)
     with pytest.raises(ValueError, match="memory_budget='seventy' is not a memory size"):
         gp.plan(model, "h100-80g", inputs, memory_budget="seventy")
-    with pytest.raises(NoPlanError, match="no plan fits memory_budget=0.00 GiB"):
+    with pytest.raises(NoPlanError, match="no plan fits memory_budget=1 MiB per device: the smallest peak .* MiB"):
         gp.plan(model, "h100-80g", inputs, memory_budget="1MiB")
+    with pytest.raises(ValueError, match="write a preset as NAME or NAME:NODESxGPUS"):
+        gp.plan(model, "h100-80g:1y8", inputs)
+    with pytest.raises(ValueError, match="time_limit_s must be a positive number"):
+        gp.plan(model, "h100-80g", inputs, time_limit_s=-1)
     with pytest.raises(PlanningError, match="no trainable parameters"):
         gp.plan(torch.nn.Sequential(torch.nn.ReLU()), "h100-80g", (torch.randn(4, 3),))
     with pytest.raises(ValueError, match="= 4 devices, but the cluster has 8"):
