@@ -122,6 +122,20 @@ def _from_fields(cls: type, data: Any, what: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- specs
 
 
+def _check_number_dict(owner: str, field_name: str, value: Any, key: str, unit: str,
+                       non_empty: bool = False) -> dict[str, float]:
+    """A copy of ``{name: positive number}``, or ValueError naming ``owner.field_name``."""
+    if not isinstance(value, dict) or (non_empty and not value):
+        size = "non-empty " if non_empty else ""
+        raise ValueError(f"{owner}.{field_name} must be a {size}dict of {key} -> {unit}, got {value!r}")
+    out = {}
+    for name, number in value.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{owner}.{field_name} keys must be {key} names, got {name!r}")
+        out[name] = _check_number(owner, f"{field_name}[{name!r}]", number)
+    return out
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or one CPU rank's share of the host).
@@ -150,18 +164,9 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         _check_str("DeviceSpec", "name", self.name)
         _check_str("DeviceSpec", "kind", self.kind, DEVICE_KINDS)
-        if not isinstance(self.peak_tflops, dict) or not self.peak_tflops:
-            raise ValueError(
-                f"DeviceSpec.peak_tflops must be a non-empty dict of dtype -> TFLOP/s, "
-                f"got {self.peak_tflops!r}"
-            )
-        peaks = {}
-        for dtype, value in self.peak_tflops.items():
-            if not isinstance(dtype, str):
-                raise ValueError(f"DeviceSpec.peak_tflops keys must be dtype names, got {dtype!r}")
-            peaks[dtype] = _check_number("DeviceSpec", f"peak_tflops[{dtype!r}]", value)
         # A private copy, so that mutating the caller's dict cannot change a frozen spec.
-        object.__setattr__(self, "peak_tflops", peaks)
+        object.__setattr__(self, "peak_tflops", _check_number_dict(
+            "DeviceSpec", "peak_tflops", self.peak_tflops, "dtype", "TFLOP/s", non_empty=True))
         _check_positive_int("DeviceSpec", "memory_bytes", self.memory_bytes)
         object.__setattr__(
             self,
@@ -229,14 +234,8 @@ class LinkSpec:
             self, "latency_s", _check_number("LinkSpec", "latency_s", self.latency_s, allow_zero=True)
         )
         _check_str("LinkSpec", "name", self.name)
-        if not isinstance(self.kind_factors, dict):
-            raise ValueError(f"LinkSpec.kind_factors must be a dict of kind -> factor, got {self.kind_factors!r}")
-        factors = {}
-        for kind, value in self.kind_factors.items():
-            if not isinstance(kind, str):
-                raise ValueError(f"LinkSpec.kind_factors keys must be collective kinds, got {kind!r}")
-            factors[kind] = _check_number("LinkSpec", f"kind_factors[{kind!r}]", value)
-        object.__setattr__(self, "kind_factors", factors)
+        object.__setattr__(self, "kind_factors", _check_number_dict(
+            "LinkSpec", "kind_factors", self.kind_factors, "collective kind", "factor"))
 
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
         return hash((self.bandwidth_gbps, self.latency_s, self.name, tuple(sorted(self.kind_factors.items()))))
