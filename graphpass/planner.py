@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import re
 import time
 from collections import defaultdict
@@ -406,8 +407,6 @@ def _oversubscription(cluster: Cluster) -> float:
     ranks x threads per rank (as ``graphpass.launch`` sets them) exceed the cores."""
     if cluster.device.kind != "cpu":
         return 1.0
-    import os
-
     cores = os.cpu_count() or 1
     threads = max(1, cores // cluster.world_size)
     return max(1.0, cluster.world_size * threads / cores)
