@@ -222,27 +222,52 @@ def compile(  # noqa: A001 - the public name the contract uses
 
 def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int) -> Plan:
     """The planner's choice among what the runtime executes, solved on rank 0 and broadcast, so
-    that every rank runs the same plan. A planning error on rank 0 is raised on every rank."""
+    that every rank runs the same plan.
+
+    A planning error on rank 0 is raised on every rank as the same exception type
+    (``NoPlanError``, ``PlanningError``, ``ValueError``...), so callers can catch it by type;
+    rank 0 keeps its traceback, the other ranks get a note that it came from rank 0.
+    """
     from graphpass.planner import plan as make_plan
 
-    text, error = None, None
     if rank == 0:
         try:
             text = make_plan(model, cluster, inputs, executable_only=True).to_json(indent=None)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank alike
-            error = f"{type(exc).__name__}: {exc}"
-            if world_size == 1:
-                raise
-    if world_size > 1:
-        box = [text, error]
-        dist.broadcast_object_list(box, src=0)
-        text, error = box
-    if error is not None:
-        raise RuntimeError(f"graphpass.compile(strategy='auto'): planning failed on rank 0: {error}")
+        except Exception as exc:
+            if world_size > 1:
+                _broadcast_plan(None, _portable(exc))
+            raise
+        if world_size > 1:
+            _broadcast_plan(text, None)
+    else:
+        text, error = _broadcast_plan(None, None)
+        if error is not None:
+            error.add_note("graphpass.compile(strategy='auto'): raised while planning on rank 0")
+            raise error
     chosen = Plan.from_json(text)
     if rank == 0:
         log.info("strategy='auto' planned:\n%s", chosen.explain())
     return chosen
+
+
+def _broadcast_plan(text: str | None, error: BaseException | None) -> tuple[str | None, BaseException | None]:
+    box = [text, error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0], box[1]
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` itself when it survives pickling (to reach the other ranks), else a RuntimeError
+    with its type and message."""
+    import pickle
+
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+        if type(copy) is type(exc) and str(copy) == str(exc):
+            return copy
+    except Exception:  # noqa: BLE001 - an exception that does not pickle is sent as text
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:

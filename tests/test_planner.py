@@ -343,8 +343,19 @@ def _compile_parameterless():
     gp.compile(torch.nn.Sequential(torch.nn.ReLU()), gp.Cluster.local(), example_inputs=(torch.randn(4, 3),))
 
 
+def _planning_error_type() -> tuple[str, str]:
+    try:
+        _compile_parameterless()
+    except PlanningError as exc:  # caught by its type on every rank, not as a RuntimeError
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
 @pytest.mark.timeout(120)
-def test_a_planning_error_on_rank_0_fails_every_rank(rank_pool):
+def test_a_planning_error_on_rank_0_fails_every_rank_with_its_type(rank_pool):
     pool = rank_pool(2)
+    results = pool.run(_planning_error_type, timeout_s=60)
+    assert [kind for kind, _ in results] == ["PlanningError", "PlanningError"]
+    assert all("no trainable parameters" in text for _, text in results)
     with pytest.raises(gp.RankError, match="no trainable parameters"):
         pool.run(_compile_parameterless, timeout_s=60)
