@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import graphpass as gp
-from graphpass.runtime.collectives import all_reduce_grads
+from graphpass.runtime.grad_sync import all_reduce_grads
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)

@@ -281,8 +281,6 @@ def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, *,
             counts |= {k * pp for k in (1, 2, 4) if per_replica % (k * pp) == 0}
             if pp > 1:
                 counts = {m for m in counts if m >= pp} or {max(counts)}
-            if executable_only:
-                counts = {1}
             for m in sorted(counts):
                 for sp in ((False, True) if tp > 1 else (False,)):
                     out.append(Mesh(pp, dp, tp, m, sp))

@@ -21,11 +21,10 @@ from graphpass import meta
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
-from graphpass.megatron import megatron_placements
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import PIPELINE
-from graphpass.passes.split_operators import default_split
 from graphpass.plan import Plan, Strategy
+from graphpass.uniform_plan import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.module import (
     DistributedModule,
@@ -67,61 +66,15 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
             )
         if strategy.strategy is not None:
             strategy.strategy.check(world_size)
-        if strategy.mesh.get("pp", 1) > 1 or strategy.microbatches > 1:
+        if strategy.mesh.get("pp", 1) > 1:
             raise NotImplementedError(
-                f"the Plan uses pipeline stages (mesh {dict(strategy.mesh)}) or microbatches "
-                f"({strategy.microbatches}); graphpass cannot execute those yet (partition_stages is "
-                "not built). Plan with graphpass.plan(..., executable_only=True) for a plan compile runs"
+                f"the Plan uses pipeline stages (mesh {dict(strategy.mesh)}); graphpass cannot execute "
+                "those yet (partition_stages is not built). Plan with graphpass.plan(..., "
+                "executable_only=True) for a plan compile runs"
             )
         return strategy.strategy, strategy, []
     raise TypeError(
         f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {type(strategy).__name__}"
-    )
-
-
-def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
-    """The plan a uniform strategy implies for a captured graph.
-
-    Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
-    and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). ``zero=k``
-    gives every trainable parameter ZeRO stage k; ``recompute=True`` recomputes every repeated
-    layer; ``split=k`` splits every linear with an untied weight of at least k rows k ways along
-    its output features (``split_operators.default_split``).
-    """
-    mesh = {"dp": strategy.dp}
-    tp_placements: dict[str, str] = {}
-    if strategy.tp > 1:
-        mesh["tp"] = strategy.tp
-        tp_placements = megatron_placements(gm)
-    placements: dict[str, dict[str, str]] = {}
-    zero: dict[str, int] = {}
-    layers: set[int] = set()
-    for node in gm.graph.nodes:
-        layer = node.meta.get(meta.LAYER)
-        if layer is not None and node.op == "call_function":
-            layers.add(layer)
-        if node.op == "placeholder":
-            placements[node.name] = {"dp": "Shard(0)"}
-        elif node.op == "get_attr":
-            placements[node.name] = {"dp": "Replicate()"}
-            if node.name in tp_placements:
-                placements[node.name]["tp"] = tp_placements[node.name]
-            if strategy.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
-                tensor = _attr(gm, node.target)
-                if tensor.dim() > 0 and tensor.requires_grad:  # ZeRO shards along dim 0
-                    zero[node.name] = strategy.zero
-    output = gm.graph.find_nodes(op="output")[0]
-    loss = output.args[0][meta.get(output, meta.ROLE)["loss"]]
-    placements[loss.name] = {"dp": "Partial(avg)"}
-    return Plan(
-        mesh=mesh,
-        placements=placements,
-        strategy=strategy,
-        zero=zero,
-        recompute=tuple(sorted(layers)) if strategy.recompute else (),
-        sequence_parallel=strategy.sequence_parallel,
-        split=default_split(gm, strategy.split),
-        reasons=tuple(reasons),
     )
 
 
@@ -181,12 +134,15 @@ def compile(  # noqa: A001 - the public name the contract uses
     chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
     if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
         given_plan = _auto_plan(model, cluster, inputs, rank, world_size)
-    dp = given_plan.mesh.get("dp", 1) if given_plan is not None else chosen.dp  # type: ignore[union-attr]
+    source = given_plan if given_plan is not None else chosen
+    dp = source.mesh.get("dp", 1) if given_plan is not None else chosen.dp  # type: ignore[union-attr]
+    k = source.microbatches  # type: ignore[union-attr]
 
-    # Capture at this rank's share of the batch: shapes are specialised in the graph.
+    # Capture at one microbatch of this rank's share: shapes are specialised in the graph.
     names = _input_names_guess(len(inputs))
     check_divisible(inputs, names, [["dp"] if dp > 1 else []] * len(inputs), Plan(mesh={"dp": dp}))
-    local_inputs = tuple(t.narrow(0, 0, t.shape[0] // dp) if dp > 1 else t for t in inputs)
+    _check_microbatches(inputs, names, dp, k, "Plan" if given_plan is not None else "Strategy")
+    local_inputs = tuple(t.narrow(0, 0, t.shape[0] // (dp * k)) if dp * k > 1 else t for t in inputs)
     captured = capture(model, local_inputs)
     gm = captured.gm
     plan = given_plan if given_plan is not None else plan_from_strategy(gm, chosen, reasons)  # type: ignore[arg-type]
@@ -284,6 +240,20 @@ def _release_replaced(gm: fx.GraphModule, originals: dict[str, torch.Tensor]) ->
     for target, original in originals.items():
         if _attr(gm, target) is not original and original.device.type != "meta":
             original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+
+
+def _check_microbatches(inputs: Sequence[torch.Tensor], names: Sequence[str], dp: int, k: int, field: str) -> None:
+    """Raise unless every input's per-replica rows divide into ``k`` microbatches."""
+    if k == 1:
+        return
+    for value, name in zip(inputs, names):
+        rows = value.shape[0] // dp if value.dim() else 0
+        if rows == 0 or rows % k:
+            raise ValueError(
+                f"{name} has batch size {value.shape[0] if value.dim() else 0}: {rows} rows per data-parallel "
+                f"replica (dp={dp}), which do not divide into {field}.microbatches={k}; make the global "
+                f"batch a multiple of {dp * k} or choose microbatches dividing {rows}"
+            )
 
 
 def _input_names_guess(n: int) -> list[str]:

@@ -50,6 +50,9 @@ STAGE = "gp.stage"
 AXIS = "gp.axis"
 #: For the graph's output node: which output is the loss the runtime differentiates.
 ROLE = "gp.role"
+#: True on a node whose value is not a tensor (the gradient-synchronisation handle): the pass
+#: runner's verification then expects no ``meta["val"]`` on it.
+OPAQUE = "gp.opaque"
 
 _MISSING = object()
 

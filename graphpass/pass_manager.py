@@ -122,7 +122,7 @@ def verify(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> None:
         if node.op == "get_attr":
             expects_tensor = meta.get(node, meta.ATTR_KIND, None) != "module"
         else:
-            expects_tensor = getattr(node.target, "returns_tensor", True)
+            expects_tensor = not node.meta.get(meta.OPAQUE, False)
         if node.op in ("call_function", "get_attr", "placeholder") and expects_tensor and meta.VAL not in node.meta:
             raise PassError(f"node {node.name!r} ({op_name(node)}) has no meta['val'] after propagation")
 

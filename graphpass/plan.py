@@ -86,17 +86,12 @@ class Strategy:
                 f"the cluster has world_size={world_size}; choose degrees whose product is {world_size}"
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
-        missing = {
-            "pp": self.pp != 1,
-            "microbatches": self.microbatches != 1,
-        }
-        for name, used in missing.items():
-            if used:
-                raise NotImplementedError(
-                    f"Strategy.{name}={getattr(self, name)!r} is not implemented yet: pipeline "
-                    "stages and microbatching come with the partition_stages pass; leave this "
-                    "field at its default (dp, tp, zero, split, sequence_parallel and recompute work)"
-                )
+        if self.pp != 1:
+            raise NotImplementedError(
+                f"Strategy.pp={self.pp!r} is not implemented yet: pipeline stages come with the "
+                "partition_stages pass; leave pp=1 (dp, tp, zero, split, microbatches, "
+                "sequence_parallel and recompute work)"
+            )
 
 
 def placement_from_str(text: str) -> Placement:

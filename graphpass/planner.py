@@ -52,6 +52,7 @@ from graphpass.cost.compute import grad_requiring_nodes, node_bytes, node_flops,
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout
 from graphpass.plan import Plan, Strategy
+from graphpass.uniform_plan import plan_from_strategy
 
 log = logging.getLogger(__name__)
 
@@ -394,8 +395,6 @@ def _is_float_node(node: fx.Node) -> bool:
 
 
 def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> Plan:
-    from graphpass.api import plan_from_strategy
-
     return plan_from_strategy(gm, Strategy(dp=1, tp=tp, sequence_parallel=sequence_parallel), ())
 
 
@@ -611,7 +610,7 @@ def plan(
         time_limit_s: stop searching after this long and keep the best plan found.
         optimizer_states: fp32 states per parameter (2 for Adam/AdamW, 1 for SGD with momentum).
         executable_only: search only what ``graphpass.compile`` executes today (no pipeline
-            stages or microbatches); ``compile(strategy="auto")`` sets it.
+            stages; gradient accumulation is searched); ``compile(strategy="auto")`` sets it.
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -696,8 +695,6 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
 
 def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
              strategy: Strategy | None, reasons: list[str], start: float) -> Plan:
-    from graphpass.api import plan_from_strategy
-
     mesh = cand.mesh
     gm = profile.gm
     base = plan_from_strategy(gm, Strategy(dp=mesh.dp, tp=mesh.tp, sequence_parallel=mesh.sequence_parallel), ())

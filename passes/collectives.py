@@ -80,7 +80,9 @@ def ensure_grad_sync(gm: fx.GraphModule, axis: str, created_by: str) -> fx.Node:
     anchor = placeholders[-1].next if placeholders else next(iter(graph.nodes))
     with graph.inserting_before(anchor):
         begin = graph.call_function(ops.grad_sync_begin, (axis,))
-    begin.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.MODULE_PATH: "", meta.LAYER: None})
+    begin.meta.update(
+        {meta.CREATED_BY: created_by, meta.AXIS: axis, meta.MODULE_PATH: "", meta.LAYER: None, meta.OPAQUE: True}
+    )
     return begin
 
 

@@ -1,204 +1,40 @@
-"""Collective ops that appear as ``call_function`` nodes in compiled graphs.
+"""Every collective op that appears as a ``call_function`` node in compiled graphs.
 
 Each op is an ordinary Python function (so ``torch.fx`` prints and runs it) wrapping an
 ``autograd.Function`` that carries its own backward. Ops take the mesh *axis name*; the process
 group comes from the active :class:`~graphpass.runtime.mesh.ProcessMesh`. Only
 ``graphpass.passes.collectives`` (the one emitter) inserts these ops into graphs.
 
-Every op is fake-tensor safe: under ``FakeTensorMode`` (shape propagation, planning) it returns
-correctly shaped results without communicating.
+Every op is fake-tensor safe (:mod:`graphpass.runtime.fake`): under ``FakeTensorMode`` (shape
+propagation, planning) it returns results of the real op's shape, dtype and strides without
+communicating.
 
-Data-parallel gradient synchronisation is DDP's algorithm written as graph nodes::
-
-    sync = grad_sync_begin("dp")                     # backward runs last: waits, writes .grad
-    w2_, b2_ = all_reduce_grads(sync, w2, b2, ...)   # backward: launch async all-reduce of one
-    w1_, b1_ = all_reduce_grads(sync, w1, b1, ...)   #   flat bucket as soon as its grads exist
-
-so communication of late layers overlaps the backward of early layers, as in DDP.
+The ops live with the idea they implement: gradient synchronisation in
+:mod:`~graphpass.runtime.grad_sync`, ZeRO in :mod:`~graphpass.runtime.zero`, Megatron's pairs in
+:mod:`~graphpass.runtime.tensor_parallel`; this module only adds the reported-loss all-reduce and
+lists them all.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.runtime import mesh as mesh_lib
-
-
-def _is_fake(t: Any) -> bool:
-    """True for values that only carry shapes: fake or meta tensors, or anything while a
-    ``FakeTensorMode`` is active (shape propagation runs graphs with real attributes under it)."""
-    if isinstance(t, FakeTensor) or (isinstance(t, torch.Tensor) and t.device.type == "meta"):
-        return True
-    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
-
-
-class GradSync:
-    """State shared by one ``grad_sync_begin`` node and its ``all_reduce_grads`` buckets.
-
-    One object per forward call: buckets append their in-flight all-reduces in backward; the
-    begin node's backward (which autograd runs after every bucket's) waits for them and writes
-    each parameter's ``.grad``.
-    """
-
-    #: Reductions allowed in flight at once. An async collective keeps its input alive until it
-    #: is waited on; ZeRO's reduce-scatter inputs are full-size gradient buffers, so without a
-    #: cap every layer's would be alive at the end of backward (measured: +128 MiB, the whole
-    #: model, on a 33.6M-parameter MLP with ZeRO-3 on 2 ranks). FSDP2 caps this the same way.
-    MAX_IN_FLIGHT = 2
-
-    def __init__(self, axis: str, token: torch.Tensor):
-        self.axis = axis
-        self.token = token
-        self.pending: list[list[Any]] = []  # [work or None once waited, output, params]
-
-    def add(self, work: Any, out: torch.Tensor, params: tuple[torch.Tensor, ...]) -> None:
-        """Register an in-flight reduction whose ``out`` holds ``params``' gradients (flat)."""
-        self.pending.append([work, out, params])
-        in_flight = [entry for entry in self.pending if entry[0] is not None]
-        for entry in in_flight[: -self.MAX_IN_FLIGHT]:
-            entry[0].wait()
-            entry[0] = None  # drop the work object, and with it the reduction's input buffer
-
-    def finish(self) -> None:
-        """Wait for every bucket's all-reduce and accumulate the results into ``.grad``."""
-        pending, self.pending = self.pending, []
-        for work, flat, params in pending:
-            if work is not None:
-                work.wait()
-            offset = 0
-            for p in params:
-                grad = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad += grad
-
-
-class _SyncBegin(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, leaf: torch.Tensor, sync_box: list) -> torch.Tensor:
-        ctx.sync_box = sync_box
-        return leaf.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.sync_box[0].finish()
-        return None, None
-
-
-def grad_sync_begin(axis: str) -> GradSync:
-    """Open a gradient synchronisation over ``axis`` for this forward call.
-
-    Returns a :class:`GradSync` whose token every ``all_reduce_grads`` bucket consumes, so the
-    backward of this node runs after all buckets have launched their all-reduces.
-    """
-    leaf = torch.zeros((), requires_grad=True)
-    box: list = [None]
-    token = _SyncBegin.apply(leaf, box)
-    sync = GradSync(axis, token)
-    box[0] = sync
-    return sync
-
-
-# Its value is a GradSync, not a tensor: graph verification does not expect a meta["val"].
-grad_sync_begin.returns_tensor = False  # type: ignore[attr-defined]
-
-
-# One flat buffer per gradient bucket, kept between steps and keyed by the bucket's first
-# parameter (weakly, so it dies with the model). Allocating a fresh multi-MiB buffer every step
-# is what made the bucket copy slow: glibc serves such sizes with a new mmap each time, and the
-# copy then page-faults on every 4 KiB page (torch.cat of a 17 MB bucket here: 7.5 ms into a
-# fresh buffer, 1.4 ms into a reused one; DDP likewise keeps its buckets for the whole run).
-_BUCKET_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# The number of references a buffer's storage has when nothing but the cache holds it, measured
-# rather than assumed; None where torch lacks the (private) counter, and then nothing is reused.
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _use_count(t: torch.Tensor) -> int:
-    return _storage_use_count(t.untyped_storage()._cdata)  # type: ignore[misc]
-
-
-def _reusable_buffer(key: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The bucket's buffer from an earlier step, if it fits and nothing else still uses it.
-
-    Gradients are handed out as views of the buffer, so it is reused only once every view (and
-    anything derived from one) is gone, e.g. after ``optimizer.zero_grad()`` (set_to_none). If the
-    caller keeps ``.grad`` (accumulation, ``zero_grad(set_to_none=False)``) or a reference to it,
-    this step gets a fresh buffer and the old gradients are left untouched.
-    """
-    entry = _BUCKET_BUFFERS.get(key)
-    if entry is None:
-        return None
-    buffer, idle_count = entry
-    if buffer.numel() != numel or buffer.dtype != dtype or _use_count(buffer) != idle_count:
-        return None
-    return buffer
-
-
-def _remember_buffer(key: torch.Tensor, buffer: torch.Tensor) -> None:
-    if _storage_use_count is not None:
-        _BUCKET_BUFFERS[key] = (buffer, _use_count(buffer))
-
-
-class _AllReduceGrads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, token: torch.Tensor, sync: GradSync, scale: float | None, *params: torch.Tensor):
-        ctx.sync = sync
-        ctx.scale = scale
-        # Held directly, not via save_for_backward: under saved-tensor hooks (ZeRO-3 re-gather)
-        # autograd would hand back new tensor objects, and .grad must land on the real leaves.
-        ctx.params = params
-        return tuple(p.view_as(p) for p in params)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        params = ctx.params
-        sync: GradSync = ctx.sync
-        pieces = [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
-        numel = sum(piece.numel() for piece in pieces)
-        dtype = functools.reduce(torch.promote_types, (piece.dtype for piece in pieces))
-        flat = _reusable_buffer(params[0], numel, dtype)
-        if flat is not None:
-            torch.cat(pieces, out=flat)
-        else:
-            flat = torch.cat(pieces)
-            _remember_buffer(params[0], flat)
-        mesh = mesh_lib.current()
-        group = mesh.group(sync.axis)
-        work = None
-        if group is not None:
-            # Average over the batch axes, as DDP does (the loss is a mean over the global batch,
-            # split evenly); sum over tensor-parallel axes (partial gradients): ``ctx.scale``.
-            flat.mul_(ctx.scale if ctx.scale is not None else 1.0 / mesh.axis_size(sync.axis))
-            work = dist.all_reduce(flat, group=group, async_op=True)
-        sync.add(work, flat, params)
-        token_grad = torch.zeros((), dtype=torch.float32)
-        return (token_grad, None, None) + (None,) * len(params)
-
-
-def all_reduce_grads(
-    sync: GradSync, *params: torch.Tensor, bucket: int = 0, scale: float | None = None
-) -> tuple[torch.Tensor, ...]:
-    """Identity on ``params`` in forward; in backward, all-reduce their gradients as one bucket.
-
-    Args:
-        sync: the step's :class:`GradSync` (output of ``grad_sync_begin``).
-        params: the bucket's parameters (replicated on ``sync.axis``).
-        bucket: the bucket's index (for dumps and logs; buckets are numbered in launch order).
-        scale: factor applied before the sum (default ``1 / size of sync.axis``: an average).
-    """
-    if any(_is_fake(p) for p in params) or not torch.is_grad_enabled():
-        return tuple(p.view_as(p) for p in params)
-    return _AllReduceGrads.apply(sync.token, sync, scale, *params)
+from graphpass.runtime.fake import is_fake
+from graphpass.runtime.grad_sync import all_reduce_grads, grad_sync_begin
+from graphpass.runtime.tensor_parallel import (
+    TP_OPS,
+    tp_all_gather,
+    tp_all_reduce,
+    tp_copy,
+    tp_reduce_scatter,
+    tp_scatter,
+    vocab_parallel_cross_entropy,
+)
+from graphpass.runtime.zero import all_gather_params
 
 
 def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
@@ -209,7 +45,7 @@ def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor
     if op not in ("sum", "avg"):
         raise ValueError(f"all_reduce op must be 'sum' or 'avg', got {op!r}")
     out = tensor.detach().clone()
-    if _is_fake(tensor):
+    if is_fake(tensor):
         return out
     mesh = mesh_lib.current()
     group = mesh.group(axis)
@@ -221,16 +57,19 @@ def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor
     return out
 
 
-from graphpass.runtime.tensor_parallel import (  # noqa: E402 - builds on _is_fake above
-    TP_OPS,
-    tp_all_gather,
-    tp_all_reduce,
-    tp_copy,
-    tp_reduce_scatter,
-    tp_scatter,
-    vocab_parallel_cross_entropy,
-)
-from graphpass.runtime.zero import all_gather_params  # noqa: E402 - zero builds on GradSync above
-
 #: Every op the emitter may insert; a test checks that no other function creates collective nodes.
 COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce, all_gather_params, *TP_OPS)
+
+__all__ = [
+    "COLLECTIVE_OPS",
+    "all_gather_params",
+    "all_reduce",
+    "all_reduce_grads",
+    "grad_sync_begin",
+    "tp_all_gather",
+    "tp_all_reduce",
+    "tp_copy",
+    "tp_reduce_scatter",
+    "tp_scatter",
+    "vocab_parallel_cross_entropy",
+]

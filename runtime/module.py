@@ -2,8 +2,10 @@
 
 It owns the rank's executable ``GraphModule`` (whose attributes are this rank's parameters), the
 plan, the process mesh, and the pass history. ``train_step(*global_batch)`` takes the *global*
-batch (the same on every rank), keeps this rank's share, runs forward and backward, and returns
-the global-batch loss; any torch optimizer then steps ``dmodel.parameters()``.
+batch (the same on every rank), keeps this rank's share, cuts it into the plan's microbatches,
+runs the step program (:mod:`graphpass.runtime.step`: forward and backward of each microbatch,
+gradients synchronised once) and returns the global-batch loss; any torch optimizer then steps
+``dmodel.parameters()``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from torch.distributed.tensor.placement_types import Shard
 from graphpass import meta
 from graphpass.plan import Plan
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.step import StepProgram, accumulation_schedule
 from graphpass.runtime.tensor_parallel import gather_tp_parameters
-from graphpass.runtime.zero import gather_full_parameters, regather_saved_params
+from graphpass.runtime.zero import gather_full_parameters
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,12 @@ def batch_shards(plan: Plan, input_names: Sequence[str]) -> list[list[str]]:
         [axis for axis in plan.mesh if plan.mesh[axis] > 1 and plan.placement(name, axis) == Shard(0)]
         for name in input_names
     ]
+
+
+def batch_inputs(plan: Plan, input_names: Sequence[str]) -> list[bool]:
+    """For each graph input, whether its dim 0 is the batch (``Shard(0)`` on some mesh axis, of
+    any size): those are cut into microbatches."""
+    return [any(plan.placement(name, axis) == Shard(0) for axis in plan.mesh) for name in input_names]
 
 
 def check_divisible(
@@ -58,7 +67,7 @@ class DistributedModule(nn.Module):
     """The compiled, per-rank program returned by :func:`graphpass.compile`.
 
     Attributes:
-        graph_module: this rank's executable ``torch.fx.GraphModule``.
+        graph_module: this rank's executable ``torch.fx.GraphModule`` (one microbatch).
         plan: the :class:`~graphpass.plan.Plan` it was built from.
         history: one :class:`~graphpass.pass_manager.PassRecord` per pass.
         capture_route: ``"export"`` or ``"symbolic_trace"``.
@@ -81,10 +90,16 @@ class DistributedModule(nn.Module):
         self.capture_route = capture_route
         self._mesh = process_mesh
         self._input_names = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
-        self._local_shapes = [torch.Size(s) for s in local_input_shapes]
+        self._local_shapes = [torch.Size(s) for s in local_input_shapes]  # of one microbatch
         self._shards = batch_shards(plan, self._input_names)
+        self._is_batch = batch_inputs(plan, self._input_names)
         output = graph_module.graph.find_nodes(op="output")[0]
         self._roles = dict(meta.get(output, meta.ROLE))
+        self.num_microbatches = plan.microbatches
+        self._program = StepProgram(
+            [graph_module], self._roles["loss"], self._roles.get("loss_report", self._roles["loss"]),
+            accumulation_schedule(self.num_microbatches),
+        )
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
         self._extra_state = {
@@ -184,40 +199,66 @@ class DistributedModule(nn.Module):
                 )
         check_divisible(global_batch, self._input_names, self._shards, self.plan)
         local = []
-        for value, name, axes, shape in zip(global_batch, self._input_names, self._shards, self._local_shapes):
+        k = self.num_microbatches
+        for value, name, axes, shape, cut in zip(
+            global_batch, self._input_names, self._shards, self._local_shapes, self._is_batch
+        ):
             for axis in axes:
                 ways = self.plan.mesh[axis]
                 chunk = value.shape[0] // ways
                 value = value.narrow(0, self._mesh.axis_rank(axis) * chunk, chunk)
-            if value.shape != shape:
+            cut = cut and k > 1
+            expected = torch.Size((shape[0] * k, *shape[1:])) if cut else shape
+            if value.shape != expected:
+                if cut and value.dim() and value.shape[0] % k:
+                    raise ValueError(
+                        f"input {name!r}: this rank's share has {value.shape[0]} rows, which do not divide "
+                        f"into Plan.microbatches={k} microbatches; make the global batch a multiple of "
+                        f"{self._batch_ways(axes) * k}"
+                    )
                 raise ValueError(
                     f"input {name!r}: this rank's share has shape {tuple(value.shape)} but the program "
-                    f"was compiled for {tuple(shape)}; call graphpass.compile again for a new shape"
+                    f"was compiled for {tuple(expected)}"
+                    + (f" ({k} microbatches of {tuple(shape)})" if cut else "")
+                    + "; call graphpass.compile again for a new shape"
                 )
             local.append(value)
         return tuple(local)
+
+    def _batch_ways(self, axes: Sequence[str]) -> int:
+        ways = 1
+        for axis in axes:
+            ways *= self.plan.mesh[axis]
+        return ways
+
+    def microbatches(self, *global_batch: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's share cut into the plan's microbatches (inputs not sharded over the batch,
+        such as a shared mask, go whole to every microbatch)."""
+        local = self.local_batch(*global_batch)
+        k = self.num_microbatches
+        if k == 1:
+            return [local]
+        pieces = [value.chunk(k) if cut else (value,) * k for value, cut in zip(local, self._is_batch)]
+        return [tuple(p[i] for p in pieces) for i in range(k)]
 
     def train_step(self, *global_batch: torch.Tensor) -> torch.Tensor:
         """Forward and backward on this rank's share; returns the global-batch loss (detached).
 
         Gradients land in ``p.grad`` for ``p in self.parameters()``, already synchronised, so the
-        caller's optimizer can step right away.
+        caller's optimizer can step right away. With ``plan.microbatches = k`` the share runs as
+        k microbatches whose gradients are accumulated and synchronised once.
         """
-        local = self.local_batch(*global_batch)
+        microbatches = self.microbatches(*global_batch)
         with mesh_lib.active(self._mesh):
-            with regather_saved_params():  # ZeRO-3: gathered weights are re-gathered in backward
-                outputs = self.graph_module(*local)
-            loss = outputs[self._roles["loss"]]
-            loss.backward()
-        report = outputs[self._roles.get("loss_report", self._roles["loss"])]
-        return report.detach()
+            return self._program.run(microbatches)
 
     def forward(self, *global_batch: torch.Tensor) -> torch.Tensor:
         """The global-batch loss without a backward pass (for evaluation)."""
-        local = self.local_batch(*global_batch)
+        microbatches = self.microbatches(*global_batch)
+        report = self._roles.get("loss_report", self._roles["loss"])
         with mesh_lib.active(self._mesh), torch.no_grad():
-            outputs = self.graph_module(*local)
-        return outputs[self._roles.get("loss_report", self._roles["loss"])]
+            losses = [self.graph_module(*mb)[report] for mb in microbatches]
+        return torch.stack(losses).mean() if len(losses) > 1 else losses[0]
 
 
 def broadcast_replicated_state(gm: fx.GraphModule, mesh: mesh_lib.ProcessMesh) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from graphpass.runtime import mesh as mesh_lib
-from graphpass.runtime.collectives import _is_fake
+from graphpass.runtime.fake import is_fake
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -46,23 +46,31 @@ def _rank(axis: str) -> int:
 
 
 def _gather(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    """Concatenation of every rank's ``x`` along ``dim``: contiguous, as the fake op's result
+    is (graphs are verified on fake tensors, and later views such as ``view`` rely on it)."""
     group = _group(axis)
     if group is None:
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    _all_gather_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # rank-major, as one flat all-gather fills it
+    _all_gather_flat(out, x, group=group)
+    if dim == 0:
+        return out
+    # [size, ..., n, ...] -> [..., size * n, ...]: one copy into the concatenated layout.
+    return out.view(size, *x.shape).movedim(0, dim).reshape(*x.shape[:dim], size * x.shape[dim], *x.shape[dim + 1 :])
 
 
 def _reduce_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    """This rank's chunk along ``dim`` of the sum over ranks of ``x`` (contiguous)."""
     group = _group(axis)
     if group is None:
         return x
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    _reduce_scatter_flat(out, moved, group=group)
-    return out.movedim(0, dim)
+    chunk = x.shape[dim] // size
+    # Rank-major input: chunk r of dim ``dim`` becomes block r of a flat buffer.
+    blocks = x.unflatten(dim, (size, chunk)).movedim(dim, 0).contiguous()
+    out = x.new_empty((*x.shape[:dim], chunk, *x.shape[dim + 1 :]))
+    _reduce_scatter_flat(out, blocks.view(size * out.shape[0], *out.shape[1:]), group=group)
+    return out
 
 
 def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
@@ -148,14 +156,14 @@ class _Scatter(_ShardingOp):
 
 def tp_copy(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     """Identity; the gradient is all-reduced over ``axis`` (Megatron's f)."""
-    if _is_fake(x):
+    if is_fake(x):
         return x.view_as(x)
     return _Copy.apply(x, axis)
 
 
 def tp_all_reduce(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     """Sum of the partial values over ``axis`` (Partial → Replicate); identity backward."""
-    if _is_fake(x):
+    if is_fake(x):
         return x.clone()
     return _AllReduce.apply(x, axis)
 
@@ -164,21 +172,21 @@ def tp_all_gather(x: torch.Tensor, axis: str, size: int, dim: int, grad: str = "
     """Concatenate the shards of ``dim`` over ``axis`` (Shard(dim) → Replicate)."""
     if grad not in ("slice", "reduce_scatter"):
         raise ValueError(f"tp_all_gather grad must be 'slice' or 'reduce_scatter', got {grad!r}")
-    if _is_fake(x):
+    if is_fake(x):
         return _resized(x, dim, size)
     return _AllGather.apply(x, axis, size, dim, grad)
 
 
 def tp_reduce_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
     """Sum the partial values and keep this rank's chunk of ``dim`` (Partial → Shard(dim))."""
-    if _is_fake(x):
+    if is_fake(x):
         return _resized(x, dim, 1 / size)
     return _ReduceScatter.apply(x, axis, size, dim)
 
 
 def tp_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
     """This rank's chunk of ``dim`` of a replicated tensor (Replicate → Shard(dim), no traffic)."""
-    if _is_fake(x):
+    if is_fake(x):
         return _resized(x, dim, 1 / size)
     return _Scatter.apply(x, axis, size, dim)
 
@@ -229,7 +237,7 @@ def vocab_parallel_cross_entropy(
         logits: ``[tokens, vocab / size]``, this rank's vocabulary slice starting at ``vocab_start``.
         target: ``[tokens]`` global class indices.
     """
-    if _is_fake(logits):
+    if is_fake(logits):
         return logits.new_empty((), dtype=torch.float32)
     out = _VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, ignore_index)
     return out.to(logits.dtype)

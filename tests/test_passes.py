@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import graphpass as gp
 from graphpass import meta
-from graphpass.api import plan_from_strategy
+from graphpass.uniform_plan import plan_from_strategy
 from graphpass.capture import capture
 from graphpass.dump import Dumper
 from graphpass.pass_manager import PassContext, PassError, graph_pass, op_name, run_passes

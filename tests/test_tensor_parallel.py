@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpass as gp
-from graphpass.api import plan_from_strategy
+from graphpass.uniform_plan import plan_from_strategy
 from graphpass.capture import capture
 from graphpass.pass_manager import PassContext, PassError, op_name, run_passes
 from graphpass.passes import PIPELINE

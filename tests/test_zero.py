@@ -15,7 +15,7 @@ import torch.fx as fx
 
 import graphpass as gp
 from graphpass import meta
-from graphpass.api import plan_from_strategy
+from graphpass.uniform_plan import plan_from_strategy
 from graphpass.capture import capture
 from graphpass.pass_manager import PassContext, op_name, run_passes
 from graphpass.passes import PIPELINE

@@ -1,0 +1,100 @@
+"""The training step as a program: a schedule of microbatch forwards and backwards.
+
+``DistributedModule.train_step`` cuts this rank's share of the batch into the plan's
+microbatches and runs a :class:`StepProgram`: a list of :class:`Action` (forward or backward of
+microbatch ``i`` on stage program ``s``) over one or more stage programs (one today; a
+pipeline gives each rank several). Gradients are synchronised once per step and stage program:
+each program runs under one :class:`~graphpass.runtime.grad_sync.Accumulation` for the whole
+step, and the program marks the backward that is that stage's last, whose reductions are
+launched while it runs (overlapped, as DDP's last bucket is).
+
+The loss of each microbatch is a mean over its rows, so each backward is scaled by
+``1 / num_microbatches`` and the step's gradient is that of the mean over the whole batch,
+equal to one process on the whole batch (rows split evenly). ``scale`` lives here only: no
+other part of graphpass divides by the microbatch count.
+
+Accumulation (one stage, ``k`` microbatches) runs ``F0 B0 F1 B1 ...``, so one microbatch's
+activations are alive at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from graphpass.runtime.grad_sync import Accumulation, accumulating
+from graphpass.runtime.zero import regather_saved_params
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a schedule: ``kind`` (forward/backward) of ``microbatch`` on ``stage``."""
+
+    kind: str
+    microbatch: int
+    stage: int = 0
+
+
+def accumulation_schedule(num_microbatches: int) -> tuple[Action, ...]:
+    """Forward then backward of each microbatch in turn, on one stage program."""
+    return tuple(a for i in range(num_microbatches) for a in (Action(FORWARD, i), Action(BACKWARD, i)))
+
+
+class StepProgram:
+    """Runs a schedule of forwards and backwards over stage programs; one gradient sync per step.
+
+    Args:
+        stages: the stage programs this rank runs, each ``program(*inputs) -> outputs tuple``.
+        loss_index: which output is the loss to differentiate.
+        report_index: which output is the loss to report (the global average of a microbatch).
+        schedule: the actions, in order; every microbatch's forward comes before its backward.
+    """
+
+    def __init__(self, stages: Sequence[Callable], loss_index: int, report_index: int,
+                 schedule: Sequence[Action]):
+        self.stages = tuple(stages)
+        self.loss_index, self.report_index = loss_index, report_index
+        self.schedule = tuple(schedule)
+        self.num_microbatches = 1 + max(a.microbatch for a in self.schedule)
+        self._last_backward = {}
+        for position, action in enumerate(self.schedule):
+            if action.kind == BACKWARD:
+                self._last_backward[action.stage] = position
+        seen: set[tuple[int, int]] = set()
+        for action in self.schedule:
+            key = (action.stage, action.microbatch)
+            if action.kind == FORWARD:
+                seen.add(key)
+            elif key not in seen:
+                raise ValueError(f"schedule runs the backward of microbatch {action.microbatch} on stage "
+                                 f"{action.stage} before its forward")
+
+    def run(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Train on ``microbatches`` (inputs of each); the mean reported loss (detached).
+
+        Gradients end in ``.grad`` of every parameter, synchronised.
+        """
+        if len(microbatches) != self.num_microbatches:
+            raise ValueError(f"the schedule has {self.num_microbatches} microbatches, got {len(microbatches)}")
+        accumulations = [Accumulation(self.num_microbatches) for _ in self.stages]
+        losses: dict[tuple[int, int], torch.Tensor] = {}
+        reports: list[torch.Tensor] = []
+        weight = 1.0 / self.num_microbatches
+        for position, action in enumerate(self.schedule):
+            accumulation = accumulations[action.stage]
+            key = (action.stage, action.microbatch)
+            if action.kind == FORWARD:
+                accumulation.last_backward = False  # a forward's GradSync reads it only in backward
+                with accumulating(accumulation), regather_saved_params():  # ZeRO-3 re-gathers in backward
+                    outputs = self.stages[action.stage](*microbatches[action.microbatch])
+                losses[key] = outputs[self.loss_index]
+                reports.append(outputs[self.report_index].detach())
+            else:
+                accumulation.last_backward = position == self._last_backward[action.stage]
+                loss = losses.pop(key)
+                loss.backward(torch.full_like(loss, weight) if weight != 1.0 else None)
+        return torch.stack(reports).mean() if len(reports) > 1 else reports[0]
