@@ -17,7 +17,7 @@ from graphpass.cluster import Cluster, presets
 from graphpass.plan import Plan
 
 # fx prints a call to graphpass.runtime.<module>.<op> as graphpass_runtime_<module>_<op>(...).
-_COLLECTIVE_RE = re.compile(r"graphpass_runtime_(?:collectives|zero|tensor_parallel)_(\w+)\(")
+_COLLECTIVE_RE = re.compile(r"graphpass_runtime_(?:collectives|grad_sync|zero|tensor_parallel)_(\w+)\(")
 
 
 def _presets(_: argparse.Namespace) -> int:

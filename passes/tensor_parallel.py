@@ -221,11 +221,13 @@ class _Walker:
         if rule is None and isinstance(target, torch._ops.OpOverload):
             rule = RULES.get(target.overloadpacket)
         tensor_args = [a for a in node.all_input_nodes if a in self.place]
+        if target is operator.getitem:
+            # Before the all-replicated shortcut: placement() reads a multi-output node's list
+            # of placements as Replicate, but its items may be sharded (chunks of head-sharded qkv).
+            return self.getitem(node)
         if rule is None:
             if not tensor_args or all(self.placement(a) == R for a in tensor_args):
                 return R
-            if target is operator.getitem:
-                return self.getitem(node)
             self.warn_once(node)
             return self.to_replicate_all(node)
         return rule(self, node)

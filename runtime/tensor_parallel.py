@@ -164,7 +164,7 @@ def tp_copy(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
 def tp_all_reduce(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     """Sum of the partial values over ``axis`` (Partial → Replicate); identity backward."""
     if is_fake(x):
-        return x.clone()
+        return x.clone(memory_format=torch.contiguous_format)  # the real all-reduce returns a contiguous copy
     return _AllReduce.apply(x, axis)
 
 

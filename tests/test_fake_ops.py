@@ -1,0 +1,75 @@
+"""Fake and real agree: every runtime collective op, run for real on 2 gloo ranks and under
+``FakeTensorMode`` on the same inputs, returns the same shapes, dtypes and strides.
+
+The pass runner verifies graphs on fake tensors, so an op whose real result has other strides
+(a ``movedim`` view where the fake op returns a contiguous tensor) passes verification and then
+fails at run time in a later ``view`` — the bug this test exists for. It enumerates
+``COLLECTIVE_OPS``, so a new op without a case here fails it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from graphpass.runtime import collectives as ops
+from graphpass.runtime import mesh as mesh_lib
+
+
+def _cases():
+    """(op, args builder) pairs; a builder gets ``t(shape)`` (a fresh tensor) and the sync."""
+    out = []
+    for shape, dim in (((4, 6), 0), ((4, 6), 1), ((2, 4, 6), 1), ((2, 4, 6), 2), ((2, 3, 4, 6), 2)):
+        out.append((ops.tp_all_gather, lambda t, s, shape=shape, dim=dim: ((t(shape), "tp", 2, dim), {})))
+        out.append((ops.tp_all_gather, lambda t, s, shape=shape, dim=dim: ((t(shape), "tp", 2, dim), {"grad": "reduce_scatter"})))
+        out.append((ops.tp_reduce_scatter, lambda t, s, shape=shape, dim=dim: ((t(shape), "tp", 2, dim), {})))
+        out.append((ops.tp_scatter, lambda t, s, shape=shape, dim=dim: ((t(shape), "tp", 2, dim), {})))
+    # A transposed (non-contiguous) input: the ops must not pass its strides through.
+    out.append((ops.tp_all_gather, lambda t, s: ((t((6, 4)).t(), "tp", 2, 1), {})))
+    out.append((ops.tp_reduce_scatter, lambda t, s: ((t((6, 4)).t(), "tp", 2, 0), {})))
+    out.append((ops.tp_copy, lambda t, s: ((t((2, 4, 6)), "tp", 2), {})))
+    out.append((ops.tp_all_reduce, lambda t, s: ((t((2, 4, 6)), "tp", 2), {})))
+    out.append((ops.tp_all_reduce, lambda t, s: ((t((6, 4)).t(), "tp", 2), {})))
+    out.append((ops.vocab_parallel_cross_entropy,
+                lambda t, s: ((t((8, 5)), torch.tensor([0, 1, 9, 3, 4, 5, 6, 7]), "tp", 2, 5 * dist.get_rank()), {})))
+    out.append((ops.all_reduce, lambda t, s: ((t((3,)), "tp"), {"op": "avg"})))
+    out.append((ops.all_reduce_grads, lambda t, s: ((s, t((4, 3)), t((3,))), {"bucket": 0})))
+    out.append((ops.all_gather_params,
+                lambda t, s: ((s, t((3, 4)), t((2,))), {"axis": "tp", "shapes": ((5, 4), (3,)), "stage": 3})))
+    out.append((ops.all_gather_params,
+                lambda t, s: ((s, t((3, 4))), {"axis": "tp", "shapes": ((6, 4),), "stage": 1})))
+    return out
+
+
+def _signature(value):
+    if isinstance(value, (tuple, list)):
+        return [_signature(v) for v in value]
+    return (tuple(value.shape), value.dtype, tuple(value.stride()))
+
+
+def _compare_fake_and_real() -> list[str]:
+    torch.manual_seed(dist.get_rank())
+    mesh = mesh_lib.ProcessMesh({"tp": 2})
+    covered, mismatches = set(), []
+    with mesh_lib.active(mesh):
+        for op, build in _cases():
+            covered.add(op)
+            sync = ops.grad_sync_begin("tp")
+            real_args, kwargs = build(lambda shape: torch.randn(shape, requires_grad=True), sync)
+            real = op(*real_args, **kwargs)
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in real_args)
+                fake = op(*fake_args, **kwargs)
+            if _signature(real) != _signature(fake):
+                mismatches.append(f"{op.__name__}{kwargs} on {[_signature(a) for a in real_args if isinstance(a, torch.Tensor)]}: "
+                                  f"real {_signature(real)} fake {_signature(fake)}")
+    missing = [op.__name__ for op in ops.COLLECTIVE_OPS if op not in covered and op is not ops.grad_sync_begin]
+    return mismatches + [f"no case for {name}" for name in missing]
+
+
+@pytest.mark.timeout(120)
+def test_every_runtime_op_returns_what_its_fake_version_does(rank_pool):
+    for rank, mismatches in enumerate(rank_pool(2).run(_compare_fake_and_real, timeout_s=60)):
+        assert not mismatches, f"rank {rank}:\n" + "\n".join(mismatches)
