@@ -7,6 +7,13 @@ flows into is *row* parallel (weight ``Shard(1)``: attention output, MLP down). 
 (indexed by a graph input) is vocabulary parallel (``Shard(0)``), and so is a linear that produces
 the logits of a cross-entropy, which gives a vocabulary-sharded loss without gathering logits.
 Everything else stays replicated.
+
+A column-parallel linear whose output is only cut into pieces along its features (a fused
+q/k/v projection split as ``split(n_embd, dim=-1)`` or sliced, a fused gate/up ``chunk(2, -1)``)
+is a *fused projection*: its parts (the pieces' sizes) are sharded one by one, so each rank
+computes its heads of q, k and v and the split stays local. When heads are interleaved instead
+(``view(B, T, heads, 3 * head_dim)`` then ``chunk(3, -1)``), a plain row shard already holds
+whole heads and no parts are needed.
 """
 
 from __future__ import annotations
@@ -80,9 +87,69 @@ def _feeds_cross_entropy(node: fx.Node) -> bool:
     return False
 
 
-def megatron_placements(gm: fx.GraphModule) -> dict[str, str]:
-    """``{get_attr node name: "Shard(0)" | "Shard(1)"}`` for the weights tensor parallelism shards."""
+_BIG = 2**62  # slice ends beyond this mean "to the end" (torch writes sys.maxsize)
+
+
+def _piece(user: fx.Node, dim: int, size: int) -> list[tuple[int, int]] | None:
+    """The ``[start, stop)`` ranges of features a slicing op cuts along ``dim``, or None when the
+    op is not a slicing of that dim."""
+    target = user.target
+    args = list(user.args)
+    if target == aten.slice.Tensor:
+        d = args[1] if len(args) > 1 else 0
+        start = args[2] if len(args) > 2 and args[2] is not None else 0
+        stop = args[3] if len(args) > 3 and args[3] is not None else size
+        step = args[4] if len(args) > 4 else 1
+        if d % (dim + 1) != dim or step != 1:
+            return None
+        start, stop = start + size if start < 0 else start, (size if stop >= _BIG else stop + size if stop < 0 else stop)
+        return [(max(0, start), min(size, stop))]
+    if target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        d = args[2] if len(args) > 2 else user.kwargs.get("dim", 0)
+        if d % (dim + 1) != dim:
+            return None
+        if target == aten.split_with_sizes.default:
+            sizes = list(args[1])
+        elif target == aten.split.Tensor:
+            sizes = [args[1]] * (size // args[1]) + ([size % args[1]] if size % args[1] else [])
+        else:
+            step = -(-size // args[1])
+            sizes = [step] * (size // step) + ([size % step] if size % step else [])
+        bounds, start = [], 0
+        for n in sizes:
+            bounds.append((start, start + n))
+            start += n
+        return bounds
+    return None
+
+
+def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
+    """The part sizes of a fused projection (see the module docstring), or None: every user of
+    the linear's output cuts it along the features into pieces that tile them, at least two."""
+    val = linear.meta.get(meta.VAL)
+    if not isinstance(val, torch.Tensor) or val.dim() == 0 or not linear.users:
+        return None
+    dim, size = val.dim() - 1, val.shape[-1]
+    pieces: set[tuple[int, int]] = set()
+    for user in linear.users:
+        cut = _piece(user, dim, size)
+        if cut is None:
+            return None
+        pieces.update(cut)
+    ordered = sorted(pieces)
+    if len(ordered) < 2 or ordered[0][0] != 0 or ordered[-1][1] != size:
+        return None
+    if any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])):  # overlapping or leaving gaps
+        return None
+    return tuple(stop - start for start, stop in ordered)
+
+
+def megatron_layout(gm: fx.GraphModule) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """``{get_attr node name: "Shard(0)" | "Shard(1)"}`` for the weights tensor parallelism
+    shards, and the fused parts of column weights and biases (``{node name: part sizes}``,
+    ``Plan.tp_parts``)."""
     out: dict[str, str] = {}
+    parts: dict[str, tuple[int, ...]] = {}
     for node in gm.graph.nodes:
         if not _is_linear(node) or _weight(node) is None:
             continue
@@ -101,6 +168,11 @@ def megatron_placements(gm: fx.GraphModule) -> dict[str, str]:
         out[_weight(node).name] = "Shard(0)"
         if _bias(node) is not None:
             out[_bias(node).name] = "Shard(0)"
+        found = fused_parts(node)
+        if found is not None:
+            parts[_weight(node).name] = found
+            if _bias(node) is not None:
+                parts[_bias(node).name] = found
         for row in rows:
             if _weight(row) is not None:
                 out.setdefault(_weight(row).name, "Shard(1)")
@@ -111,4 +183,4 @@ def megatron_placements(gm: fx.GraphModule) -> dict[str, str]:
                 out.setdefault(weight.name, "Shard(0)")  # token embedding: vocabulary parallel
     # A weight shared by several linears (tied) must get one placement; column wins over row only
     # when every use is column-compatible, which setdefault above already ensured.
-    return out
+    return out, parts

@@ -139,6 +139,10 @@ class Plan:
             the op runs as k slices whose weights are separate (separately gathered) parameters.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
         microbatches: microbatches per step (pipeline / gradient accumulation).
+        tp_parts: for the weight (and bias) of a fused projection that is column-parallel on
+            ``tp`` (one linear making q, k and v, or gate and up): the sizes of its parts along
+            the sharded dim. Each part is sharded on its own, so rank r holds chunk r of every
+            part and the split after the projection stays local (sharded by heads).
         breakdown: the planner's per-block figures, one dict per block in order: ``block``,
             ``stage``, ``choice`` (e.g. ``"zero-3 + recompute"``), ``time_s`` (compute and
             tensor-parallel collectives of one step), ``tp_comm_s``, ``dp_comm_s``,
@@ -158,6 +162,7 @@ class Plan:
     sequence_parallel: bool = False
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     microbatches: int = 1
+    tp_parts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
     breakdown: tuple[Mapping[str, Any], ...] = ()
@@ -189,6 +194,12 @@ class Plan:
                 )
         if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
             raise ValueError(f"Plan.microbatches must be a positive int, got {self.microbatches!r}")
+        for node, parts in self.tp_parts.items():
+            if not parts or not all(isinstance(n, int) and n > 0 for n in parts):
+                raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")
+            if not isinstance(self.placement(node, "tp"), Shard):
+                raise ValueError(f"Plan.tp_parts names {node!r}, which is not Shard(d) on a 'tp' axis; "
+                                 "fused parts apply to column-parallel weights")
         for layer in self.recompute:
             if not isinstance(layer, int) or layer < 0:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
@@ -217,6 +228,7 @@ class Plan:
         data["zero"] = dict(self.zero)
         data["recompute"] = list(self.recompute)
         data["split"] = {k: dict(v) for k, v in self.split.items()}
+        data["tp_parts"] = {k: list(v) for k, v in self.tp_parts.items()}
         data["reasons"] = list(self.reasons)
         data["breakdown"] = [dict(row) for row in self.breakdown]
         return data
@@ -239,6 +251,7 @@ class Plan:
         kwargs["reasons"] = tuple(kwargs.get("reasons", ()))
         kwargs["recompute"] = tuple(kwargs.get("recompute", ()))
         kwargs["breakdown"] = tuple(dict(row) for row in kwargs.get("breakdown", ()))
+        kwargs["tp_parts"] = {k: tuple(v) for k, v in kwargs.get("tp_parts", {}).items()}
         return cls(**kwargs)
 
     @classmethod
@@ -269,6 +282,8 @@ class Plan:
             lines.append(f"recompute layers: {list(self.recompute)}")
         if self.sequence_parallel:
             lines.append("sequence parallel: residual-stream activations sharded along the sequence on tp")
+        if self.tp_parts:
+            lines.append(f"fused projections sharded per part on tp: {len(self.tp_parts)} weights and biases")
         if self.split:
             parts = sorted({spec["parts"] for spec in self.split.values()})
             lines.append(f"operator splitting: {len(self.split)} linears into {parts} slices")
@@ -314,7 +329,7 @@ class Plan:
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
         for name in ("stages", "strategy", "zero", "recompute", "split", "sequence_parallel", "bucket_cap_bytes",
-                     "microbatches"):
+                     "microbatches", "tp_parts"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out

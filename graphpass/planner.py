@@ -729,6 +729,7 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     return Plan(
         mesh=mesh_axes,
         placements=base.placements,
+        tp_parts=base.tp_parts,
         stages=stages,
         strategy=strategy,
         zero=zero,

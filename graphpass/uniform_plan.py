@@ -11,7 +11,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.megatron import megatron_placements
+from graphpass.megatron import megatron_layout
 from graphpass.passes.split_operators import default_split
 from graphpass.plan import Plan, Strategy
 
@@ -27,9 +27,10 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
     """
     mesh = {"dp": strategy.dp}
     tp_placements: dict[str, str] = {}
+    tp_parts: dict[str, tuple[int, ...]] = {}
     if strategy.tp > 1:
         mesh["tp"] = strategy.tp
-        tp_placements = megatron_placements(gm)
+        tp_placements, tp_parts = megatron_layout(gm)
     placements: dict[str, dict[str, str]] = {}
     zero: dict[str, int] = {}
     layers: set[int] = set()
@@ -59,5 +60,6 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
         sequence_parallel=strategy.sequence_parallel,
         split=default_split(gm, strategy.split),
         microbatches=strategy.microbatches,
+        tp_parts=tp_parts,
         reasons=tuple(reasons),
     )

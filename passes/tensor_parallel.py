@@ -76,6 +76,17 @@ def _nodes_needing_grad(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
+@dataclass(frozen=True)
+class PartsShard:
+    """The output of a fused projection: dim ``dim`` is the concatenation of parts of sizes
+    ``parts``, each sharded over tp on its own (rank r holds chunk r of every part, in order).
+    Only the slicing ops that cut it into its parts read it (each piece is then ``Shard(dim)``);
+    ``graphpass.megatron`` fuses only projections whose every user is such a cut."""
+
+    dim: int
+    parts: tuple[int, ...]
+
+
 class TensorParallelError(ValueError):
     """A model/plan combination tensor parallelism cannot shard (names module and sizes)."""
 
@@ -92,6 +103,7 @@ class _Walker:
         self.cache: dict[tuple, fx.Node] = {}
         self.warned: set[str] = set()
         self.needs_grad = _nodes_needing_grad(gm)
+        self.parts: dict[fx.Node, tuple[int, ...]] = {}  # fused weights/biases -> part sizes
         for node in self.graph.nodes:
             shape = _shape(node)
             if shape is not None:
@@ -205,13 +217,28 @@ class _Walker:
                 f"{node.target!r} (module {module_path}, shape {tuple(full.shape)}); choose tp dividing "
                 f"{full.shape[dim]} or leave this parameter replicated"
             )
-        local = full.detach().chunk(self.size, dim=dim)[self.rank].clone()
+        parts = tuple(self.plan.tp_parts.get(node.name, ()))
+        if parts:
+            if sum(parts) != full.shape[dim] or any(n % self.size for n in parts):
+                raise TensorParallelError(
+                    f"tensor parallel tp={self.size}: the fused parts {list(parts)} of {node.target!r} (module "
+                    f"{module_path}, dim {dim} of size {full.shape[dim]}) must add up to it and each divide by "
+                    f"{self.size}; choose tp dividing every part"
+                )
+            # Rank r holds chunk r of every part, in order: its local q, k and v heads.
+            pieces = full.detach().split(list(parts), dim=dim)
+            local = torch.cat([piece.chunk(self.size, dim=dim)[self.rank] for piece in pieces], dim=dim)
+            self.parts[node] = parts
+        else:
+            local = full.detach().chunk(self.size, dim=dim)[self.rank].clone()
         if isinstance(full, nn.Parameter):
             local = nn.Parameter(local, requires_grad=full.requires_grad)
             setattr(owner, attr, local)
         else:
             owner.register_buffer(attr, local)
         node.meta[meta.TP_SHARD] = {"axis": AXIS, "dim": dim, "shape": list(full.shape)}
+        if parts:
+            node.meta[meta.TP_SHARD]["parts"] = list(parts)
         node.meta[meta.PLACEMENT] = {**node.meta.get(meta.PLACEMENT, {}), AXIS: f"Shard({dim})"}
         return Shard(dim)
 
@@ -221,6 +248,11 @@ class _Walker:
         if rule is None and isinstance(target, torch._ops.OpOverload):
             rule = RULES.get(target.overloadpacket)
         tensor_args = [a for a in node.all_input_nodes if a in self.place]
+        if any(isinstance(self.place.get(a), PartsShard) for a in tensor_args) and rule is not _slice:
+            raise TensorParallelError(
+                f"internal: the fused projection output reaches {self.where(node)} ({node.target}), "
+                "which does not cut it into its parts"
+            )
         if target is operator.getitem:
             # Before the all-replicated shortcut: placement() reads a multi-output node's list
             # of placements as Replicate, but its items may be sharded (chunks of head-sharded qkv).
@@ -273,6 +305,11 @@ def _linear(w: _Walker, node: fx.Node) -> Placement:
         w.set_arg(node, 0, new_x)
         if bias is not None and w.placement(bias) == R:
             w.set_arg(node, 2, w.redistribute(bias, Shard(0), node))
+        parts = w.parts.get(weight)
+        if parts is not None:
+            if bias is not None and w.parts.get(bias) != parts:
+                raise TensorParallelError(f"{w.where(node)}: the fused weight's bias is not sharded by the same parts")
+            return PartsShard(last, parts)
         return Shard(last)
     if wp == Shard(1):  # row parallel: partial sums; the bias is added after the reduction
         w.set_arg(node, 0, w.redistribute(x, Shard(last), node))
@@ -386,6 +423,58 @@ def _attention(w: _Walker, node: fx.Node) -> Placement:
     return w.to_replicate_all(node)
 
 
+def _matmul_out(w: _Walker, node: fx.Node, a: fx.Node, b: fx.Node) -> Any:
+    """Placement of ``a @ b`` (both at least 2-D, batch dims broadcast) from its operands', or
+    None when they do not combine locally: the same batch dim sharded on both (the heads of
+    eager attention), rows of ``a`` or columns of ``b`` sharded with the other operand
+    replicated (or broadcast along that batch dim), or the contracted dim sharded on both (a
+    partial sum)."""
+    na, nb, out = w.ndim(a), w.ndim(b), w.ndim(node)
+    pa, pb = w.placement(a), w.placement(b)
+    if pa == P or pb == P:
+        return None
+
+    def broadcast_in(x: fx.Node, out_dim: int) -> bool:
+        """Whether ``x`` broadcasts along output batch dim ``out_dim`` (absent, or of size 1)."""
+        dim = out_dim - (out - w.ndim(x))
+        return dim < 0 or w.gshape[x][dim] == 1
+
+    if isinstance(pa, Shard) and isinstance(pb, Shard):
+        da, db = pa.dim + out - na, pb.dim + out - nb
+        if pa.dim < na - 2 and pb.dim < nb - 2 and da == db:
+            return Shard(da)
+        if pa.dim == na - 1 and pb.dim == nb - 2:
+            return P
+        return None
+    if isinstance(pa, Shard):
+        da = pa.dim + out - na
+        return Shard(da) if pa.dim == na - 2 or (pa.dim < na - 2 and broadcast_in(b, da)) else None
+    if isinstance(pb, Shard):
+        db = pb.dim + out - nb
+        return Shard(db) if pb.dim == nb - 1 or (pb.dim < nb - 2 and broadcast_in(a, db)) else None
+    return R
+
+
+@rule(aten.matmul.default, aten.bmm.default)
+def _matmul(w: _Walker, node: fx.Node) -> Placement:
+    a, b = node.args[0], node.args[1]
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or w.ndim(a) < 2 or w.ndim(b) < 2:
+        return w.to_replicate_all(node)
+    placed = _matmul_out(w, node, a, b)
+    if placed is None:
+        return w.to_replicate_all(node)
+    if placed not in (R, P):
+        for i, operand in enumerate((a, b)):
+            if w.placement(operand) != R:
+                continue
+            # A replicated operand meeting sharded compute has a partial gradient.
+            if operand.op == "get_attr":
+                w.mark_partial_grad(operand)
+            else:
+                w.set_arg(node, i, w.copy_for_sharded_use(operand, node))
+    return placed
+
+
 @rule(aten.layer_norm.default)
 def _layer_norm(w: _Walker, node: fx.Node) -> Placement:
     x, normalized = node.args[0], node.args[1]
@@ -407,7 +496,7 @@ _LINEAR_UNARY = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach,
 @rule(aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.cos, aten.sin,
       aten.rsqrt, aten.sqrt, aten.pow.Tensor_Scalar, aten.dropout, aten.neg, aten.clone, aten.contiguous,
       aten.alias, aten.detach, aten.to, aten._to_copy, aten.lift_fresh_copy, aten.abs, aten.reciprocal,
-      aten.logical_not, aten.bitwise_not, aten.erf, aten.softmax.int, aten.log_softmax.int)
+      aten.logical_not, aten.bitwise_not, aten.erf, aten.softmax.int, aten.log_softmax.int, aten.type_as)
 def _unary(w: _Walker, node: fx.Node) -> Placement:
     x = node.args[0]
     xp = w.placement(x)
@@ -436,6 +525,9 @@ def _binary(w: _Walker, node: fx.Node) -> Placement:
         others = [i for i in places if i not in partial]
         if additive and not others:
             return P
+        if (packet in (aten.mul, aten.div) and len(partial) == 1 and (packet is aten.mul or partial[0] == 0)
+                and all(places[i] == R and node.args[i] not in w.needs_grad for i in others)):
+            return P  # (sum x_r) * c = sum (x_r * c) for a constant c (an embedding's scale): stay partial
         # A partial sum meets another value: reduce it (to the other's shard if it has one).
         target = R
         sharded = [places[i] for i in others if isinstance(places[i], Shard)]
@@ -604,6 +696,9 @@ def _slice_dim(node: fx.Node) -> int:
 @rule(aten.slice.Tensor, aten.narrow.default, aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 def _slice(w: _Walker, node: fx.Node) -> Any:
     x = node.args[0]
+    xp = w.place.get(x, R)
+    if isinstance(xp, PartsShard):
+        return _cut_parts(w, node, xp)
     xp = w.placement(x)
     if isinstance(xp, Shard) and _norm_dim(_slice_dim(node), w.ndim(x)) == xp.dim:
         w.set_arg(node, 0, w.redistribute(x, R, node))  # cutting the sharded dim needs all of it
@@ -612,6 +707,28 @@ def _slice(w: _Walker, node: fx.Node) -> Any:
         return xp
     pieces = len(node.meta.get(meta.VAL) or ())
     return [xp] * pieces
+
+
+def _cut_parts(w: _Walker, node: fx.Node, xp: PartsShard) -> Any:
+    """A fused projection's output cut into its parts: the same cut at local sizes (every part
+    is ``size`` times smaller), each piece sharded like an unfused projection's output."""
+    local = [n // w.size for n in xp.parts]
+    starts = [sum(xp.parts[:i]) for i in range(len(xp.parts))]
+    if node.target in (aten.slice.Tensor, aten.narrow.default):
+        if node.target is aten.narrow.default:
+            raise TensorParallelError(f"{w.where(node)}: narrow of a fused projection is not supported")
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        index = starts.index(start + (sum(xp.parts) if start < 0 else 0))
+        args = list(node.args) + [None] * (4 - len(node.args))
+        args[2], args[3] = sum(local[:index]), sum(local[: index + 1])
+        node.args = tuple(args[:4]) + tuple(node.args[4:])
+        return Shard(xp.dim)
+    if node.target is aten.split.Tensor:
+        w.set_arg(node, 1, node.args[1] // w.size)
+    elif node.target is aten.split_with_sizes.default:
+        w.set_arg(node, 1, [n // w.size for n in node.args[1]])
+    # chunk(k) of equal parts cuts the local tensor into its local parts as it is
+    return [Shard(xp.dim)] * len(xp.parts)
 
 
 @rule(aten.cat.default)
@@ -775,5 +892,6 @@ def layout(gm: fx.GraphModule, plan: Plan) -> Layout:
             node.target.__name__, tuple(shape), _dtype_of(source), node.meta.get(meta.LAYER),
             node.kwargs.get("grad", "slice"), anchor.name,
         ))
-    placements = {n.name: p for n, p in walker.place.items() if n.meta.get(meta.CREATED_BY) != NAME}
+    placements = {n.name: Shard(p.dim) if isinstance(p, PartsShard) else p
+                  for n, p in walker.place.items() if n.meta.get(meta.CREATED_BY) != NAME}
     return Layout(placements, tuple(emitted))

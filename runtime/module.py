@@ -169,7 +169,8 @@ class DistributedModule(nn.Module):
             for axis, targets in by_axis.items():
                 local = [out.get(t, self._attr(t)) for t in targets]
                 dims = [self._tp_sharded[t]["dim"] for t in targets]
-                out.update(zip(targets, gather_tp_parameters(local, dims, axis)))
+                parts = [self._tp_sharded[t].get("parts") for t in targets]
+                out.update(zip(targets, gather_tp_parameters(local, dims, axis, parts)))
             for target, slices in self._split.items():
                 parts = [out[t] if t in out else self._attr(t) for _, _, t in sorted(slices)]
                 out[target] = torch.cat(parts, dim=slices[0][1])

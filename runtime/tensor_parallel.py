@@ -25,7 +25,7 @@ without gathering them (Megatron's ``_VocabParallelCrossEntropy``): three all-re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,11 +91,25 @@ def _resized(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
     return x.new_empty(shape)
 
 
-def gather_tp_parameters(shards: list[torch.Tensor], dims: list[int], axis: str) -> list[torch.Tensor]:
-    """Full tensors of tensor-parallel shards (a collective over ``axis``: every rank calls it)."""
+def gather_tp_parameters(
+    shards: list[torch.Tensor], dims: list[int], axis: str, parts: list[Sequence[int] | None] | None = None
+) -> list[torch.Tensor]:
+    """Full tensors of tensor-parallel shards (a collective over ``axis``: every rank calls it).
+
+    ``parts[i]``, when given, are the fused part sizes of shard ``i`` (``Plan.tp_parts``): each
+    rank holds chunk r of every part, so the gathered chunks are regrouped part by part.
+    """
     mesh = mesh_lib.current()
     size = mesh.axis_size(axis)
-    return [_gather(s.detach(), axis, size, d) for s, d in zip(shards, dims)]
+    out = []
+    for shard, dim, fused in zip(shards, dims, parts or [None] * len(shards)):
+        full = _gather(shard.detach(), axis, size, dim)
+        if fused:
+            local = [n // size for n in fused]
+            by_rank = [chunk.split(local, dim=dim) for chunk in full.chunk(size, dim=dim)]
+            full = torch.cat([by_rank[r][i] for i in range(len(local)) for r in range(size)], dim=dim)
+        out.append(full)
+    return out
 
 
 class _Copy(torch.autograd.Function):

@@ -47,6 +47,58 @@ class MLP(nn.Module):
         return F.mse_loss(self.out(x).squeeze(-1), y)
 
 
+class FusedGPT(nn.Module):
+    """nanoGPT's layout: one ``c_attn`` linear makes q, k and v (heads contiguous within each),
+    split with ``split(n_embd, dim=2)``; a tied LM head."""
+
+    def __init__(self, n_embd: int = 64, n_head: int = 4, n_layer: int = 2):
+        super().__init__()
+        self.n_head = n_head
+        self.wte = nn.Embedding(VOCAB, n_embd)
+        self.wpe = nn.Embedding(SEQ, n_embd)
+        self.h = nn.ModuleList(_FusedBlock(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class _FusedBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.n_head, self.n_embd = n_head, n_embd
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.mlp_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class HFSeq2SeqLM(nn.Module):
+    """A Hugging Face encoder-decoder (T5) whose forward returns ``outputs.loss``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, labels=labels).loss
+
+
 class HFCausalLM(nn.Module):
     """A Hugging Face causal LM whose forward returns ``outputs.loss``."""
 
@@ -86,6 +138,34 @@ def build(name: str, seed: int = 0) -> nn.Module:
             bos_token_id=0, eos_token_id=0, pad_token_id=0,
         )
         return HFCausalLM(LlamaForCausalLM(config))
+    if name == "fused_gpt":
+        return FusedGPT()
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "hf_neox":  # fused q/k/v with heads interleaved: view(B, T, heads, 3 * head_dim)
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        config = GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                               max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0, **common)
+        return HFCausalLM(GPTNeoXForCausalLM(config))
+    if name == "hf_phi3":  # fused q/k/v sliced and fused gate/up chunked
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        config = Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                            intermediate_size=128, max_position_embeddings=SEQ, **common)
+        return HFCausalLM(Phi3ForCausalLM(config))
+    if name == "hf_t5":  # encoder-decoder with eager (matmul) attention and a relative position bias
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        config = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+                          decoder_start_token_id=0, **common)
+        return HFSeq2SeqLM(T5ForConditionalGeneration(config))
+    if name == "hf_mixtral":  # Mixture-of-Experts decoder (top-2 of 4 experts)
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                               intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=SEQ, **common)
+        return HFCausalLM(MixtralForCausalLM(config))
     raise KeyError(f"unknown test model {name!r}")
 
 
