@@ -60,6 +60,9 @@ class FusedGPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
         self.lm_head.weight = self.wte.weight
+        for module in self.modules():  # nanoGPT's init: small weights, so the tied logits are small
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
