@@ -65,6 +65,12 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 DEFAULT_MEMORY_FRACTION = 0.9
 #: Tensor-parallel degrees tried (within one node).
 _TP_DEGREES = (1, 2, 4, 8, 16)
+#: A tensor-parallel layout is offered only when at least this share of the model's compute
+#: (forward + backward time at tp=1) runs on shards. Below it, most work is repeated on every
+#: tp rank: a ResNet under tp=2 shards only its classifier and runs every convolution twice.
+#: Such a mesh can still be priced faster than dp where gradients are slow to all-reduce, but
+#: it is one device's work on tp devices; dp, ZeRO or pipeline stages use them instead.
+_MIN_TP_COMPUTE_SHARE = 0.5
 #: Adam / AdamW keep two states per parameter (exp_avg, exp_avg_sq).
 _ADAM_STATES = 2
 _DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -301,6 +307,22 @@ class GraphProfile:
 
     # ---- per layout
 
+    def _check_tp_shares_compute(self, tp: int, runs_sharded) -> None:
+        """Raise TensorParallelError when the layout shards too little of the compute to be
+        tensor parallelism (see ``_MIN_TP_COMPUTE_SHARE``)."""
+        total = sharded = 0.0
+        for block in self.blocks:
+            for node in block.nodes:
+                seconds = sum(self._time(node.name, 1.0, 1))
+                total += seconds
+                sharded += seconds if runs_sharded(node) else 0.0
+        if total > 0 and sharded < _MIN_TP_COMPUTE_SHARE * total:
+            raise TensorParallelError(
+                f"tp={tp} would shard only {sharded / total:.0%} of the compute (the layer pattern tensor "
+                f"parallelism splits, linears feeding linears, covers little of this model); the rest "
+                f"would run again on each of the {tp} tp ranks"
+            )
+
     def _time(self, name: str, scale: float, divide: float) -> tuple[float, float]:
         """(forward_s, backward_s) of one node at ``scale`` times the captured batch, its compute
         split ``divide`` ways."""
@@ -347,6 +369,8 @@ class GraphProfile:
             input reaches the node through the all-reduce the pass inserts, so it is whole)."""
             return tp > 1 and (placed(node, (Shard, Partial)) or any(placed(a, (Shard,)) for a in node.all_input_nodes))
 
+        if tp > 1:
+            self._check_tp_shares_compute(tp, runs_sharded)
         out = []
         for block in self.blocks:
             times = {}

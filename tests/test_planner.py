@@ -359,3 +359,32 @@ def test_a_planning_error_on_rank_0_fails_every_rank_with_its_type(rank_pool):
     assert all("no trainable parameters" in text for _, text in results)
     with pytest.raises(gp.RankError, match="no trainable parameters"):
         pool.run(_compile_parameterless, timeout_s=60)
+
+
+def _compile_auto_cnn():
+    data = zoo.batches("resnet", 3, 16)
+    dmodel = gp.compile(zoo.build("resnet"), gp.Cluster.local(), example_inputs=data[0])  # strategy="auto"
+    return dict(dmodel.plan.mesh), zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
+
+
+def test_a_cnn_is_never_offered_a_tensor_parallel_layout_that_shards_no_compute():
+    """tp=2 on a ResNet would shard only its classifier and run every convolution on both
+    ranks; the planner does not offer it (and says why), whatever the links cost."""
+    planner = Planner(zoo.build("resnet"), gp.Cluster.local(2), zoo.batches("resnet", 1, 32)[0])
+    plan = planner.auto()
+    assert plan.mesh.get("tp", 1) == 1
+    assert any("tp=2 would shard only 0% of the compute" in r for r in plan.reasons)
+    with pytest.raises(ValueError, match="would shard only"):
+        planner.price(gp.Strategy(tp=2))
+
+
+@pytest.mark.timeout(300)
+def test_compile_auto_on_a_cnn_picks_data_parallel(rank_pool):
+    """Every rank runs the dp plan and reports the same global loss. (BatchNorm normalises with
+    each rank's own batch statistics under dp, as under DDP, so a ResNet's numbers are not one
+    process's; dp's parity is test_dp's.)"""
+    results = rank_pool(2).run(_compile_auto_cnn, timeout_s=240)
+    meshes = {tuple(sorted(mesh.items())) for mesh, _, _ in results}
+    assert meshes == {(("dp", 2),)}
+    losses = [l for _, l, _ in results]
+    assert losses[0] == losses[1] and all(math.isfinite(x) for x in losses[0])

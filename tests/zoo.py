@@ -91,6 +91,42 @@ class _FusedBlock(nn.Module):
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
+class ResNet(nn.Module):
+    """A small ResNet (torchvision's BasicBlock layout: conv-bn-relu pairs with a residual, a
+    strided 1x1 shortcut between stages, global average pool, a linear classifier)."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        blocks, width = [], widths[0]
+        for i, out in enumerate(widths):
+            blocks.append(_BasicBlock(width, out, stride=1 if i == 0 else 2))
+            width = out
+        self.layers = nn.ModuleList(blocks)
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.layers:
+            x = block(x)
+        return F.cross_entropy(self.fc(x.mean(dim=(2, 3))), y)
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+                         if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
 class HFSeq2SeqLM(nn.Module):
     """A Hugging Face encoder-decoder (T5) whose forward returns ``outputs.loss``."""
 
@@ -143,6 +179,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return HFCausalLM(LlamaForCausalLM(config))
     if name == "fused_gpt":
         return FusedGPT()
+    if name == "resnet":
+        return ResNet()
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if name == "hf_neox":  # fused q/k/v with heads interleaved: view(B, T, heads, 3 * head_dim)
         from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -182,6 +220,8 @@ def batches(name: str, n: int, batch: int = 8, seed: int = 1) -> list[tuple[torc
     for _ in range(n):
         if name == "mlp":
             out.append((torch.randn(batch, 16, generator=g), torch.randn(batch, generator=g)))
+        elif name == "resnet":
+            out.append((torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)))
         else:
             out.append(
                 (
