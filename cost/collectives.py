@@ -43,9 +43,10 @@ rank of every other node, and all-gather inside the node::
 Only ``S / k`` crosses the slow link, and ``m`` rings run side by side, one per local rank, each on
 its own NIC. ``collective_time(..., algorithm="auto")`` takes the cheaper of this and the flat ring.
 
-**Graph ops.** `OP_KIND` and `op_traffic` name the traffic of every op that the collective emitter
-(`graphpass.passes.collectives`) inserts, forward and backward, so the planner prices exactly the
-nodes the runtime executes. See `op_traffic` for the table.
+**Graph ops.** What each op the emitter inserts communicates (kind, bytes, forward or backward,
+per microbatch or per step) is not written here: it is the transition table,
+`graphpass.transitions`, which the emitter emits from and the planner prices with these
+formulas.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from graphpass.cluster import Cluster, LinkSpec
 __all__ = [
     "ALGORITHMS",
     "KINDS",
-    "OP_KIND",
     "Link",
     "all_gather_time",
     "all_reduce_time",
@@ -68,7 +68,6 @@ __all__ = [
     "collective_time",
     "hierarchical_all_reduce_time",
     "link_for_group",
-    "op_traffic",
     "reduce_scatter_time",
     "ring_volume_bytes",
     "send_recv_time",
@@ -332,97 +331,3 @@ def collective_time(
         Link.from_spec(cluster.inter_node),
     )
     return hierarchical if algorithm == "hierarchical" else min(flat, hierarchical)
-
-
-# --------------------------------------------------------------------------- graph ops
-
-#: The kind each emitted op's *main* traffic has (forward, else backward); ``None`` for an op
-#: that moves no data itself. `op_traffic` gives both phases.
-OP_KIND: dict[str, str | None] = {
-    "grad_sync_begin": None,  # waits for the buckets' all-reduces; sends nothing itself
-    "all_reduce_grads": "all_reduce",  # backward
-    "all_reduce": "all_reduce",  # forward (reported values, detached)
-    "all_gather_params": "all_gather",  # forward; backward reduce-scatter / all-reduce
-    "tp_all_gather": "all_gather",
-    "tp_reduce_scatter": "reduce_scatter",
-    "tp_all_reduce": "all_reduce",
-    "tp_copy": "all_reduce",  # backward
-    "tp_scatter": None,  # no traffic forward; all-gather in backward
-    "vocab_parallel_cross_entropy": "all_reduce",  # forward, [tokens]-sized
-}
-
-_ZERO_STAGES = (1, 2, 3)
-_TP_GRADS = ("slice", "reduce_scatter")
-
-
-def op_traffic(
-    op_name: str, size_bytes: int, *, stage: int | None = None, grad: str = "slice"
-) -> list[tuple[str, str, int]]:
-    """The collectives one emitted graph op runs, as ``(phase, kind, bytes)``.
-
-    ``size_bytes`` is the *full* (unsharded, replicated-size) tensor the op moves: the gathered
-    parameters, the partial sum, the bucket of gradients. For ``vocab_parallel_cross_entropy`` it
-    is one ``[tokens]`` float32 vector.
-
-    ==================================  =========================  ===============================
-    op                                  forward                    backward
-    ==================================  =========================  ===============================
-    ``grad_sync_begin``                 none                       none (waits)
-    ``all_reduce_grads``                none                       all-reduce ``S``
-    ``all_reduce``                      all-reduce ``S``           none (detached)
-    ``all_gather_params`` stage 1       all-gather ``S``           all-reduce ``S``
-    ``all_gather_params`` stage 2       all-gather ``S``           reduce-scatter ``S``
-    ``all_gather_params`` stage 3       all-gather ``S``           all-gather ``S`` (re-gather),
-                                                                   reduce-scatter ``S``
-    ``tp_all_gather``                   all-gather ``S``           none (``grad="slice"``) or
-                                                                   reduce-scatter ``S``
-    ``tp_reduce_scatter``               reduce-scatter ``S``       all-gather ``S``
-    ``tp_all_reduce``                   all-reduce ``S``           none
-    ``tp_copy``                         none                       all-reduce ``S``
-    ``tp_scatter``                      none (local chunk)         all-gather ``S``
-    ``vocab_parallel_cross_entropy``    all-reduce ``S`` (max),    none
-                                        all-reduce ``2 S``
-    ==================================  =========================  ===============================
-
-    Args:
-        op_name: The op's name, a key of `OP_KIND`.
-        size_bytes: Full tensor bytes, as above.
-        stage: ZeRO stage, required for ``all_gather_params``.
-        grad: ``tp_all_gather``'s backward, ``"slice"`` or ``"reduce_scatter"``.
-
-    Raises:
-        ValueError: An unknown op, a missing or bad ``stage``, a bad ``grad``.
-    """
-    if op_name not in OP_KIND:
-        raise ValueError(f"unknown collective op {op_name!r}; expected one of {sorted(OP_KIND)}")
-    size = int(_check_size(size_bytes))
-    fwd, bwd = "forward", "backward"
-    if op_name == "grad_sync_begin":
-        return []
-    if op_name == "all_reduce_grads":
-        return [(bwd, "all_reduce", size)]
-    if op_name == "all_reduce":
-        return [(fwd, "all_reduce", size)]
-    if op_name == "all_gather_params":
-        if stage not in _ZERO_STAGES:
-            raise ValueError(f"op_traffic('all_gather_params'): stage must be 1, 2 or 3, got {stage!r}")
-        if stage == 1:
-            return [(fwd, "all_gather", size), (bwd, "all_reduce", size)]
-        if stage == 2:
-            return [(fwd, "all_gather", size), (bwd, "reduce_scatter", size)]
-        return [(fwd, "all_gather", size), (bwd, "all_gather", size), (bwd, "reduce_scatter", size)]
-    if op_name == "tp_all_gather":
-        if grad not in _TP_GRADS:
-            raise ValueError(f"op_traffic('tp_all_gather'): grad must be one of {list(_TP_GRADS)}, got {grad!r}")
-        backward = [(bwd, "reduce_scatter", size)] if grad == "reduce_scatter" else []
-        return [(fwd, "all_gather", size), *backward]
-    if op_name == "tp_reduce_scatter":
-        return [(fwd, "reduce_scatter", size), (bwd, "all_gather", size)]
-    if op_name == "tp_all_reduce":
-        return [(fwd, "all_reduce", size)]
-    if op_name == "tp_copy":
-        return [(bwd, "all_reduce", size)]
-    if op_name == "tp_scatter":
-        return [(bwd, "all_gather", size)]
-    assert op_name == "vocab_parallel_cross_entropy", op_name
-    return [(fwd, "all_reduce", size), (fwd, "all_reduce", 2 * size)]

@@ -47,9 +47,11 @@ the ILP's answer under the full step formula (possible for ``p > 1`` only, where
 per-stage objective is a proxy), so the search never returns a plan slower than a uniform one it
 enumerates.
 
-What runs where it is priced: ZeRO-1/2 keep shards between steps and gather the full weights in
-forward (graphpass's runtime), so their state is ``P + P/dp`` weights; ZeRO-3 gathers in forward
-and again in backward. Every collective is priced by :func:`graphpass.cost.collectives.
+What runs where it is priced: every data-parallel movement and memory effect comes from the
+transition table (:mod:`graphpass.transitions`), the one the emitter inserts from: ZeRO-1/2 keep
+shards between steps and gather the full weights once per step (their state is ``P + P/dp``
+weights), ZeRO-3 gathers in every forward and again in backward, gradients of dp and ZeRO-1
+are reduced once per step (held back between microbatches), ZeRO-2/3's every microbatch. Every collective is priced by :func:`graphpass.cost.collectives.
 collective_time` on the group's real ranks (flat ring on the slowest link it spans, or
 hierarchical for all-reduce when that is cheaper).
 """
@@ -63,6 +65,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from graphpass.cluster import Cluster
+from graphpass.transitions import PER_MICROBATCH, Transition, transition
 from graphpass.cost.memory import format_bytes
 from graphpass.cost.collectives import collective_time
 from graphpass.cost.memory import in_flight_microbatches
@@ -340,6 +343,16 @@ def choices_for(block: BlockCost, mesh: Mesh, costing: Costing) -> list[Choice]:
     return out
 
 
+def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, comms: _Collectives) -> float:
+    """Time of a data-parallel table entry's movements in one step of ``m`` microbatches: its
+    all-gathers move the weights, its reductions the gradients."""
+    total = 0.0
+    for move in entry.collectives:
+        size = (weight_bytes if move.kind == "all_gather" else grad_bytes) * move.factor
+        total += (m if move.per == PER_MICROBATCH else 1) * comms.time("dp", move.kind, size)
+    return total
+
+
 def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms: _Collectives) -> Priced:
     """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (see the module docstring)."""
     b = local_batch(mesh, costing.batch)
@@ -356,41 +369,38 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
     g_bytes = block.params * costing.grad_bytes_per_param
     o_bytes = block.params * costing.optimizer_bytes_per_param
     zero = choice.zero
-    weights = p_bytes / dp if zero == 3 else p_bytes + (p_bytes / dp if zero in (1, 2) else 0.0)
+    entry = transition("all_reduce_grads") if zero == 0 else transition("all_gather_params", stage=zero)
+    # State kept all step: the weights (ZeRO: this rank's shard, plus what the table keeps alive
+    # through the step: ZeRO-1/2's gathered weights), gradients, optimizer state, and the
+    # gradients held back between microbatches (reduced once per step).
+    weights = (p_bytes / dp if zero else p_bytes) + entry.step * p_bytes
     grads = g_bytes / dp if zero >= 2 else g_bytes
     optim = o_bytes / dp if zero >= 1 else o_bytes
-    state = weights + grads + optim
+    state = weights + grads + optim + (entry.held * g_bytes if m > 1 else 0.0)
 
     saved = block.saved_bytes * scale
     act = block.input_bytes * scale if choice.recompute else saved
     transient = saved if choice.recompute else 0.0
 
-    ag = lambda size: comms.time("dp", "all_gather", size)  # noqa: E731
     if zero == 0:
         # Gradients travel in shared buckets: the latency is charged per bucket in compose().
-        dp_comm = max(0.0, comms.time("dp", "all_reduce", g_bytes) - comms.latency("dp", "all_reduce"))
+        dp_comm = max(0.0, _moved_s(entry, p_bytes, g_bytes, m, comms) - comms.latency("dp", "all_reduce"))
         window = backward_s
-    elif zero == 1:
-        dp_comm = ag(p_bytes) + comms.time("dp", "all_reduce", g_bytes)
-        window = backward_s
-    elif zero == 2:
-        dp_comm = ag(p_bytes) + m * comms.time("dp", "reduce_scatter", g_bytes)
-        window = m * (forward_s + backward_s)
+    elif zero < 3:
+        dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms)
+        window = backward_s if zero == 1 else m * (forward_s + backward_s)
     else:
         k = choice.split
         rest = p_bytes - (block.split_bytes if k > 1 else 0.0)
         slices = block.split_count * k if k > 1 else 0
-        gathers = ag(rest) + (slices * ag(block.split_bytes / slices) if slices else 0.0)
         # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
         split_grads = g_bytes * block.split_bytes / p_bytes if slices and p_bytes else 0.0
-        rs = lambda size: comms.time("dp", "reduce_scatter", size)  # noqa: E731
-        reduces = rs(g_bytes - split_grads) + (slices * rs(split_grads / slices) if slices else 0.0)
-        dp_comm = m * (2 * gathers + reduces)
+        dp_comm = _moved_s(entry, rest, g_bytes - split_grads, m, comms)
+        if slices:
+            dp_comm += slices * _moved_s(entry, block.split_bytes / slices, split_grads / slices, m, comms)
         window = m * (forward_s + backward_s)
         largest = rest + (block.split_bytes / slices if slices else 0.0)
-        # The gathered weights and their full gradient before the reduce-scatter (backward), or
-        # this layer's and the prefetched next layer's weights (forward): two of them either way.
-        transient += 2 * largest * (1.0 if p_bytes else 0.0)
+        transient += entry.transient * largest * (1.0 if p_bytes else 0.0)
 
     # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
     # and writes weights and state, reads gradients).

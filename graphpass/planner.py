@@ -13,7 +13,7 @@ work, so a 175B model on 1024 GPUs plans on a laptop), measures the graph, and s
    pass (:func:`graphpass.passes.tensor_parallel.layout`) on a meta skeleton of the graph; every
    node whose input or output it shards runs 1/tp of its compute and saves 1/tp of its
    activations, parameters it shards hold 1/tp, and the collectives it emits are priced as they
-   are (``graphpass.cost.collectives.op_traffic``). A tp the model cannot take (heads, vocabulary
+   are (the transition table, ``graphpass.transitions``). A tp the model cannot take (heads, vocabulary
    not divisible) is skipped with its reason.
 3. **Search** (:mod:`graphpass.cost.search`): meshes, pipeline stages by dynamic programming,
    per-block ZeRO stage / split / recompute by an OR-Tools ILP over clusters of identical blocks.
@@ -47,11 +47,11 @@ from graphpass import meta
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
-from graphpass.cost.collectives import op_traffic
 from graphpass.cost.compute import grad_requiring_nodes, node_bytes, node_flops, op_name
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout
 from graphpass.plan import Plan, Strategy
+from graphpass.transitions import transition
 from graphpass.uniform_plan import plan_from_strategy
 
 log = logging.getLogger(__name__)
@@ -357,7 +357,7 @@ class GraphProfile:
             gathered = {c.anchor for c in lay.collectives if c.op == "tp_all_gather"}
             for c in lay.collectives:
                 block = self.owner.get(c.anchor, self.blocks[0])
-                for phase, kind, size in op_traffic(c.op, c.nbytes, grad=c.grad):
+                for phase, kind, size, _ in transition(c.op, grad=c.grad).bytes(c.nbytes):
                     traffic[block.name].append((phase, kind, float(size)))
 
         def placed(node: fx.Node, kinds: tuple[type, ...]) -> bool:

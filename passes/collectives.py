@@ -1,25 +1,16 @@
 """The one emitter of collective nodes.
 
-Every collective in a compiled graph is created here, so the transitions the cost model prices
-and the nodes the runtime executes come from one table. A test fails if any other module inserts
-a node whose target is one of :data:`graphpass.runtime.collectives.COLLECTIVE_OPS`.
+Every collective in a compiled graph is created here, from an entry of the transition table
+(:mod:`graphpass.transitions`): the entry names the runtime op to insert, and the cost model
+prices the same entry, so the plan and the emitted graph cannot disagree. A test fails if any
+other module inserts a node whose target is one of
+:data:`graphpass.runtime.collectives.COLLECTIVE_OPS`.
 
-Transitions emitted so far:
-
-==========================  ====================================================  ===============
-placement change            nodes                                                 backward
-==========================  ====================================================  ===============
-param grads Partial → R     ``grad_sync_begin`` + bucketed ``all_reduce_grads``   async all-reduce
-value Partial → R (report)  ``all_reduce(x, axis, op)``                           none (detached)
-param Shard(0) → R (ZeRO)   ``all_gather_params`` per gather group                 reduce-scatter
-                                                                                  (stage 1: all-reduce)
-tp: Shard(d) → R            ``tp_all_gather``                                      slice / reduce-scatter
-tp: Partial → R             ``tp_all_reduce``                                      identity
-tp: Partial → Shard(d)      ``tp_reduce_scatter``                                  all-gather
-tp: R → Shard(d)            ``tp_scatter`` (local chunk)                           all-gather
-tp: R into sharded compute  ``tp_copy`` (identity)                                 all-reduce
-tp: vocab-sharded logits    ``vocab_parallel_cross_entropy``                       local softmax grad
-==========================  ====================================================  ===============
+Which entry each function emits: ``ensure_grad_sync`` "dp step"; ``emit_grad_all_reduce`` "dp
+gradient bucket"; ``emit_all_reduce`` "dp reported loss"; ``emit_param_all_gather`` "zero{k}
+weights"; ``emit_tp_redistribute`` the tp placement changes (``Shard(d) → Shard(e)`` is a
+gather then a scatter); ``emit_tp_copy`` "tp Replicate into sharded compute";
+``emit_vocab_parallel_cross_entropy`` "tp vocabulary-parallel loss".
 """
 
 from __future__ import annotations
@@ -33,6 +24,12 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from graphpass import meta
 from graphpass.runtime import collectives as ops
+from graphpass.transitions import TABLE, Transition, transition
+
+
+def _op(entry: Transition):
+    """The runtime function that carries out a table entry."""
+    return getattr(ops, entry.op)
 
 
 def _val_bytes(node: fx.Node) -> int:
@@ -74,12 +71,12 @@ def ensure_grad_sync(gm: fx.GraphModule, axis: str, created_by: str) -> fx.Node:
     """
     graph = gm.graph
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is ops.grad_sync_begin and node.args[0] == axis:
+        if node.op == "call_function" and node.target is _op(TABLE["dp step"]) and node.args[0] == axis:
             return node
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     anchor = placeholders[-1].next if placeholders else next(iter(graph.nodes))
     with graph.inserting_before(anchor):
-        begin = graph.call_function(ops.grad_sync_begin, (axis,))
+        begin = graph.call_function(_op(TABLE["dp step"]), (axis,))
     begin.meta.update(
         {meta.CREATED_BY: created_by, meta.AXIS: axis, meta.MODULE_PATH: "", meta.LAYER: None, meta.OPAQUE: True}
     )
@@ -151,7 +148,7 @@ def emit_grad_all_reduce(
     begin = ensure_grad_sync(gm, axis, created_by)
     return [
         _insert_group(
-            gm, ops.all_reduce_grads, bucket, (begin,),
+            gm, _op(TABLE["dp gradient bucket"]), bucket, (begin,),
             {"bucket": index} if scale is None else {"bucket": index, "scale": scale},
             axis, "Replicate()", created_by,
         )
@@ -222,7 +219,7 @@ def emit_param_all_gather(
         partial = tuple(p.meta.get(meta.GRAD_PARTIAL) for p in group)
         if any(partial):  # e.g. norm weights under sequence parallelism: summed over tp first
             kwargs["partial"] = partial
-        nodes.append(_insert_group(gm, ops.all_gather_params, group, (begin,), kwargs, axis, "Shard(0)", created_by))
+        nodes.append(_insert_group(gm, _op(transition("all_gather_params", stage=stage)), group, (begin,), kwargs, axis, "Shard(0)", created_by))
     return nodes
 
 
@@ -231,7 +228,7 @@ def emit_all_reduce(
 ) -> fx.Node:
     """Insert ``all_reduce(value, axis, op)`` right after ``value`` (no gradient path)."""
     with gm.graph.inserting_after(value):
-        node = gm.graph.call_function(ops.all_reduce, (value, axis), {"op": op})
+        node = gm.graph.call_function(_op(TABLE["dp reported loss"]), (value, axis), {"op": op})
     meta.copy_meta(value, node)
     node.meta[meta.CREATED_BY] = created_by
     node.meta[meta.AXIS] = axis
@@ -269,23 +266,25 @@ def emit_tp_redistribute(
     def node(target, x, *extra, **kw):
         return _tp_node(gm, target, (x, axis, size, *extra), kw, value, before, axis, str(dst), created_by)
 
+    scatter = _op(TABLE["tp Replicate -> Shard"])
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return node(ops.tp_all_gather, value, src.dim, grad=grad)
+        return node(_op(transition("tp_all_gather", grad=grad)), value, src.dim, grad=grad)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return node(ops.tp_all_reduce, value)
+        return node(_op(TABLE["tp Partial -> Replicate"]), value)
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return node(ops.tp_reduce_scatter, value, dst.dim)
+        return node(_op(TABLE["tp Partial -> Shard"]), value, dst.dim)
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return node(ops.tp_scatter, value, dst.dim)
+        return node(scatter, value, dst.dim)
     if isinstance(src, Shard) and isinstance(dst, Shard):
-        gathered = node(ops.tp_all_gather, value, src.dim, grad="slice")
-        return _tp_node(gm, ops.tp_scatter, (gathered, axis, size, dst.dim), {}, value, before, axis, str(dst), created_by)
+        gathered = node(_op(transition("tp_all_gather", grad="slice")), value, src.dim, grad="slice")
+        return _tp_node(gm, scatter, (gathered, axis, size, dst.dim), {}, value, before, axis, str(dst), created_by)
     raise NotImplementedError(f"no collective turns {src} into {dst} (node {value.name!r})")
 
 
 def emit_tp_copy(gm: fx.GraphModule, value: fx.Node, axis: str, size: int, *, before: fx.Node, created_by: str) -> fx.Node:
     """``tp_copy(value)``: identity whose backward all-reduces the gradient (Megatron's f)."""
-    return _tp_node(gm, ops.tp_copy, (value, axis, size), {}, value, before, axis, "Replicate()", created_by)
+    return _tp_node(gm, _op(TABLE["tp Replicate into sharded compute"]), (value, axis, size), {}, value, before, axis,
+                    "Replicate()", created_by)
 
 
 def emit_vocab_parallel_cross_entropy(
@@ -294,7 +293,7 @@ def emit_vocab_parallel_cross_entropy(
 ) -> fx.Node:
     """Cross-entropy of vocabulary-sharded logits (inserted at the current insertion point)."""
     node = gm.graph.call_function(
-        ops.vocab_parallel_cross_entropy, (logits, target, axis, size, vocab_start), {"ignore_index": ignore_index}
+        _op(TABLE["tp vocabulary-parallel loss"]), (logits, target, axis, size, vocab_start), {"ignore_index": ignore_index}
     )
     node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: "Replicate()"}})
     return node

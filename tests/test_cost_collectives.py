@@ -13,7 +13,7 @@ import pytest
 
 from graphpass.cluster import Cluster
 from graphpass.cost import collectives as cc
-from graphpass.cost.collectives import Link, collective_time, link_for_group, op_traffic, ring_volume_bytes
+from graphpass.cost.collectives import Link, collective_time, link_for_group, ring_volume_bytes
 
 NVLINK = Link(300e9, 5e-6)
 IB = Link(25e9, 15e-6)
@@ -190,61 +190,6 @@ def test_bad_arguments_raise_value_errors_naming_the_field(cluster):
 
 
 # --------------------------------------------------------------------------- graph ops
-
-
-@pytest.mark.parametrize(
-    "op_name, kwargs, expected",
-    [
-        ("grad_sync_begin", {}, []),
-        ("all_reduce_grads", {}, [("backward", "all_reduce", 100)]),
-        ("all_reduce", {}, [("forward", "all_reduce", 100)]),
-        ("all_gather_params", {"stage": 1}, [("forward", "all_gather", 100), ("backward", "all_reduce", 100)]),
-        ("all_gather_params", {"stage": 2}, [("forward", "all_gather", 100), ("backward", "reduce_scatter", 100)]),
-        (
-            "all_gather_params",
-            {"stage": 3},
-            [("forward", "all_gather", 100), ("backward", "all_gather", 100), ("backward", "reduce_scatter", 100)],
-        ),
-        ("tp_all_gather", {}, [("forward", "all_gather", 100)]),
-        (
-            "tp_all_gather",
-            {"grad": "reduce_scatter"},
-            [("forward", "all_gather", 100), ("backward", "reduce_scatter", 100)],
-        ),
-        ("tp_reduce_scatter", {}, [("forward", "reduce_scatter", 100), ("backward", "all_gather", 100)]),
-        ("tp_all_reduce", {}, [("forward", "all_reduce", 100)]),
-        ("tp_copy", {}, [("backward", "all_reduce", 100)]),
-        ("tp_scatter", {}, [("backward", "all_gather", 100)]),
-        ("vocab_parallel_cross_entropy", {}, [("forward", "all_reduce", 100), ("forward", "all_reduce", 200)]),
-    ],
-)
-def test_op_traffic_names_forward_and_backward_collectives(op_name, kwargs, expected):
-    assert op_traffic(op_name, 100, **kwargs) == expected
-
-
-def test_op_kind_agrees_with_op_traffic():
-    for op_name, kind in cc.OP_KIND.items():
-        traffic = op_traffic(op_name, 1, stage=3)
-        kinds = {k for _, k, _ in traffic}
-        if kind is None:
-            assert all(phase == "backward" for phase, _, _ in traffic), op_name
-        else:
-            assert kind == traffic[0][1] and kind in kinds, op_name
-
-
-def test_op_traffic_rejects_unknown_ops_and_options():
-    with pytest.raises(ValueError, match="unknown collective op"):
-        op_traffic("broadcast", 1)
-    with pytest.raises(ValueError, match="stage"):
-        op_traffic("all_gather_params", 1)
-    with pytest.raises(ValueError, match="grad"):
-        op_traffic("tp_all_gather", 1, grad="scatter")
-
-
-def test_every_runtime_collective_op_is_priced():
-    from graphpass.runtime.collectives import COLLECTIVE_OPS
-
-    assert {op.__name__ for op in COLLECTIVE_OPS} == set(cc.OP_KIND)
 
 
 def test_cost_module_does_not_import_torch():

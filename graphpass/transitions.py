@@ -1,0 +1,157 @@
+"""The transition table: every collective graphpass emits, as one entry each.
+
+A *transition* is what one emitted graph op converts — a placement change on a mesh axis
+(``Shard(d) → Replicate()`` on ``tp``: an all-gather), or one of data parallelism's gradient
+and weight movements (a bucket's ``Partial → Replicate`` gradients, a ZeRO group's
+``Shard(0) → Replicate()`` weights). Each entry holds:
+
+- ``op``: the runtime op the emitter inserts (``graphpass.runtime.collectives``; the emitter in
+  ``graphpass.passes.collectives`` looks it up here);
+- ``collectives``: what the op communicates, forward and backward, each a :class:`Movement` of
+  one collective *kind* on ``factor × S`` bytes, where ``S`` is the op's *full* tensor (the
+  gathered weights, the partial sum, the bucket of gradients — see ``size``; for ZeRO groups an
+  all-gather moves the weights and a reduction their gradients) and how often it runs in a step
+  (``per``: every microbatch, or once per step);
+- its memory effect, as multiples of ``S``: ``step`` alive from the step's first forward to its
+  last backward (ZeRO-1/2's gathered weights), ``transient`` alive only while the op's layer
+  runs (ZeRO-3's gathered weights, then their full gradient), ``held`` held back across a
+  step's microbatches (gradients reduced once per step).
+
+The cost model (``graphpass.cost``) prices the table: each movement's time is the alpha-beta
+formula of its kind (``graphpass.cost.collectives.collective_time``) and the bytes each rank
+sends are the ring volumes of that kind. ``tests/test_transitions.py`` runs every entry on 2
+and 4 gloo ranks and checks that the bytes the runtime actually moves are the entry's. Adding
+a collective means adding one entry here (and its runtime op).
+
+Torch-free, so the planner, the passes and the runtime read the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+FORWARD, BACKWARD = "forward", "backward"
+#: How often a movement runs: in every microbatch's forward/backward, or once per step (the
+#: step's first forward or last backward, see ``docs/step_program.md``).
+PER_MICROBATCH, PER_STEP = "microbatch", "step"
+
+
+@dataclass(frozen=True)
+class Movement:
+    """One collective an op runs: ``kind`` on ``factor × S`` bytes, in ``phase``, ``per``."""
+
+    phase: str
+    kind: str
+    factor: float = 1.0
+    per: str = PER_MICROBATCH
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One entry of the table (see the module docstring).
+
+    Attributes:
+        name: the key, e.g. ``"zero3 weights"`` or ``"tp Shard -> Replicate"``.
+        op: the runtime op's name.
+        axis: ``"dp"`` or ``"tp"`` (the data-parallel entries also serve joint ``dp,tp`` groups).
+        src, dst: the placement change, in torch's words.
+        size: what ``S`` is for this op.
+        collectives: the movements, forward first.
+        step: multiples of ``S`` alive through the step.
+        transient: multiples of ``S`` alive only while the op's layer runs (forward or backward).
+        held: multiples of ``S`` held back between the microbatches of a step (0 when there is
+            one microbatch).
+    """
+
+    name: str
+    op: str
+    axis: str
+    src: str
+    dst: str
+    size: str
+    collectives: tuple[Movement, ...]
+    step: float = 0.0
+    transient: float = 0.0
+    held: float = 0.0
+
+    def bytes(self, size_bytes: float, *, phase: str | None = None) -> list[tuple[str, str, float, str]]:
+        """``(phase, kind, bytes, per)`` of every movement for a full tensor of ``size_bytes``."""
+        return [(m.phase, m.kind, m.factor * size_bytes, m.per) for m in self.collectives
+                if phase is None or m.phase == phase]
+
+
+def _entries(*entries: Transition) -> dict[str, Transition]:
+    table = {}
+    for entry in entries:
+        assert entry.name not in table, entry.name
+        table[entry.name] = entry
+    return table
+
+
+_F, _B, _MB, _STEP = FORWARD, BACKWARD, PER_MICROBATCH, PER_STEP
+
+#: Every collective graphpass emits, by name.
+TABLE: Mapping[str, Transition] = _entries(
+    # ---- data parallel (insert_collectives, shard_parameters) ----
+    Transition("dp gradient bucket", "all_reduce_grads", "dp", "Partial()", "Replicate()",
+               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP),),
+               held=1.0),
+    Transition("dp reported loss", "all_reduce", "dp", "Partial(avg)", "Replicate()",
+               "the loss (detached)", (Movement(_F, "all_reduce"),)),
+    Transition("dp step", "grad_sync_begin", "dp", "-", "-", "nothing (waits for the buckets)", ()),
+    Transition("zero1 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
+               "the group's full parameters (gradients alike)",
+               (Movement(_F, "all_gather", per=_STEP), Movement(_B, "all_reduce", per=_STEP)),
+               step=1.0, held=1.0),
+    Transition("zero2 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
+               "the group's full parameters (gradients alike)",
+               (Movement(_F, "all_gather", per=_STEP), Movement(_B, "reduce_scatter")),
+               step=1.0),
+    Transition("zero3 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
+               "the group's full parameters (gradients alike)",
+               (Movement(_F, "all_gather"), Movement(_B, "all_gather"), Movement(_B, "reduce_scatter")),
+               # gathered weights until the layer is done (re-gathered in backward), then the
+               # full gradient until it is reduce-scattered
+               transient=2.0),
+    # ---- tensor parallel (tensor_parallel) ----
+    Transition("tp Shard -> Replicate", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
+               "the gathered tensor", (Movement(_F, "all_gather"),)),
+    Transition("tp Shard -> Replicate into column linears", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
+               "the gathered tensor", (Movement(_F, "all_gather"), Movement(_B, "reduce_scatter"))),
+    Transition("tp Partial -> Replicate", "tp_all_reduce", "tp", "Partial()", "Replicate()",
+               "the partial sum", (Movement(_F, "all_reduce"),)),
+    Transition("tp Partial -> Shard", "tp_reduce_scatter", "tp", "Partial()", "Shard(d)",
+               "the partial sum (full size)", (Movement(_F, "reduce_scatter"), Movement(_B, "all_gather"))),
+    Transition("tp Replicate -> Shard", "tp_scatter", "tp", "Replicate()", "Shard(d)",
+               "the replicated tensor", (Movement(_B, "all_gather"),)),
+    Transition("tp Replicate into sharded compute", "tp_copy", "tp", "Replicate()", "Replicate()",
+               "the replicated tensor", (Movement(_B, "all_reduce"),)),
+    Transition("tp vocabulary-parallel loss", "vocab_parallel_cross_entropy", "tp", "Shard(-1)", "Replicate()",
+               "one float32 per token", (Movement(_F, "all_reduce"), Movement(_F, "all_reduce", 2.0))),
+)
+
+
+def transition(op: str, *, stage: int | None = None, grad: str = "slice") -> Transition:
+    """The entry of the emitted op ``op`` (``stage``: ZeRO stage of ``all_gather_params``;
+    ``grad``: ``tp_all_gather``'s backward, ``"slice"`` or ``"reduce_scatter"``).
+
+    Raises:
+        ValueError: an op graphpass does not emit, or a missing/bad ``stage`` or ``grad``.
+    """
+    if op == "all_gather_params":
+        if stage not in (1, 2, 3):
+            raise ValueError(f"transition('all_gather_params'): stage must be 1, 2 or 3, got {stage!r}")
+        return TABLE[f"zero{stage} weights"]
+    if op == "tp_all_gather":
+        if grad not in ("slice", "reduce_scatter"):
+            raise ValueError(f"transition('tp_all_gather'): grad must be 'slice' or 'reduce_scatter', got {grad!r}")
+        return TABLE["tp Shard -> Replicate" + (" into column linears" if grad == "reduce_scatter" else "")]
+    for entry in TABLE.values():
+        if entry.op == op:
+            return entry
+    raise ValueError(f"unknown collective op {op!r}; the table has {sorted({e.op for e in TABLE.values()})}")
+
+
+#: The names of the runtime ops the table covers.
+OPS = tuple(sorted({entry.op for entry in TABLE.values()}))

@@ -1,0 +1,216 @@
+"""The transition table is the contract between what the passes emit and what the planner
+prices: every entry, emitted through ``graphpass.passes.collectives`` on a small graph and run
+on 2 and 4 gloo ranks for a step of 2 microbatches, moves exactly the collectives and bytes
+the entry says (counted at the ``torch.distributed`` calls the runtime makes), as often as it
+says (per microbatch or per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from graphpass import meta
+from graphpass.passes import collectives as emit
+from graphpass.runtime import collectives as ops
+from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import tensor_parallel as tp_runtime
+from graphpass.runtime import zero as zero_runtime
+from graphpass.runtime.grad_sync import Accumulation, accumulating
+from graphpass.transitions import PER_STEP, TABLE, transition
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+def test_the_table_covers_every_runtime_collective_op():
+    assert {op.__name__ for op in ops.COLLECTIVE_OPS} == {e.op for e in TABLE.values()}
+
+
+def test_lookup_by_op_and_its_options():
+    assert transition("all_gather_params", stage=3) is TABLE["zero3 weights"]
+    assert transition("tp_all_gather", grad="reduce_scatter").bytes(10.0) == [
+        ("forward", "all_gather", 10.0, "microbatch"), ("backward", "reduce_scatter", 10.0, "microbatch")]
+    with pytest.raises(ValueError, match="unknown collective op"):
+        transition("broadcast")
+    with pytest.raises(ValueError, match="stage"):
+        transition("all_gather_params")
+    with pytest.raises(ValueError, match="grad"):
+        transition("tp_all_gather", grad="scatter")
+
+
+def test_no_collective_traffic_is_written_outside_the_table():
+    """The kinds of collective appear as data in graphpass/transitions.py; outside it, the cost
+    package names them only in the alpha-beta formulas and the profiler, never as an op's
+    traffic (no "tp_copy ... all_reduce" pairs, no hand-priced ZeRO movements)."""
+    pattern = re.compile(r'comms\.time\("dp", "(all_gather|reduce_scatter|all_reduce)"')
+    offenders = []
+    for path in [*ROOT.glob("cost/*.py"), *ROOT.glob("graphpass/*.py"), *ROOT.glob("passes/*.py")]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line) or re.search(r'op_traffic|OP_KIND', line):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+# ------------------------------------------------------------------------------ on ranks
+
+
+@contextlib.contextmanager
+def _counting(log: list, phase: list):
+    """Record (phase, kind, bytes of S) of every collective the runtime launches."""
+    saved = (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
+             tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat)
+    real_ar, real_ag, real_rs = dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat
+
+    def all_reduce(tensor, *args, **kwargs):
+        log.append((phase[0], "all_reduce", tensor.numel() * tensor.element_size()))
+        return real_ar(tensor, *args, **kwargs)
+
+    def all_gather(out, inp, *args, **kwargs):
+        log.append((phase[0], "all_gather", out.numel() * out.element_size()))
+        return real_ag(out, inp, *args, **kwargs)
+
+    def reduce_scatter(out, inp, *args, **kwargs):
+        log.append((phase[0], "reduce_scatter", inp.numel() * inp.element_size()))
+        return real_rs(out, inp, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    zero_runtime._all_gather_flat = tp_runtime._all_gather_flat = all_gather
+    zero_runtime._reduce_scatter_flat = tp_runtime._reduce_scatter_flat = reduce_scatter
+    try:
+        yield
+    finally:
+        (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
+         tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat) = saved
+
+
+def _graph(n: int, local: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Node, fx.Node, fx.Node]:
+    """``loss = sum(x * w)``: a placeholder x (requires grad), a parameter w of x's shape."""
+    root = nn.Module()
+    root.w = nn.Parameter(torch.randn(local))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    w = graph.get_attr("w")
+    prod = graph.call_function(torch.ops.aten.mul.Tensor, (x, w))
+    loss = graph.call_function(torch.ops.aten.sum.default, (prod,))
+    out = graph.output((loss,))
+    w.meta.update({meta.ATTR_KIND: "parameter", meta.VAL: root.w.detach(), meta.LAYER: 0})
+    for node in (x, prod, loss):
+        node.meta[meta.LAYER] = 0
+    out.meta[meta.ROLE] = {"loss": 0}
+    return fx.GraphModule(root, graph), x, prod, loss
+
+
+def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Node, n: int, axis: str) -> float:
+    """Insert the entry's op into ``gm``; return S, the entry's full-tensor bytes."""
+    w = next(node for node in gm.graph.nodes if node.op == "get_attr")
+    local_bytes = gm.w.numel() * gm.w.element_size()
+    entry = TABLE[name]
+    if name == "dp gradient bucket":
+        emit.emit_grad_all_reduce(gm, [w], axis, 2**30, "test")
+        return local_bytes
+    if name == "dp reported loss":
+        node = emit.emit_all_reduce(gm, loss, axis, "avg", "test")
+        out = gm.graph.find_nodes(op="output")[0]
+        out.args = ((loss, node),)
+        return 4.0
+    if name == "dp step":
+        emit.ensure_grad_sync(gm, axis, "test")
+        return 0.0
+    if entry.op == "all_gather_params":
+        full = gm.w.detach()
+        gm.w = nn.Parameter(zero_runtime.make_shard(full, n, dist.get_rank() % n))
+        w.meta[meta.SHARD] = {"axis": axis, "dim": 0, "shape": list(full.shape), "stage": int(name[4])}
+        emit.emit_param_all_gather(gm, [w], axis, int(name[4]), 2**30, "test")
+        return full.numel() * full.element_size()
+    x_bytes = 4 * 8 * 12  # x is [8, 12] float32 locally, see _run_entry
+    if name == "tp vocabulary-parallel loss":
+        raise AssertionError("handled by _run_vocab")
+    if name == "tp Replicate into sharded compute":
+        emit.emit_tp_copy(gm, x, axis, n, before=prod, created_by="test")
+        new = next(node for node in gm.graph.nodes if node.meta.get(meta.CREATED_BY) == "test")
+        prod.replace_input_with(x, new)
+        return x_bytes
+    src, dst, grad, full = {
+        "tp Shard -> Replicate": (Shard(1), Replicate(), "slice", n * x_bytes),
+        "tp Shard -> Replicate into column linears": (Shard(1), Replicate(), "reduce_scatter", n * x_bytes),
+        "tp Partial -> Replicate": (Partial(), Replicate(), "slice", x_bytes),
+        "tp Partial -> Shard": (Partial(), Shard(1), "slice", x_bytes),
+        "tp Replicate -> Shard": (Replicate(), Shard(1), "slice", x_bytes),
+    }[name]
+    new = emit.emit_tp_redistribute(gm, x, src, dst, axis, n, before=prod, grad=grad, created_by="test")
+    prod.replace_input_with(x, new)
+    return full
+
+
+def _w_shape(name: str, n: int) -> tuple[int, ...]:
+    """The parameter's local shape: what x * w needs after the entry's op changes x."""
+    if name in ("tp Shard -> Replicate", "tp Shard -> Replicate into column linears"):
+        return (8, 12 * n)
+    if name in ("tp Partial -> Shard", "tp Replicate -> Shard"):
+        return (8, 12 // n)
+    return (8, 12)
+
+
+def _run_entry(name: str) -> list:
+    """On each rank: (expected, counted) movements of one step of 2 microbatches."""
+    n = dist.get_world_size()
+    axis = TABLE[name].axis
+    mesh = mesh_lib.ProcessMesh({axis: n})
+    torch.manual_seed(0)
+    if name == "tp vocabulary-parallel loss":
+        return _run_vocab(mesh, n)
+    gm, x, prod, loss = _graph(n, _w_shape(name, n))
+    size = _emit(name, gm, x, prod, loss, n, axis)
+    gm.graph.lint()
+    gm.recompile()
+    log, phase = [], ["forward"]
+    accumulation = Accumulation(2)
+    with mesh_lib.active(mesh), _counting(log, phase):
+        for i in range(2):
+            accumulation.last_backward = False
+            phase[0] = "forward"
+            with accumulating(accumulation), zero_runtime.regather_saved_params():
+                outputs = gm(torch.randn(8, 12, requires_grad=True))
+            accumulation.last_backward = i == 1
+            phase[0] = "backward"
+            outputs[0].backward()
+    expected = []
+    for move_phase, kind, nbytes, per in TABLE[name].bytes(size):
+        expected += [(move_phase, kind, nbytes)] * (1 if per == PER_STEP else 2)
+    return sorted(expected), sorted((p, k, float(b)) for p, k, b in log)
+
+
+def _run_vocab(mesh, n: int) -> tuple[list, list]:
+    tokens = 8
+    logits = torch.randn(tokens, 5, requires_grad=True)
+    target = torch.randint(0, 5 * n, (tokens,))
+    log, phase = [], ["forward"]
+    with mesh_lib.active(mesh), _counting(log, phase):
+        loss = ops.vocab_parallel_cross_entropy(logits, target, "tp", n, 5 * dist.get_rank())
+        phase[0] = "backward"
+        loss.backward()
+    expected = [(p, k, b) for p, k, b, _ in TABLE["tp vocabulary-parallel loss"].bytes(4.0 * tokens)]
+    return sorted(expected), sorted((p, k, float(b)) for p, k, b in log)
+
+
+def _run_all() -> dict:
+    return {name: _run_entry(name) for name in TABLE}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_entry_moves_the_bytes_the_cost_model_prices(rank_pool, world_size):
+    for rank, results in enumerate(rank_pool(world_size).run(_run_all, timeout_s=240)):
+        wrong = {name: got for name, got in results.items() if got[0] != got[1]}
+        assert not wrong, "\n".join(f"rank {rank} {name}: table {e} ran {c}" for name, (e, c) in wrong.items())
