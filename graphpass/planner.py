@@ -352,9 +352,10 @@ class GraphProfile:
         if tp > 1:
             lay = layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
             placements = lay.placements
-            # A sharded value that the pass all-gathers for its consumers (sequence parallelism:
-            # the norm output before column linears) is saved by them whole, as gathered.
-            gathered = {c.anchor for c in lay.collectives if c.op == "tp_all_gather"}
+            # A sharded value that the pass all-gathers for replicated consumers is saved by them
+            # whole, as gathered; sequence parallelism's gathers into column linears are
+            # re-gathered in backward instead (the runtime keeps the shard, as Megatron does).
+            gathered = {c.anchor for c in lay.collectives if c.op == "tp_all_gather" and c.grad != "reduce_scatter"}
             for c in lay.collectives:
                 block = self.owner.get(c.anchor, self.blocks[0])
                 for phase, kind, size, _ in transition(c.op, grad=c.grad).bytes(c.nbytes):

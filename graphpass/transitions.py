@@ -118,7 +118,9 @@ TABLE: Mapping[str, Transition] = _entries(
     Transition("tp Shard -> Replicate", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
                "the gathered tensor", (Movement(_F, "all_gather"),)),
     Transition("tp Shard -> Replicate into column linears", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
-               "the gathered tensor", (Movement(_F, "all_gather"), Movement(_B, "reduce_scatter"))),
+               # backward gathers it again for the linears' weight gradients instead of keeping it
+               "the gathered tensor",
+               (Movement(_F, "all_gather"), Movement(_B, "all_gather"), Movement(_B, "reduce_scatter"))),
     Transition("tp Partial -> Replicate", "tp_all_reduce", "tp", "Partial()", "Replicate()",
                "the partial sum", (Movement(_F, "all_reduce"),)),
     Transition("tp Partial -> Shard", "tp_reduce_scatter", "tp", "Partial()", "Shard(d)",

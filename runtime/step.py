@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 
 from graphpass.runtime.grad_sync import Accumulation, accumulating
-from graphpass.runtime.zero import regather_saved_params
+from graphpass.runtime.regather import rebuild_saved_tensors
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -89,7 +89,7 @@ class StepProgram:
             key = (action.stage, action.microbatch)
             if action.kind == FORWARD:
                 accumulation.last_backward = False  # a forward's GradSync reads it only in backward
-                with accumulating(accumulation), regather_saved_params():  # ZeRO-3 re-gathers in backward
+                with accumulating(accumulation), rebuild_saved_tensors():  # ZeRO-3, SP re-gather in backward
                     outputs = self.stages[action.stage](*microbatches[action.microbatch])
                 losses[key] = outputs[self.loss_index]
                 reports.append(outputs[self.report_index].detach())

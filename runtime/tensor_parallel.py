@@ -11,7 +11,9 @@ op                          forward                     backward
 ``tp_all_reduce`` (g)       all-reduce (Partial → R)    identity
 ``tp_all_gather``           all-gather on ``dim``       slice (``grad="slice"``) or reduce-scatter
                             (Shard → R)                 (``grad="reduce_scatter"``: the gathered
-                                                        tensor only feeds sharded compute)
+                                                        tensor only feeds sharded compute, and
+                                                        backward re-gathers it rather than
+                                                        keeping it)
 ``tp_reduce_scatter``       reduce-scatter on ``dim``   all-gather on ``dim``
                             (Partial → Shard)
 ``tp_scatter``              keep this rank's chunk      all-gather on ``dim``
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import regather
 from graphpass.runtime.fake import is_fake
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -188,7 +191,14 @@ def tp_all_gather(x: torch.Tensor, axis: str, size: int, dim: int, grad: str = "
         raise ValueError(f"tp_all_gather grad must be 'slice' or 'reduce_scatter', got {grad!r}")
     if is_fake(x):
         return _resized(x, dim, size)
-    return _AllGather.apply(x, axis, size, dim, grad)
+    out = _AllGather.apply(x, axis, size, dim, grad)
+    if grad == "reduce_scatter" and regather.active():
+        # Sequence parallelism's gather before column linears: the linears save their input,
+        # which backward gathers again from this rank's shard instead of keeping it whole, as
+        # Megatron-LM does (the shard is 1/size of it).
+        local = x.detach()
+        regather.register((out,), lambda: (_gather(local, axis, size, dim),))
+    return out
 
 
 def tp_reduce_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:

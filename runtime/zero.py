@@ -24,20 +24,17 @@ group. The optimizer only ever sees shards.
   are full-size anyway); stages 2/3 reduce-scatter every backward and sum the shards, so their
   gradient memory stays sharded. Stages 1/2 gather the weights in the step's first forward and
   keep them for the others (they do not change within a step); stage 3 gathers every forward;
-- stage 3 only: the gathered parameters are not kept for backward. While
-  :func:`regather_saved_params` is active (``DistributedModule`` enters it around forward),
-  a saved-tensor hook replaces every saved tensor that lives in a stage-3 gathered parameter
-  with a small handle, and backward re-gathers the group when it first needs it (one
-  all-gather per group) — so gathered weights are freed right after their forward use.
+- stage 3 only: the gathered parameters are not kept for backward
+  (:mod:`graphpass.runtime.regather`): backward re-gathers the group when it first needs it
+  (one all-gather per group), so gathered weights are freed right after their forward use.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import regather
 from graphpass.runtime.fake import is_fake
 from graphpass.runtime.grad_sync import GradSync
 
@@ -124,102 +122,6 @@ def gather_full_parameters(
     if group is None:
         return [s.detach()[: shape[0]].clone() for s, shape in zip(shards, shapes)]
     return _unpack_full(_gather_flat(shards, group, mesh.axis_size(axis)), shards, shapes)
-
-
-class _Stage3Group:
-    """One stage-3 gather group during one step: how to re-gather it, and the re-gathered cache."""
-
-    def __init__(self, shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]], axis: str, mesh):
-        self.shards = tuple(shards)
-        self.shapes = tuple(tuple(s) for s in shapes)
-        self.axis = axis
-        self.mesh = mesh
-        self.outstanding = 0  # saved handles not yet unpacked
-        self.cache: list[torch.Tensor] | None = None
-
-    def regathered(self, index: int) -> torch.Tensor:
-        # Synchronous, unlike forward's gathers: launching the previous group's re-gather ahead
-        # (FSDP2's backward prefetch) saved at most 2-4% of a step here (within noise on 2 and 4
-        # ranks, bench model) but holds one more gathered group at the start of backward, which
-        # on the zoo GPT lifted the ZeRO-3 peak above ZeRO-2's (1.62 vs 1.58 MB on 4 ranks).
-        if self.cache is None:
-            group = self.mesh.group(self.axis)
-            gathered = _gather_flat(self.shards, group, self.mesh.axis_size(self.axis))
-            self.cache = _unpack_full(gathered, self.shards, self.shapes)
-        return self.cache[index]
-
-    def release(self) -> None:
-        self.outstanding -= 1
-        if self.outstanding <= 0:
-            self.cache = None
-
-
-class _Registry:
-    """Storages of live stage-3 gathered parameters (forward only), by data pointer."""
-
-    def __init__(self) -> None:
-        self.by_ptr: dict[int, tuple[_Stage3Group, int, int]] = {}
-
-    def add(self, tensor: torch.Tensor, group: _Stage3Group, index: int) -> None:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        self.by_ptr[ptr] = (group, index, storage.nbytes())
-        # Forget the pointer when the tensor dies: the allocator may hand the address to an
-        # unrelated activation later, which must then be saved normally.
-        weakref.finalize(tensor, self.by_ptr.pop, ptr, None)
-
-    def lookup(self, tensor: torch.Tensor) -> tuple[_Stage3Group, int] | None:
-        if not self.by_ptr or tensor.layout != torch.strided or is_fake(tensor):
-            return None
-        storage = tensor.untyped_storage()
-        entry = self.by_ptr.get(storage.data_ptr())
-        if entry is None or entry[2] != storage.nbytes():
-            return None
-        return entry[0], entry[1]
-
-
-_ACTIVE_REGISTRIES: list[_Registry] = []
-
-
-class _Handle:
-    """What autograd keeps instead of a view of a stage-3 gathered parameter."""
-
-    __slots__ = ("group", "index", "size", "stride", "offset", "requires_grad")
-
-    def __init__(self, group: _Stage3Group, index: int, t: torch.Tensor):
-        self.group, self.index = group, index
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-        self.requires_grad = t.requires_grad
-
-
-def _pack(t: torch.Tensor) -> Any:
-    registry = _ACTIVE_REGISTRIES[-1]
-    found = registry.lookup(t)
-    if found is None:
-        return t
-    group, index = found
-    group.outstanding += 1
-    return _Handle(group, index, t)
-
-
-def _unpack(packed: Any) -> torch.Tensor:
-    if not isinstance(packed, _Handle):
-        return packed
-    full = packed.group.regathered(packed.index)
-    packed.group.release()
-    return full.as_strided(packed.size, packed.stride, packed.offset)
-
-
-@contextlib.contextmanager
-def regather_saved_params() -> Iterator[None]:
-    """While active, stage-3 gathered parameters saved for backward are re-gathered instead."""
-    registry = _Registry()
-    _ACTIVE_REGISTRIES.append(registry)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            yield
-    finally:
-        _ACTIVE_REGISTRIES.pop()
 
 
 def _rank_major_grads(
@@ -426,8 +328,18 @@ def all_gather_params(
         return tuple(gather_full_parameters(shards, shapes, axis))
     partial = tuple(partial) if partial else None
     full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, partial, *shards)
-    if stage == 3 and _ACTIVE_REGISTRIES:
-        state = _Stage3Group(shards, shapes, axis, mesh_lib.current())
-        for index, tensor in enumerate(full):
-            _ACTIVE_REGISTRIES[-1].add(tensor, state, index)
+    if stage == 3 and regather.active():
+        regather.register(full, functools.partial(_regathered, tuple(shards), tuple(map(tuple, shapes)), axis,
+                                                  mesh_lib.current()))
     return full
+
+
+def _regathered(shards, shapes, axis: str, mesh) -> list[torch.Tensor]:
+    """A stage-3 group's full weights gathered again for backward.
+
+    Synchronous, unlike forward's gathers: launching the previous group's re-gather ahead
+    (FSDP2's backward prefetch) saved at most 2-4% of a step here (within noise on 2 and 4
+    ranks, bench model) but holds one more gathered group at the start of backward, which on
+    the zoo GPT lifted the ZeRO-3 peak above ZeRO-2's (1.62 vs 1.58 MB on 4 ranks).
+    """
+    return _unpack_full(_gather_flat(shards, mesh.group(axis), mesh.axis_size(axis)), shards, shapes)

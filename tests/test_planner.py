@@ -98,7 +98,9 @@ def test_tensor_parallel_traffic_is_what_the_pass_emits(small_planner):
     )
     layer = next(x for x in small_planner.blocks(Mesh(1, 4, 2, 1, True)) if x.kind == "layer")
     kinds = sorted((p, k) for p, k, _ in layer.tp_traffic)
-    assert kinds == sorted([("forward", "all_gather"), ("backward", "reduce_scatter")] * 2
+    # Sequence parallel: each column-linear input is gathered, re-gathered in backward and its
+    # gradient reduce-scattered; each partial sum is reduce-scattered (all-gathered in backward).
+    assert kinds == sorted([("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")] * 2
                            + [("forward", "reduce_scatter"), ("backward", "all_gather")] * 2)
 
 

@@ -25,6 +25,7 @@ from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import tensor_parallel as tp_runtime
 from graphpass.runtime import zero as zero_runtime
 from graphpass.runtime.grad_sync import Accumulation, accumulating
+from graphpass.runtime.regather import rebuild_saved_tensors
 from graphpass.transitions import PER_STEP, TABLE, transition
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -40,7 +41,8 @@ def test_the_table_covers_every_runtime_collective_op():
 def test_lookup_by_op_and_its_options():
     assert transition("all_gather_params", stage=3) is TABLE["zero3 weights"]
     assert transition("tp_all_gather", grad="reduce_scatter").bytes(10.0) == [
-        ("forward", "all_gather", 10.0, "microbatch"), ("backward", "reduce_scatter", 10.0, "microbatch")]
+        ("forward", "all_gather", 10.0, "microbatch"), ("backward", "all_gather", 10.0, "microbatch"),
+        ("backward", "reduce_scatter", 10.0, "microbatch")]
     with pytest.raises(ValueError, match="unknown collective op"):
         transition("broadcast")
     with pytest.raises(ValueError, match="stage"):
@@ -180,7 +182,7 @@ def _run_entry(name: str) -> list:
         for i in range(2):
             accumulation.last_backward = False
             phase[0] = "forward"
-            with accumulating(accumulation), zero_runtime.regather_saved_params():
+            with accumulating(accumulation), rebuild_saved_tensors():
                 outputs = gm(torch.randn(8, 12, requires_grad=True))
             accumulation.last_backward = i == 1
             phase[0] = "backward"
