@@ -47,6 +47,14 @@ ZeRO-3 with and without ``split=4`` on ``WideMLP``, a model whose peak is its ga
 which is where OSDP splitting pays. Stage 1/2 keep every gathered weight for
 backward, hence their larger ``fwd+bwd``.
 
+Gradient accumulation (``dp, microbatches k``) and sequence parallelism are read on the bytes
+one forward keeps for its backward (live bytes after the forward minus before it, max over the
+microbatches and ranks): accumulation's should be 1/k of dp's (one microbatch's activations),
+``tp 2 + sp``'s below ``tp 2``'s. Their whole-step peaks move less on this model: at 4 rows per
+rank its peak is in backward, where the gradients (one full set, held back in the buckets'
+own buffers under accumulation) and the LM head's logits gradient are alive, not the
+activations.
+
 How to read it: the ZeRO stages should step down in ``state`` as the analytic column does, and
 the line ``zero-3 model-state bytes per rank / dp`` should be close to 1/N (padding rows only).
 ``graphpass zero-3 peak / FSDP2 peak`` compares the two implementations of the same algorithm at
@@ -87,6 +95,8 @@ GRAPHPASS_ROWS = (
     ("graphpass zero-2", {"zero": 2}),
     ("graphpass zero-3", {"zero": 3}),
     ("graphpass recompute", {"recompute": True}),
+    ("graphpass dp, microbatches 2", {"microbatches": 2}),
+    ("graphpass dp, microbatches 4", {"microbatches": 4}),
     ("graphpass zero-3 + split 4", {"zero": 3, "split": 4}),
     ("graphpass tp 2", {"tp": 2}),
     ("graphpass tp 2 + sp", {"tp": 2, "sequence_parallel": True}),
@@ -127,15 +137,28 @@ def graphpass_strategy(world: int, kwargs: dict) -> tuple[gp.Strategy | None, st
     return strategy, ""
 
 
-def _measure(step, params, opt, warm_batch, batch) -> dict:
-    """Peak of one train step + optimizer step after a warm-up step, and the model state."""
+def _measure(step, params, opt, warm_batch, batch, forward_module: nn.Module | None = None) -> dict:
+    """Peak of one train step + optimizer step after a warm-up step, and the model state.
+
+    With ``forward_module`` (the compiled graph, run once per microbatch), also ``"saved"``:
+    the most bytes any one forward left alive for its backward (activations saved, gathered
+    weights kept), measured as live bytes after the forward minus before it.
+    """
     step(*warm_batch)
     opt.step()
     opt.zero_grad()
     gc.collect()
     state = list(params) + optimizer_state_tensors(opt)
+    saved: list[int] = []
     with MemoryProbe(baseline=state + list(batch)) as probe:
+        hooks = []
+        if forward_module is not None:
+            before: list[int] = []
+            hooks = [forward_module.register_forward_pre_hook(lambda m, a: before.append(probe.current_bytes)),
+                     forward_module.register_forward_hook(lambda m, a, o: saved.append(probe.current_bytes - before[-1]))]
         step(*batch)
+        for hook in hooks:
+            hook.remove()
         train_peak = probe.peak_bytes
         probe.reset_peak()
         opt.step()
@@ -143,7 +166,8 @@ def _measure(step, params, opt, warm_batch, batch) -> dict:
     grads = [p.grad for p in params]
     model_state = tensor_bytes(state + grads)
     opt.zero_grad()
-    return {"peak": max(train_peak, opt_peak), "train": train_peak, "opt": opt_peak, "state": model_state}
+    return {"peak": max(train_peak, opt_peak), "train": train_peak, "opt": opt_peak, "state": model_state,
+            "saved": max(saved) if saved else None}
 
 
 def _graphpass_row(args, world, strategy, data) -> dict:
@@ -153,7 +177,7 @@ def _graphpass_row(args, world, strategy, data) -> dict:
     del model
     params = list(dmodel.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
-    return _measure(dmodel.train_step, params, opt, data[0], data[1])
+    return _measure(dmodel.train_step, params, opt, data[0], data[1], forward_module=dmodel.graph_module)
 
 
 def _fsdp2_row(args, world, data) -> dict:
@@ -217,6 +241,9 @@ def _run_rank(args: argparse.Namespace) -> dict:
     rows: dict[str, dict | str] = {}
     for name, kwargs in GRAPHPASS_ROWS:
         strategy, why = graphpass_strategy(world, kwargs)
+        k = kwargs.get("microbatches", 1)
+        if strategy is not None and args.batch % (strategy.dp * k):
+            strategy, why = None, f"--batch {args.batch} does not split into dp={strategy.dp} x {k} microbatches"
         if strategy is None:
             rows[name] = why
             continue
@@ -243,6 +270,25 @@ def analytic_state_bytes(name: str, num_params: int, world: int) -> float | None
     if "tp" in name:
         return None
     return 16 * psi  # dp, recompute
+
+
+def _print_ratios(rows: dict, results: list) -> None:
+    """Accumulation's and sequence parallelism's activation memory against their references:
+    the bytes one forward keeps for its backward (``saved``, max over ranks)."""
+    def saved(name: str) -> float | None:
+        if name not in rows or isinstance(rows[name], str):
+            return None
+        return max(r[name]["saved"] for r in results)
+
+    dp = saved("graphpass dp")
+    print(f"activations one forward keeps for backward: dp {dp / MIB:.1f} MiB")
+    for k in (2, 4):
+        acc = saved(f"graphpass dp, microbatches {k}")
+        if dp and acc is not None:
+            print(f"dp microbatches {k} / dp: {acc / dp:.3f} (1/k = {1 / k:.3f})")
+    tp, sp = saved("graphpass tp 2"), saved("graphpass tp 2 + sp")
+    if tp and sp is not None:
+        print(f"tp 2 + sp / tp 2: {sp / tp:.3f} (below 1: sequence shards, column inputs re-gathered in backward)")
 
 
 def main(argv=None) -> None:
@@ -290,6 +336,7 @@ def main(argv=None) -> None:
         print(f"zero-3 + split 4 peak < zero-3 peak: {'yes' if lower else 'no'} "
               f"({split['peak'] / MIB:.1f} vs {z3['peak'] / MIB:.1f} MiB"
               f"{'' if lower else '; where the peak is: see the module docstring'})")
+    _print_ratios(rows, results)
     print()
     print("OSDP splitting where gathered weights dominate (WideMLP: 4 x [1024 -> 4096 -> 1024], batch 8):")
     peak = {name: max(r[name]["peak"] for r in split_rows) for name in split_rows[0]}

@@ -40,7 +40,9 @@ class Accumulation:
         last_backward: whether the backward about to run is the program's last of the step;
             the step program sets it before every backward.
         buffers: gradients held back from communication, per bucket or group (keyed by the id
-            of its first parameter), summed over the backwards run so far.
+            of its first parameter), summed over the backwards run so far. A bucket holds them
+            in the flat buffer its ``.grad`` become views of, so accumulating costs no memory
+            beyond the gradients themselves.
         gathered: ZeRO-1/2 weights gathered by the first forward, kept for the step's others
             (they do not change within a step), keyed like ``buffers``.
     """
@@ -53,23 +55,16 @@ class Accumulation:
         self.buffers: dict[int, torch.Tensor] = {}
         self.gathered: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def hold(self, key: torch.Tensor, pieces: list[torch.Tensor] | torch.Tensor) -> None:
-        """Add gradients (flattened pieces, or one flat tensor) to the buffer of ``key``'s group."""
-        flat = pieces if isinstance(pieces, torch.Tensor) else None
-        held = self.buffers.get(id(key))
-        if held is None:
-            self.buffers[id(key)] = flat.clone() if flat is not None else torch.cat(pieces)
-            return
-        if flat is not None:
-            held.add_(flat)
-            return
-        offset = 0
-        for piece in pieces:
-            held[offset : offset + piece.numel()].add_(piece)
-            offset += piece.numel()
+    def held(self, key: torch.Tensor) -> torch.Tensor | None:
+        """The gradients held back so far for ``key``'s group (its first parameter), or None."""
+        return self.buffers.get(id(key))
+
+    def hold(self, key: torch.Tensor, flat: torch.Tensor) -> None:
+        """Hold ``flat`` back as ``key``'s group's gradients until the step's last backward."""
+        self.buffers[id(key)] = flat
 
     def release(self, key: torch.Tensor) -> torch.Tensor | None:
-        """The summed held-back gradients of ``key``'s group (removed), or None."""
+        """The held-back gradients of ``key``'s group (forgotten here), or None."""
         return self.buffers.pop(id(key), None)
 
 
@@ -216,20 +211,25 @@ class _AllReduceGrads(torch.autograd.Function):
         pieces = [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
         done = (torch.zeros((), dtype=torch.float32), None, None) + (None,) * len(params)
         accumulation = sync.accumulation
+        flat = accumulation.held(params[0])
+        if flat is None:  # the step's first backward for this bucket: into the bucket's buffer
+            numel = sum(piece.numel() for piece in pieces)
+            dtype = functools.reduce(torch.promote_types, (piece.dtype for piece in pieces))
+            flat = _reusable_buffer(params[0], numel, dtype)
+            if flat is not None:
+                torch.cat(pieces, out=flat)
+            else:
+                flat = torch.cat(pieces)
+                _remember_buffer(params[0], flat)
+        else:  # a later microbatch: summed into the held-back buffer, in place
+            offset = 0
+            for piece in pieces:
+                flat[offset : offset + piece.numel()].add_(piece)
+                offset += piece.numel()
         if not accumulation.last_backward:
-            accumulation.hold(params[0], pieces)  # reduced once, with the step's last backward
+            accumulation.hold(params[0], flat)  # reduced once, with the step's last backward
             return done
-        numel = sum(piece.numel() for piece in pieces)
-        dtype = functools.reduce(torch.promote_types, (piece.dtype for piece in pieces))
-        flat = _reusable_buffer(params[0], numel, dtype)
-        if flat is not None:
-            torch.cat(pieces, out=flat)
-        else:
-            flat = torch.cat(pieces)
-            _remember_buffer(params[0], flat)
-        held = accumulation.release(params[0])
-        if held is not None:
-            flat.add_(held)
+        accumulation.release(params[0])
         mesh = mesh_lib.current()
         group = mesh.group(sync.axis)
         work = None

@@ -265,12 +265,14 @@ class _AllGatherParams(torch.autograd.Function):
         done = (torch.zeros(()), None, None, None, None) + (None,) * len(shards)
         if ctx.stage == 1:
             accumulation = sync.accumulation
-            if not accumulation.last_backward:
-                accumulation.hold(shards[0], buffer.view(-1))  # all-reduced with the last backward
-                return done
-            held = accumulation.release(shards[0])
+            held = accumulation.held(shards[0])
             if held is not None:
-                buffer.view(-1).add_(held)
+                held.add_(buffer)
+                buffer = held
+            if not accumulation.last_backward:
+                accumulation.hold(shards[0], buffer)  # all-reduced with the step's last backward
+                return done
+            accumulation.release(shards[0])
             all_reduce = dist.all_reduce(buffer, group=group, async_op=True)
             work = _RowOfAllReduce(all_reduce, buffer, mesh.axis_rank(sync.axis))
             out = work.out
