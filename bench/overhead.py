@@ -28,8 +28,13 @@ ranks share the machine's cores; compute dominates a step at the default size, s
 mostly sensitive to per-step fixed costs (graph interpretation, buffer copies, collectives that
 do not overlap with backward).
 
+``--model llama`` trains a Llama-style decoder instead (``examples/configs.py``'s
+``LlamaLike``, Hugging Face ``LlamaForCausalLM``: RMSNorm, rotary, SwiGLU; ~3.7M parameters at
+the default vocabulary 1024, hidden 256, 4 layers), ``--optimizer adamw`` steps AdamW.
+
     python bench/overhead.py                      # 2 ranks, default size (< 3 min here)
     python bench/overhead.py --world-size 4 --rounds 12
+    python bench/overhead.py --model llama --optimizer adamw --batch 16 --block-size 64
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from graphpass.runtime.grad_sync import all_reduce_grads
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)
 from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
+from configs import LlamaLike, LlamaLikeConfig  # noqa: E402
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -66,12 +72,26 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank (default: cpu_count // world_size, at least 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     args = p.parse_args(argv)
+    if args.model == "llama" and "--vocab-size" not in (argv or sys.argv):
+        args.vocab_size = 1024
     if args.batch % args.world_size:
         p.error(f"--batch {args.batch} must be a multiple of --world-size {args.world_size}")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)
     return args
+
+
+def _llama_config(args: argparse.Namespace) -> LlamaLikeConfig:
+    return LlamaLikeConfig(vocab_size=args.vocab_size, hidden_size=args.n_embd, intermediate_size=688,
+                           num_hidden_layers=args.n_layer, num_attention_heads=4, num_key_value_heads=4,
+                           max_position_embeddings=args.block_size)
+
+
+def _model(args: argparse.Namespace, config) -> torch.nn.Module:
+    return LlamaLike(_llama_config(args)) if args.model == "llama" else GPT(config)
 
 
 def _run_rank(args: argparse.Namespace) -> dict | None:
@@ -86,15 +106,16 @@ def _run_rank(args: argparse.Namespace) -> dict | None:
 
     # Two models with identical initial weights (graphpass broadcasts rank 0's, DDP too).
     torch.manual_seed(args.seed)
-    gp_model = GPT(config)
+    gp_model = _model(args, config)
     torch.manual_seed(args.seed)
-    ddp_model = GPT(config)
+    ddp_model = _model(args, config)
 
     dmodel = gp.compile(gp_model, gp.Cluster.local(), example_inputs=data[0],
                         strategy=gp.Strategy(dp=world))
-    gp_opt = torch.optim.SGD(dmodel.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
+    gp_opt = optimizer(dmodel.parameters(), lr=args.lr)
     ddp = DistributedDataParallel(ddp_model)
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
+    ddp_opt = optimizer(ddp.parameters(), lr=args.lr)
 
     def gp_step(idx, targets):
         loss = dmodel.train_step(idx, targets)
@@ -158,12 +179,13 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     result = gp.launch(_run_rank, args.world_size, args=(args,), timeout_s=600)[0]
     c = gpt_config(args)
-    print(f"GPT vocab={c.vocab_size} block={c.block_size} layers={c.n_layer} heads={c.n_head} "
+    model = ("Llama-style (LlamaLike)" if args.model == "llama" else "GPT") + f" ({args.optimizer})"
+    print(f"{model} vocab={c.vocab_size} block={c.block_size} layers={c.n_layer} "
           f"embd={c.n_embd}: {result['params'] / 1e6:.2f}M params, {result['buckets']} graphpass "
           f"gradient bucket(s); global batch {args.batch} on {args.world_size} gloo ranks, "
           f"{args.threads} thread(s) each")
     print(f"{args.rounds} alternating rounds x {args.steps_per_round} steps per side, "
-          f"after {args.warmup} warm-up steps each (step = fwd + bwd + SGD step + zero_grad)")
+          f"after {args.warmup} warm-up steps each (step = fwd + bwd + optimizer step + zero_grad)")
     print()
     print(f"{'':14s} {'median ms':>10s} {'p10 ms':>8s} {'p90 ms':>8s} {'steps':>6s}")
     medians = {}

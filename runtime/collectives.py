@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import step
 from graphpass.runtime.fake import is_fake
 from graphpass.runtime.grad_sync import all_reduce_grads, grad_sync_begin
 from graphpass.runtime.tensor_parallel import (
@@ -40,7 +41,9 @@ from graphpass.runtime.zero import all_gather_params
 def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
     """All-reduce ``tensor`` over ``axis`` without a gradient path (``op``: ``"sum"`` or ``"avg"``).
 
-    Used for values that are reported, not differentiated (the global-batch loss).
+    Used for values that are reported, not differentiated (the global-batch loss). Inside a
+    training step the all-reduce is asynchronous and the step program waits for it at the end
+    of the step, so the value must not be read before ``train_step`` returns.
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"all_reduce op must be 'sum' or 'avg', got {op!r}")
@@ -51,9 +54,13 @@ def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor
     group = mesh.group(axis)
     if group is None:
         return out
+    divisor = mesh.axis_size(axis) if op == "avg" else 1
+    if step.reports_deferred():  # finished when the step ends, overlapped with its backward
+        step.defer_report(dist.all_reduce(out, group=group, async_op=True), out, divisor)
+        return out
     dist.all_reduce(out, group=group)
-    if op == "avg":
-        out /= mesh.axis_size(axis)
+    if divisor != 1:
+        out /= divisor
     return out
 
 

@@ -19,8 +19,9 @@ activations are alive at a time.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -28,6 +29,37 @@ from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
 
 FORWARD, BACKWARD = "forward", "backward"
+
+# Reported values (the dp-averaged loss) whose all-reduce was launched asynchronously during the
+# step: (work, tensor, divisor). Nothing reads them before the step ends, so their latency hides
+# behind the backward instead of stalling the forward.
+_DEFERRED: list[list[tuple[Any, Any, int]]] = []
+
+
+@contextlib.contextmanager
+def _deferring_reports() -> Iterator[None]:
+    _DEFERRED.append([])
+    try:
+        yield
+    finally:
+        for work, tensor, divisor in _DEFERRED.pop():
+            work.wait()
+            if divisor != 1:
+                tensor.div_(divisor)
+
+
+def defer_report(work: Any, tensor: Any, divisor: int) -> bool:
+    """Let the running step finish a reported value's all-reduce at its end (then divide by
+    ``divisor``); False when no step program runs (the caller waits itself)."""
+    if not _DEFERRED:
+        return False
+    _DEFERRED[-1].append((work, tensor, divisor))
+    return True
+
+
+def reports_deferred() -> bool:
+    """Whether a step program runs that finishes reported all-reduces at its end."""
+    return bool(_DEFERRED)
 
 
 @dataclass(frozen=True)
@@ -84,6 +116,11 @@ class StepProgram:
         losses: dict[tuple[int, int], torch.Tensor] = {}
         reports: list[torch.Tensor] = []
         weight = 1.0 / self.num_microbatches
+        with _deferring_reports():
+            self._run(accumulations, losses, reports, weight, microbatches)
+        return torch.stack(reports).mean() if len(reports) > 1 else reports[0]
+
+    def _run(self, accumulations, losses, reports, weight, microbatches) -> None:
         for position, action in enumerate(self.schedule):
             accumulation = accumulations[action.stage]
             key = (action.stage, action.microbatch)
@@ -97,4 +134,3 @@ class StepProgram:
                 accumulation.last_backward = position == self._last_backward[action.stage]
                 loss = losses.pop(key)
                 loss.backward(torch.full_like(loss, weight) if weight != 1.0 else None)
-        return torch.stack(reports).mean() if len(reports) > 1 else reports[0]

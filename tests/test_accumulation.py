@@ -74,7 +74,7 @@ def _sync_count(k: int) -> tuple[int, int, list[float]]:
     real = grad_sync.dist.all_reduce
 
     def counting(tensor, *args, **kwargs):
-        if kwargs.get("async_op"):
+        if kwargs.get("async_op") and tensor.dim() > 0:  # not the reported (0-dim) losses
             launched.append(tensor.numel())
         return real(tensor, *args, **kwargs)
 
