@@ -30,8 +30,13 @@ median of per-round ratios (cancels slow drifts in machine load) and the ratio o
 are shared by the ranks (``--threads`` intra-op threads each; at 4 ranks on a 2-core machine they
 are oversubscribed, so compute is slower and noisier and communication overlap matters less).
 
+``--model llama`` runs the ZeRO-3 pair on a Llama-style decoder instead (``examples/configs.py``'s
+``LlamaLike``: RMSNorm, rotary, SwiGLU; FSDP2 wraps each decoder layer); the TP pair stays on
+the GPT (its DTensor plan names the GPT's modules).
+
     python bench/sharding_speed.py                       # 2 then 4 ranks (about 3 min here)
     python bench/sharding_speed.py --world-sizes 2 --rounds 16
+    python bench/sharding_speed.py --model llama --world-sizes 2 --batch 16 --block-size 64 --n-embd 256
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import graphpass as gp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)
 from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
+from configs import LlamaLike, LlamaLikeConfig  # noqa: E402
 
 TP = 2
 
@@ -69,7 +75,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank (default: cpu_count // world_size, at least 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt", help="model of the ZeRO-3 pair")
     args = p.parse_args(argv)
+    if args.model == "llama" and "--vocab-size" not in (argv or sys.argv):
+        args.vocab_size = 1024
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     for w in args.world_sizes:
         if args.batch % w:
@@ -99,7 +108,7 @@ def _fsdp2_step_fn(args, model: GPT):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.h:
+    for block in (model.model.model.layers if isinstance(model, LlamaLike) else model.h):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return _eager_step_fn(model, model.parameters(), args, rank, world)
@@ -202,17 +211,24 @@ def _race(args, data, sides: dict, reference_dp_group=None) -> dict:
     return {"times": times, "max_loss_diff": (gp_losses - ref_losses).abs().max().item()}
 
 
+def _llama_config(args: argparse.Namespace) -> LlamaLikeConfig:
+    return LlamaLikeConfig(vocab_size=args.vocab_size, hidden_size=args.n_embd, intermediate_size=688,
+                           num_hidden_layers=args.n_layer, num_attention_heads=4, num_key_value_heads=4,
+                           max_position_embeddings=args.block_size)
+
+
 def _run_rank(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     world = dist.get_world_size()
     config = gpt_config(args)
     data = gpt_batches(args, args.warmup + args.rounds * args.steps_per_round)
-    out: dict = {"params": sum(p.numel() for p in GPT(config).parameters())}
+    build = (lambda: LlamaLike(_llama_config(args))) if args.model == "llama" else (lambda: GPT(config))
+    out: dict = {"params": sum(p.numel() for p in build().parameters())}
 
     torch.manual_seed(args.seed)
-    gp_model = GPT(config)
+    gp_model = build()
     torch.manual_seed(args.seed)
-    ref_model = GPT(config)
+    ref_model = build()
     sides = {
         "graphpass zero-3": _graphpass_step_fn(args, gp_model, gp.Strategy(dp=world, zero=3), data[0]),
         "FSDP2": _fsdp2_step_fn(args, ref_model),
@@ -272,7 +288,8 @@ def main(argv=None) -> None:
     for world in args.world_sizes:
         result = gp.launch(_run_rank, world, args=(args,), timeout_s=600)[0]
         if not header_done:
-            print(f"GPT vocab={c.vocab_size} block={c.block_size} layers={c.n_layer} heads={c.n_head} "
+            model = "Llama-style (LlamaLike) for ZeRO-3, GPT for TP" if args.model == "llama" else "GPT"
+            print(f"{model} vocab={c.vocab_size} block={c.block_size} layers={c.n_layer} "
                   f"embd={c.n_embd}: {result['params'] / 1e6:.2f}M params; global batch {args.batch}; AdamW")
             print(f"{args.rounds} alternating rounds x {args.steps_per_round} step(s) per side after "
                   f"{args.warmup} warm-up steps each (step = fwd + bwd + AdamW.step + zero_grad)")
