@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
+from configs import LlamaLikeConfig  # noqa: E402
 from gpt import GPTConfig  # noqa: E402  (examples/ is not a package)
 
 
@@ -30,6 +31,14 @@ def gpt_config(args: argparse.Namespace) -> GPTConfig:
     """The GPTConfig the size options describe."""
     return GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                      n_head=args.n_head, n_embd=args.n_embd)
+
+
+def llama_config(args: argparse.Namespace) -> LlamaLikeConfig:
+    """The Llama-style decoder (``--model llama``) the same size options describe: 4 heads, a
+    SwiGLU width of 688 (~8/3 of 256), positions up to the block size."""
+    return LlamaLikeConfig(vocab_size=args.vocab_size, hidden_size=args.n_embd, intermediate_size=688,
+                           num_hidden_layers=args.n_layer, num_attention_heads=4, num_key_value_heads=4,
+                           max_position_embeddings=args.block_size)
 
 
 def gpt_batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

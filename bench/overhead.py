@@ -54,8 +54,8 @@ from graphpass.runtime.grad_sync import all_reduce_grads
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)
-from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
-from configs import LlamaLike, LlamaLikeConfig  # noqa: E402
+from gpt_args import add_gpt_args, gpt_batches, gpt_config, llama_config  # noqa: E402
+from configs import LlamaLike  # noqa: E402
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -84,14 +84,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _llama_config(args: argparse.Namespace) -> LlamaLikeConfig:
-    return LlamaLikeConfig(vocab_size=args.vocab_size, hidden_size=args.n_embd, intermediate_size=688,
-                           num_hidden_layers=args.n_layer, num_attention_heads=4, num_key_value_heads=4,
-                           max_position_embeddings=args.block_size)
-
-
 def _model(args: argparse.Namespace, config) -> torch.nn.Module:
-    return LlamaLike(_llama_config(args)) if args.model == "llama" else GPT(config)
+    return LlamaLike(llama_config(args)) if args.model == "llama" else GPT(config)
 
 
 def _run_rank(args: argparse.Namespace) -> dict | None:

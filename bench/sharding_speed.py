@@ -57,8 +57,8 @@ import graphpass as gp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)
-from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
-from configs import LlamaLike, LlamaLikeConfig  # noqa: E402
+from gpt_args import add_gpt_args, gpt_batches, gpt_config, llama_config  # noqa: E402
+from configs import LlamaLike  # noqa: E402
 
 TP = 2
 
@@ -211,18 +211,12 @@ def _race(args, data, sides: dict, reference_dp_group=None) -> dict:
     return {"times": times, "max_loss_diff": (gp_losses - ref_losses).abs().max().item()}
 
 
-def _llama_config(args: argparse.Namespace) -> LlamaLikeConfig:
-    return LlamaLikeConfig(vocab_size=args.vocab_size, hidden_size=args.n_embd, intermediate_size=688,
-                           num_hidden_layers=args.n_layer, num_attention_heads=4, num_key_value_heads=4,
-                           max_position_embeddings=args.block_size)
-
-
 def _run_rank(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     world = dist.get_world_size()
     config = gpt_config(args)
     data = gpt_batches(args, args.warmup + args.rounds * args.steps_per_round)
-    build = (lambda: LlamaLike(_llama_config(args))) if args.model == "llama" else (lambda: GPT(config))
+    build = (lambda: LlamaLike(llama_config(args))) if args.model == "llama" else (lambda: GPT(config))
     out: dict = {"params": sum(p.numel() for p in build().parameters())}
 
     torch.manual_seed(args.seed)
