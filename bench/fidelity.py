@@ -27,7 +27,7 @@ six uniform strategies per world size:
 
 Errors are signed, ``(predicted - measured) / measured``: positive means the planner
 over-estimates. The median absolute error is printed per world size and overall next to the
-targets (time <= 15%, memory <= 10%). Both error columns are reported whatever they are.
+targets (time <= 5%, memory <= 3%), with the worst case. Both error columns are reported whatever they are.
 
 The second table per world size splits each side into terms for diagnosis. Predicted: ``comp``
 = sum of the blocks' compute (forward + backward + recomputed forward), ``tp`` = tensor-parallel
@@ -68,8 +68,9 @@ from gpt import GPT  # noqa: E402  (examples/ is not a package)
 from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
 
 MIB = 2**20
-TIME_TARGET = 0.15
-MEMORY_TARGET = 0.10
+#: The targets of issue 8 (median |error| over the strategies of both world sizes).
+TIME_TARGET = 0.05
+MEMORY_TARGET = 0.03
 
 #: world size -> (row name, Strategy keyword arguments).
 STRATEGIES = {
@@ -82,6 +83,8 @@ STRATEGIES = {
         ("tp 2", dict(tp=2)),
         ("tp 2 sp", dict(tp=2, sequence_parallel=True)),
         ("dp 2 recompute", dict(dp=2, recompute=True)),
+        ("dp 2 microbatches 2", dict(dp=2, microbatches=2)),
+        ("dp 2 zero-3 microbatches 2", dict(dp=2, zero=3, microbatches=2)),
     ),
     4: (
         ("dp 4", dict(dp=4)),
@@ -90,6 +93,7 @@ STRATEGIES = {
         ("tp 4", dict(tp=4)),
         ("dp 4 recompute", dict(dp=4, recompute=True)),
         ("dp 2 tp 2 zero-3", dict(dp=2, tp=2, zero=3)),
+        ("dp 4 microbatches 2", dict(dp=4, microbatches=2)),
     ),
 }
 
@@ -248,7 +252,13 @@ def _err(predicted: float, measured: float) -> float:
 
 
 def _medians(errors: list[tuple[float, float]]) -> tuple[float, float]:
-    return (statistics.median(abs(t) for t, _ in errors), statistics.median(abs(m) for _, m in errors))
+    return (statistics.median(abs(e[0]) for e in errors), statistics.median(abs(e[1]) for e in errors))
+
+
+def _worst(errors) -> str:
+    t = max(errors, key=lambda e: abs(e[0]))
+    m = max(errors, key=lambda e: abs(e[1]))
+    return f"worst: time {t[0]:+.1%} ({t[2]}), memory {m[1]:+.1%} ({m[2]})"
 
 
 def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, float]]:
@@ -259,12 +269,12 @@ def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, flo
     for name, _ in STRATEGIES[world]:
         p, m = predicted[name], measured[name]
         et, em = _err(p["time"], m["time"]), _err(p["peak"], m["peak"])
-        errors.append((et, em))
+        errors.append((et, em, name))
         print(f"  {name:22s} {p['time'] * 1e3:8.1f} {m['time'] * 1e3:8.1f} {et:+9.1%} "
               f"{p['peak'] / MIB:9.1f} {m['peak'] / MIB:9.1f} {em:+8.1%}")
     time_med, mem_med = _medians(errors)
     print(f"  median |error|: time {time_med:.1%} (target <= {TIME_TARGET:.0%}), "
-          f"memory {mem_med:.1%} (target <= {MEMORY_TARGET:.0%})")
+          f"memory {mem_med:.1%} (target <= {MEMORY_TARGET:.0%}); {_worst(errors)}")
     print()
     print("  terms         predicted ms: comp     tp     dp    opt | measured ms: train    opt"
           " || predicted MiB: state    act  trans | measured MiB: state fwd+bwd    opt")
@@ -306,7 +316,7 @@ def main(argv=None) -> None:
         print()
     time_med, mem_med = _medians(all_errors)
     print(f"overall median |error| over {len(all_errors)} strategies: time {time_med:.1%} "
-          f"(target <= {TIME_TARGET:.0%}), memory {mem_med:.1%} (target <= {MEMORY_TARGET:.0%})")
+          f"(target <= {TIME_TARGET:.0%}), memory {mem_med:.1%} (target <= {MEMORY_TARGET:.0%}); {_worst(all_errors)}")
     print(f"(wall time {time.perf_counter() - t0:.0f} s)")
 
 

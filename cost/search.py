@@ -371,12 +371,12 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
     zero = choice.zero
     entry = transition("all_reduce_grads") if zero == 0 else transition("all_gather_params", stage=zero)
     # State kept all step: the weights (ZeRO: this rank's shard, plus what the table keeps alive
-    # through the step: ZeRO-1/2's gathered weights), gradients, optimizer state, and the
-    # gradients held back between microbatches (reduced once per step).
+    # through the step: ZeRO-1/2's gathered weights), gradients (full-size below stage 2, also
+    # while held back between microbatches), optimizer state.
     weights = (p_bytes / dp if zero else p_bytes) + entry.step * p_bytes
     grads = g_bytes / dp if zero >= 2 else g_bytes
     optim = o_bytes / dp if zero >= 1 else o_bytes
-    state = weights + grads + optim + (entry.held * g_bytes if m > 1 else 0.0)
+    state = weights + grads + optim
 
     saved = block.saved_bytes * scale
     act = block.input_bytes * scale if choice.recompute else saved

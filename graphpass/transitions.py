@@ -14,8 +14,9 @@ and weight movements (a bucket's ``Partial → Replicate`` gradients, a ZeRO gro
   (``per``: every microbatch, or once per step);
 - its memory effect, as multiples of ``S``: ``step`` alive from the step's first forward to its
   last backward (ZeRO-1/2's gathered weights), ``transient`` alive only while the op's layer
-  runs (ZeRO-3's gathered weights, then their full gradient), ``held`` held back across a
-  step's microbatches (gradients reduced once per step).
+  runs (ZeRO-3's gathered weights, then their full gradient). Gradients held back between a
+  step's microbatches cost nothing extra: they accumulate in the buffer that becomes ``.grad``
+  (dp buckets) or that the gradients occupy anyway (ZeRO-1's full-size gradients).
 
 The cost model (``graphpass.cost``) prices the table: each movement's time is the alpha-beta
 formula of its kind (``graphpass.cost.collectives.collective_time``) and the bytes each rank
@@ -60,8 +61,6 @@ class Transition:
         collectives: the movements, forward first.
         step: multiples of ``S`` alive through the step.
         transient: multiples of ``S`` alive only while the op's layer runs (forward or backward).
-        held: multiples of ``S`` held back between the microbatches of a step (0 when there is
-            one microbatch).
     """
 
     name: str
@@ -73,7 +72,6 @@ class Transition:
     collectives: tuple[Movement, ...]
     step: float = 0.0
     transient: float = 0.0
-    held: float = 0.0
 
     def bytes(self, size_bytes: float, *, phase: str | None = None) -> list[tuple[str, str, float, str]]:
         """``(phase, kind, bytes, per)`` of every movement for a full tensor of ``size_bytes``."""
@@ -95,15 +93,14 @@ _F, _B, _MB, _STEP = FORWARD, BACKWARD, PER_MICROBATCH, PER_STEP
 TABLE: Mapping[str, Transition] = _entries(
     # ---- data parallel (insert_collectives, shard_parameters) ----
     Transition("dp gradient bucket", "all_reduce_grads", "dp", "Partial()", "Replicate()",
-               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP),),
-               held=1.0),
+               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP),)),
     Transition("dp reported loss", "all_reduce", "dp", "Partial(avg)", "Replicate()",
                "the loss (detached)", (Movement(_F, "all_reduce"),)),
     Transition("dp step", "grad_sync_begin", "dp", "-", "-", "nothing (waits for the buckets)", ()),
     Transition("zero1 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
                (Movement(_F, "all_gather", per=_STEP), Movement(_B, "all_reduce", per=_STEP)),
-               step=1.0, held=1.0),
+               step=1.0),
     Transition("zero2 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
                (Movement(_F, "all_gather", per=_STEP), Movement(_B, "reduce_scatter")),
