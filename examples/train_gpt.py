@@ -87,13 +87,16 @@ def main() -> None:
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage inside dp")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="gradient accumulation: microbatches per step, gradients synchronised once")
     args = parser.parse_args()
     strategy = None  # "auto"
-    if args.tp != 1 or args.zero or args.sequence_parallel or args.recompute:
+    if args.tp != 1 or args.zero or args.sequence_parallel or args.recompute or args.microbatches != 1:
         if args.world_size % args.tp:
             parser.error(f"--tp {args.tp} must divide --world-size {args.world_size}")
         strategy = dict(dp=args.world_size // args.tp, tp=args.tp, zero=args.zero,
-                        sequence_parallel=args.sequence_parallel, recompute=args.recompute)
+                        sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                        microbatches=args.microbatches)
 
     n_params = sum(p.numel() for p in GPT(CONFIG).parameters())
     print(f"GPT {n_params / 1e6:.2f}M parameters, global batch {args.batch} x {CONFIG.block_size} tokens")
