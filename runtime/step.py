@@ -3,15 +3,17 @@
 ``DistributedModule.train_step`` cuts this rank's share of the batch into the plan's
 microbatches and runs a :class:`StepProgram`: a list of :class:`Action` (forward or backward of
 microbatch ``i`` on stage program ``s``) over one or more stage programs (one today; a
-pipeline gives each rank several). Gradients are synchronised once per step and stage program:
-each program runs under one :class:`~graphpass.runtime.grad_sync.Accumulation` for the whole
-step, and the program marks the backward that is that stage's last, whose reductions are
-launched while it runs (overlapped, as DDP's last bucket is).
+pipeline gives each rank several). Replicated gradients are synchronised once per step and
+stage program: each program runs under one :class:`~graphpass.runtime.grad_sync.Accumulation`
+for the whole step, and the program marks the backward that is that stage's last, whose
+reductions are launched while it runs (overlapped, as DDP's last bucket is); ZeRO-2/3 groups
+reduce-scatter every backward (see :mod:`graphpass.runtime.grad_sync` for why).
 
 The loss of each microbatch is a mean over its rows, so each backward is scaled by
 ``1 / num_microbatches`` and the step's gradient is that of the mean over the whole batch,
-equal to one process on the whole batch (rows split evenly). ``scale`` lives here only: no
-other part of graphpass divides by the microbatch count.
+equal to one process on the whole batch (rows split evenly). That 1/k factor lives here only:
+no other part of graphpass divides by the microbatch count. The reported (dp-averaged) losses
+are all-reduced asynchronously and finished when the step ends.
 
 Accumulation (one stage, ``k`` microbatches) runs ``F0 B0 F1 B1 ...``, so one microbatch's
 activations are alive at a time.
