@@ -219,10 +219,10 @@ def _portable(exc: BaseException) -> BaseException:
 
     try:
         copy = pickle.loads(pickle.dumps(exc))
-        if type(copy) is type(exc) and str(copy) == str(exc):
-            return copy
     except Exception:  # noqa: BLE001 - an exception that does not pickle is sent as text
-        pass
+        copy = None
+    if type(copy) is type(exc) and str(copy) == str(exc):
+        return copy
     return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
