@@ -51,7 +51,8 @@ What runs where it is priced: every data-parallel movement and memory effect com
 transition table (:mod:`graphpass.transitions`), the one the emitter inserts from: ZeRO-1/2 keep
 shards between steps and gather the full weights once per step (their state is ``P + P/dp``
 weights), ZeRO-3 gathers in every forward and again in backward, gradients of dp and ZeRO-1
-are reduced once per step (held back between microbatches), ZeRO-2/3's every microbatch. Every collective is priced by :func:`graphpass.cost.collectives.
+are reduced once per step (held back between microbatches), ZeRO-2/3's every microbatch.
+Every collective is priced by :func:`graphpass.cost.collectives.
 collective_time` on the group's real ranks (flat ring on the slowest link it spans, or
 hierarchical for all-reduce when that is cheaper).
 """

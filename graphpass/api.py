@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from graphpass import meta
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir

@@ -11,6 +11,7 @@ gradients synchronised once) and returns the global-batch loss; any torch optimi
 from __future__ import annotations
 
 import logging
+import math
 from typing import Iterator, Sequence
 
 import torch
@@ -96,9 +97,9 @@ class DistributedModule(nn.Module):
         output = graph_module.graph.find_nodes(op="output")[0]
         self._roles = dict(meta.get(output, meta.ROLE))
         self.num_microbatches = plan.microbatches
+        self._report = self._roles.get("loss_report", self._roles["loss"])
         self._program = StepProgram(
-            [graph_module], self._roles["loss"], self._roles.get("loss_report", self._roles["loss"]),
-            accumulation_schedule(self.num_microbatches),
+            [graph_module], self._roles["loss"], self._report, accumulation_schedule(self.num_microbatches)
         )
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
@@ -215,7 +216,7 @@ class DistributedModule(nn.Module):
                     raise ValueError(
                         f"input {name!r}: this rank's share has {value.shape[0]} rows, which do not divide "
                         f"into Plan.microbatches={k} microbatches; make the global batch a multiple of "
-                        f"{self._batch_ways(axes) * k}"
+                        f"{math.prod(self.plan.mesh[a] for a in axes) * k}"
                     )
                 raise ValueError(
                     f"input {name!r}: this rank's share has shape {tuple(value.shape)} but the program "
@@ -225,12 +226,6 @@ class DistributedModule(nn.Module):
                 )
             local.append(value)
         return tuple(local)
-
-    def _batch_ways(self, axes: Sequence[str]) -> int:
-        ways = 1
-        for axis in axes:
-            ways *= self.plan.mesh[axis]
-        return ways
 
     def microbatches(self, *global_batch: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """This rank's share cut into the plan's microbatches (inputs not sharded over the batch,
@@ -256,9 +251,8 @@ class DistributedModule(nn.Module):
     def forward(self, *global_batch: torch.Tensor) -> torch.Tensor:
         """The global-batch loss without a backward pass (for evaluation)."""
         microbatches = self.microbatches(*global_batch)
-        report = self._roles.get("loss_report", self._roles["loss"])
         with mesh_lib.active(self._mesh), torch.no_grad():
-            losses = [self.graph_module(*mb)[report] for mb in microbatches]
+            losses = [self.graph_module(*mb)[self._report] for mb in microbatches]
         return torch.stack(losses).mean() if len(losses) > 1 else losses[0]
 
 

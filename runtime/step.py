@@ -50,18 +50,15 @@ def _deferring_reports() -> Iterator[None]:
                 tensor.div_(divisor)
 
 
-def defer_report(work: Any, tensor: Any, divisor: int) -> bool:
-    """Let the running step finish a reported value's all-reduce at its end (then divide by
-    ``divisor``); False when no step program runs (the caller waits itself)."""
-    if not _DEFERRED:
-        return False
-    _DEFERRED[-1].append((work, tensor, divisor))
-    return True
-
-
 def reports_deferred() -> bool:
     """Whether a step program runs that finishes reported all-reduces at its end."""
     return bool(_DEFERRED)
+
+
+def defer_report(work: Any, tensor: Any, divisor: int) -> None:
+    """Let the running step (see :func:`reports_deferred`) finish a reported value's all-reduce
+    at its end, then divide it by ``divisor``."""
+    _DEFERRED[-1].append((work, tensor, divisor))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import graphpass as gp
 import zoo

@@ -11,14 +11,13 @@ multi-output node was tagged replicated) fails here on numbers, not on shapes.
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Replicate
 
 import graphpass as gp
 from graphpass.capture import capture
