@@ -48,6 +48,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from graphpass import meta
+from graphpass.ops import op_base
 # The default efficiencies live with DeviceSpec (its fields default to them); re-exported here.
 from graphpass.cluster import DEFAULT_EFFICIENCY, DEFAULT_MEMORY_EFFICIENCY, DeviceSpec
 
@@ -137,17 +138,6 @@ class NodeCost:
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def op_name(node: fx.Node) -> str:
-    """The op's base name for both capture routes: ``aten.linear.default`` and ``F.linear`` →
-    ``"linear"``, ``operator.getitem`` → ``"getitem"``, ``Tensor.view`` → ``"view"``."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target.__name__
-    return getattr(target, "__name__", str(target))
 
 
 def _val(value: Any) -> Any:
@@ -253,7 +243,7 @@ def node_flops(node: fx.Node, grad_nodes: Collection[fx.Node] | None = None) -> 
     """
     if node.op != "call_function":
         return 0.0, 0.0
-    name = op_name(node)
+    name = op_base(node)
     out = _val(node)
     if name in _VIEWS or out is None:
         return 0.0, 0.0
@@ -287,7 +277,7 @@ def node_bytes(node: fx.Node) -> float:
     """
     if node.op != "call_function":
         return 0.0
-    name = op_name(node)
+    name = op_base(node)
     out = _val(node)
     if name in _VIEWS:
         return 0.0

@@ -78,9 +78,10 @@ from graphpass.cluster import (
     device_slug,
     profile_path,
 )
-from graphpass.cost.collectives import Link, all_gather_time, all_reduce_time, reduce_scatter_time
-from graphpass.cost.compute import _VIEWS, grad_requiring_nodes, op_name
+from graphpass.cost.collectives import Link, all_gather_time, reduce_scatter_time
+from graphpass.cost.compute import _VIEWS, grad_requiring_nodes
 from graphpass.cost.memory import format_bytes
+from graphpass.ops import op_base
 
 __all__ = [
     "ProfileReport",
@@ -757,7 +758,7 @@ def is_this_machine(device: DeviceSpec) -> bool:
 
 def _index_bound(node: fx.Node) -> int | None:
     """The exclusive upper bound of ``node``'s integer inputs when they index another input."""
-    name = op_name(node)
+    name = op_base(node)
     floats = [v for v in (a.meta.get(meta.VAL) for a in node.all_input_nodes)
               if isinstance(v, torch.Tensor) and v.is_floating_point()]
     if not floats:
@@ -888,7 +889,7 @@ def node_times(
     times: dict[str, tuple[float, float]] = {}
     pending: dict[str, list[fx.Node]] = {}
     for node in nodes:
-        if op_name(node) in _VIEWS:
+        if op_base(node) in _VIEWS:
             times[node.name] = (0.0, 0.0)
             continue
         key = op_key(node, device, grad_nodes)
@@ -906,7 +907,7 @@ def node_times(
             )
     missing = [n for group in pending.values() for n in group]
     if missing:
-        listed = ", ".join(f"{n.name} ({op_name(n)})" for n in missing[:_MAX_REPORTED])
+        listed = ", ".join(f"{n.name} ({op_base(n)})" for n in missing[:_MAX_REPORTED])
         more = f", ... {len(missing) - _MAX_REPORTED} more" if len(missing) > _MAX_REPORTED else ""
         logger.warning(
             "%d of %d nodes have no profiled time on %s; priced by the roofline model: %s%s",
@@ -927,7 +928,7 @@ def _measure_pending(pending: dict[str, list[fx.Node]], times: dict[str, tuple[f
         try:
             measured[key] = _measure_node(group[0], grad_nodes, torch_device)
         except Exception as exc:  # noqa: BLE001 - reported below; the roofline prices the node
-            failed[group[0].name] = f"{op_name(group[0])}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            failed[group[0].name] = f"{op_base(group[0])}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     for key, value in measured.items():
         for node in pending.pop(key):
             times[node.name] = value

@@ -66,6 +66,8 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from graphpass.cluster import Cluster
+from graphpass.mesh import Mesh
+from graphpass.plan import Choice
 from graphpass.transitions import PER_MICROBATCH, Transition, transition
 from graphpass.cost.memory import format_bytes
 from graphpass.cost.collectives import collective_time
@@ -76,7 +78,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "BlockCost",
     "Choice",
-    "Mesh",
+    "Layout",
     "Costing",
     "Priced",
     "Candidate",
@@ -149,38 +151,20 @@ class BlockCost:
 
 
 @dataclass(frozen=True)
-class Choice:
-    """What one block does: ZeRO stage inside dp, operator-split factor, recomputation."""
+class Layout:
+    """What the search decides for the whole model: the ``pp x dp x tp`` mesh, the microbatches
+    of a step, and sequence parallelism on ``tp``."""
 
-    zero: int = 0
-    split: int = 1
-    recompute: bool = False
-
-    def __str__(self) -> str:
-        parts = [f"zero-{self.zero}" if self.zero else "dp"]
-        if self.split > 1:
-            parts.append(f"split {self.split}")
-        if self.recompute:
-            parts.append("recompute")
-        return " + ".join(parts)
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """A device mesh ``pp x dp x tp`` (tp innermost) with microbatches and sequence parallelism."""
-
-    pp: int
-    dp: int
-    tp: int
+    mesh: Mesh
     microbatches: int = 1
     sequence_parallel: bool = False
 
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+    @classmethod
+    def of(cls, pp: int, dp: int, tp: int, microbatches: int = 1, sequence_parallel: bool = False) -> "Layout":
+        return cls(Mesh.of(pp=pp, dp=dp, tp=tp), microbatches, sequence_parallel)
 
     def __str__(self) -> str:
-        text = f"pp={self.pp} dp={self.dp} tp={self.tp}"
+        text = f"pp={self.mesh.pp} dp={self.mesh.dp} tp={self.mesh.tp}"
         if self.microbatches > 1:
             text += f" m={self.microbatches}"
         if self.sequence_parallel:
@@ -239,7 +223,7 @@ class Priced:
 class Candidate:
     """A priced mesh + stages + per-block choices."""
 
-    mesh: Mesh
+    layout: Layout
     stages: list[list[int]]
     choices: list[Choice]
     priced: list[Priced]
@@ -266,7 +250,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, *,
-           executable_only: bool = False) -> list[Mesh]:
+           executable_only: bool = False) -> list[Layout]:
     """Every mesh the search considers (see the module docstring); ``tps`` are the tp degrees the
     model's layout allows."""
     world = cluster.world_size
@@ -287,32 +271,29 @@ def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, *,
                 counts = {m for m in counts if m >= pp} or {max(counts)}
             for m in sorted(counts):
                 for sp in ((False, True) if tp > 1 else (False,)):
-                    out.append(Mesh(pp, dp, tp, m, sp))
+                    out.append(Layout.of(pp, dp, tp, m, sp))
     return out
 
 
-def local_batch(mesh: Mesh, batch: int) -> int:
+def local_batch(layout: Layout, batch: int) -> int:
     """Samples in one microbatch on one rank."""
-    return batch // (mesh.dp * mesh.microbatches)
+    return batch // (layout.mesh.dp * layout.microbatches)
 
 
 # ------------------------------------------------------------------------------------ pricing
 
 
 def _groups(mesh: Mesh) -> tuple[list[int], list[int], list[int]]:
-    """Global ranks of stage 0's first dp group, first tp group, and a pipeline neighbour pair."""
-    dp_group = [d * mesh.tp for d in range(mesh.dp)]
-    tp_group = list(range(mesh.tp))
-    pp_pair = [0, mesh.dp * mesh.tp] if mesh.pp > 1 else [0]
-    return dp_group, tp_group, pp_pair
+    """Global ranks of rank 0's dp group, its tp group, and a pipeline neighbour pair."""
+    return mesh.group_ranks("dp"), mesh.group_ranks("tp"), mesh.group_ranks("pp")[:2]
 
 
 class _Collectives:
     """Memoised collective times for one mesh."""
 
-    def __init__(self, cluster: Cluster, mesh: Mesh):
+    def __init__(self, cluster: Cluster, layout: Layout):
         self.cluster = cluster
-        self.dp, self.tp, self.pp = _groups(mesh)
+        self.dp, self.tp, self.pp = _groups(layout.mesh)
         self.memo: dict[tuple[str, str, float], float] = {}
 
     def latency(self, axis: str, kind: str) -> float:
@@ -329,14 +310,14 @@ class _Collectives:
         return self.memo[key]
 
 
-def choices_for(block: BlockCost, mesh: Mesh, costing: Costing) -> list[Choice]:
+def choices_for(block: BlockCost, layout: Layout, costing: Costing) -> list[Choice]:
     """The options the ILP may pick for ``block`` on ``mesh``."""
-    zeros = (0, 1, 2, 3) if mesh.dp > 1 else (0,)
+    zeros = (0, 1, 2, 3) if layout.mesh.dp > 1 else (0,)
     recomputes = (False, True) if block.kind == LAYER else (False,)
     out = []
     for zero in zeros:
         splits = [1]
-        if zero == 3 and mesh.tp == 1 and block.split_count:  # split with tp: not in the runtime
+        if zero == 3 and layout.mesh.tp == 1 and block.split_count:  # split with tp: not in the runtime
             splits += [2, 4]
         for split in splits:
             for recompute in recomputes:
@@ -354,12 +335,12 @@ def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, 
     return total
 
 
-def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms: _Collectives) -> Priced:
+def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, comms: _Collectives) -> Priced:
     """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (see the module docstring)."""
-    b = local_batch(mesh, costing.batch)
+    b = local_batch(layout, costing.batch)
     scale = b / costing.batch
     forward_s, backward_s = block.times[b]
-    dp, m = mesh.dp, mesh.microbatches
+    dp, m = layout.mesh.dp, layout.microbatches
 
     tp_forward = sum(comms.time("tp", kind, size * scale) for phase, kind, size in block.tp_traffic if phase == "forward")
     tp_backward = sum(comms.time("tp", kind, size * scale) for phase, kind, size in block.tp_traffic if phase != "forward")
@@ -424,15 +405,15 @@ def price(block: BlockCost, choice: Choice, mesh: Mesh, costing: Costing, comms:
 # ------------------------------------------------------------------------------------- stages
 
 
-def _stage_flight(mesh: Mesh, stage: int) -> int:
-    return in_flight_microbatches(mesh.pp, mesh.microbatches, stage) if mesh.pp > 1 else 1
+def _stage_flight(layout: Layout, stage: int) -> int:
+    return in_flight_microbatches(layout.mesh.pp, layout.microbatches, stage) if layout.mesh.pp > 1 else 1
 
 
-def partition(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, comms: _Collectives,
+def partition(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, comms: _Collectives,
               options: Sequence[Sequence[tuple[Choice, Priced]]]) -> list[list[int]] | None:
     """Contiguous stages minimising the slowest stage's fastest-choice time, each stage's memory
     lower bound within the budget; None when no split fits."""
-    n, p = len(blocks), mesh.pp
+    n, p = len(blocks), layout.mesh.pp
     if p == 1:
         return [list(range(n))]
     fastest = [min(pr.time_s for _, pr in opts) for opts in options]
@@ -445,7 +426,7 @@ def partition(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, comms: 
     cut = [[-1] * (n + 1) for _ in range(p + 1)]
     best[0][0] = 0.0
     for s in range(1, p + 1):
-        flight = _stage_flight(mesh, s - 1)
+        flight = _stage_flight(layout, s - 1)
         floor = [min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options]
         spike = [min(pr.transient_bytes for _, pr in opts) for opts in options]
         for j in range(s, n - (p - s) + 1):
@@ -471,7 +452,7 @@ def partition(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, comms: 
 
 
 def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Sequence[Sequence[tuple[Choice, Priced]]],
-                mesh: Mesh, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
+                layout: Layout, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
     """The clustered stage ILP; returns block index -> option index, optimality, gap (None: infeasible)."""
     from ortools.linear_solver import pywraplp
 
@@ -481,7 +462,7 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
     solver = pywraplp.Solver.CreateSolver(_STAGE_BACKEND)
     solver.SuppressOutput()
     inf = solver.infinity()
-    m = mesh.microbatches
+    m = layout.microbatches
     limit = costing.memory_limit_bytes
     mem_scale = 1.0 / max(limit, 1.0)
     counts, used = {}, {}
@@ -547,11 +528,11 @@ def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Seq
     return base + max(0.0, max(spikes, default=0.0))
 
 
-def compose(blocks: Sequence[BlockCost], mesh: Mesh, stages: list[list[int]], choices: list[Choice],
+def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]], choices: list[Choice],
             priced: list[Priced], costing: Costing, comms: _Collectives, how: str,
             optimal: bool = True, gap: float = 0.0) -> Candidate:
     """Step time and per-stage peaks of a full assignment (the formula in the module docstring)."""
-    b = local_batch(mesh, costing.batch)
+    b = local_batch(layout, costing.batch)
     scale = b / costing.batch
     stage_times, tails, peaks, exposed = [], [], [], []
     for s, indices in enumerate(stages):
@@ -559,22 +540,22 @@ def compose(blocks: Sequence[BlockCost], mesh: Mesh, stages: list[list[int]], ch
         if s + 1 < len(stages):  # activation forward, its gradient back
             t += 2 * comms.time("pp", "send_recv", blocks[indices[-1]].output_bytes * scale)
         comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
-            blocks, indices, choices, mesh, costing, comms)
+            blocks, indices, choices, layout, costing, comms)
         tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
         exposed.append(max(0.0, comm))
         stage_times.append(t)
-        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(mesh, s)))
-    m = mesh.microbatches
+        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(layout, s)))
+    m = layout.microbatches
     step = sum(stage_times) + (m - 1) * max(stage_times) + max(tails)
-    return Candidate(mesh, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)
+    return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)
 
 
-def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], mesh: Mesh,
+def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], layout: Layout,
                     costing: Costing, comms: _Collectives) -> float:
     """One all-reduce latency per gradient bucket of the stage's pure data-parallel blocks (ZeRO
     stages reduce per parameter group: their latency is in each block's price)."""
     grads = sum(blocks[i].params * costing.grad_bytes_per_param for i in indices if choices[i].zero == 0)
-    if grads <= 0 or mesh.dp == 1:
+    if grads <= 0 or layout.mesh.dp == 1:
         return 0.0
     return math.ceil(grads / costing.bucket_cap_bytes) * comms.latency("dp", "all_reduce")
 
@@ -589,28 +570,28 @@ def uniform_choices(blocks: Sequence[BlockCost], choice: Choice) -> list[Choice]
     ]
 
 
-def evaluate(blocks: Sequence[BlockCost], mesh: Mesh, choices: list[Choice], costing: Costing,
+def evaluate(blocks: Sequence[BlockCost], layout: Layout, choices: list[Choice], costing: Costing,
              stages: list[list[int]] | None = None) -> Candidate | None:
     """Price one fixed assignment (a uniform baseline) on ``mesh``; stages by :func:`partition`
     unless given. None when no stage split exists at all."""
-    comms = _Collectives(costing.cluster, mesh)
-    priced = [price(b, c, mesh, costing, comms) for b, c in zip(blocks, choices)]
+    comms = _Collectives(costing.cluster, layout)
+    priced = [price(b, c, layout, costing, comms) for b, c in zip(blocks, choices)]
     if stages is None:
-        stages = partition(blocks, mesh, replace(costing, memory_limit_bytes=math.inf), comms,
+        stages = partition(blocks, layout, replace(costing, memory_limit_bytes=math.inf), comms,
                            [[(c, p)] for c, p in zip(choices, priced)])
         if stages is None:
             return None
-    return compose(blocks, mesh, stages, choices, priced, costing, comms, "fixed")
+    return compose(blocks, layout, stages, choices, priced, costing, comms, "fixed")
 
 
-def solve_mesh(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, deadline: float,
+def solve_mesh(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, deadline: float,
                baselines: Sequence[Choice] = ()) -> tuple[Candidate | None, float]:
     """The best assignment on one mesh, and the smallest stage peak any assignment could reach
     (for the infeasibility report)."""
-    comms = _Collectives(costing.cluster, mesh)
-    options = [[(c, price(b, c, mesh, costing, comms)) for c in choices_for(b, mesh, costing)] for b in blocks]
-    smallest = _smallest_peak(mesh, options)
-    stages = partition(blocks, mesh, costing, comms, options)
+    comms = _Collectives(costing.cluster, layout)
+    options = [[(c, price(b, c, layout, costing, comms)) for c in choices_for(b, layout, costing)] for b in blocks]
+    smallest = _smallest_peak(layout, options)
+    stages = partition(blocks, layout, costing, comms, options)
     if stages is None:
         return None, smallest
     choices: list[Choice] = [Choice()] * len(blocks)
@@ -620,10 +601,10 @@ def solve_mesh(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, deadli
     # same answer: solve once, reuse by position.
     cache: dict[tuple, tuple[list[int], bool, float] | None] = {}
     for s, indices in enumerate(stages):
-        flight = _stage_flight(mesh, s)
+        flight = _stage_flight(layout, s)
         key = (tuple(blocks[i].signature + blocks[i].kind for i in indices), flight)
         if key not in cache:
-            solved = solve_stage(blocks, indices, options, mesh, flight, costing, deadline)
+            solved = solve_stage(blocks, indices, options, layout, flight, costing, deadline)
             cache[key] = None if solved is None else ([solved[0][i] for i in indices], solved[1], solved[2])
         if cache[key] is None:
             return None, smallest
@@ -632,13 +613,13 @@ def solve_mesh(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, deadli
         gap = max(gap, stage_gap)
         for i, o in zip(indices, positions):
             choices[i], priced[i] = options[i][o]
-    best = compose(blocks, mesh, stages, choices, priced, costing, comms, "ilp", optimal, gap)
+    best = compose(blocks, layout, stages, choices, priced, costing, comms, "ilp", optimal, gap)
     uniform_prices = []
     for base in baselines:  # a uniform assignment can win only through the pipeline max term
         uniform = uniform_choices(blocks, base)
         if any(c not in [o for o, _ in opts] for c, opts in zip(uniform, options)):
             continue
-        cand = evaluate(blocks, mesh, uniform, costing, stages)
+        cand = evaluate(blocks, layout, uniform, costing, stages)
         if cand is None:
             continue
         uniform_prices.append((str(base), cand.step_time_s, cand.peak_memory_bytes))
@@ -649,19 +630,19 @@ def solve_mesh(blocks: Sequence[BlockCost], mesh: Mesh, costing: Costing, deadli
     return best, smallest
 
 
-def _smallest_peak(mesh: Mesh, options: Sequence[Sequence[tuple[Choice, Priced]]]) -> float:
+def _smallest_peak(layout: Layout, options: Sequence[Sequence[tuple[Choice, Priced]]]) -> float:
     """A lower bound of the peak on this mesh: every block at its smallest, spread over pp stages."""
-    flight = _stage_flight(mesh, 0)
+    flight = _stage_flight(layout, 0)
     floor = sum(min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options)
     spike = max((min(pr.transient_bytes for _, pr in opts) for opts in options), default=0.0)
-    return floor / mesh.pp + spike
+    return floor / layout.mesh.pp + spike
 
 
 #: Uniform assignments compared against the ILP's answer on every mesh.
 BASELINES = (Choice(0), Choice(0, recompute=True), Choice(3), Choice(3, recompute=True))
 
 
-def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: Sequence[Mesh], costing: Costing,
+def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: Sequence[Layout], costing: Costing,
            time_limit_s: float | None = None) -> tuple[Candidate, list[Candidate], dict[str, float]]:
     """Solve every mesh; returns the best candidate, all feasible ones (fastest first), and the
     smallest peak per infeasible mesh.
@@ -673,14 +654,14 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
     deadline = start + (time_limit_s if time_limit_s is not None else math.inf)
     found: list[Candidate] = []
     infeasible: dict[str, float] = {}
-    for mesh in mesh_list:
+    for layout in mesh_list:
         if time.perf_counter() > deadline and found:
             log.warning("planner time limit %.1f s reached after %d meshes; keeping the best so far", time_limit_s, len(found) + len(infeasible))
             break
-        blocks = layouts[(mesh.tp, mesh.sequence_parallel)]
-        cand, smallest = solve_mesh(blocks, mesh, costing, deadline, BASELINES)
+        blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
+        cand, smallest = solve_mesh(blocks, layout, costing, deadline, BASELINES)
         if cand is None:
-            infeasible[str(mesh)] = smallest
+            infeasible[str(layout)] = smallest
         else:
             found.append(cand)
     if not found:
@@ -693,7 +674,7 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
         )
     found.sort(key=lambda c: c.step_time_s)
     tied = [c for c in found if c.step_time_s <= found[0].step_time_s * (1 + _TIE_REL)]
-    best = min(tied, key=lambda c: (c.mesh.pp, c.mesh.microbatches, c.mesh.tp, c.mesh.sequence_parallel,
+    best = min(tied, key=lambda c: (c.layout.mesh.pp, c.layout.microbatches, c.layout.mesh.tp, c.layout.sequence_parallel,
                                     c.peak_memory_bytes))
     found.remove(best)
     return best, [best, *found], infeasible

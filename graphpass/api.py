@@ -23,7 +23,7 @@ from graphpass.dump import Dumper, resolve_dump_dir
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import PIPELINE
 from graphpass.plan import Plan, Strategy
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.module import (
     DistributedModule,
@@ -65,7 +65,7 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
             )
         if strategy.strategy is not None:
             strategy.strategy.check(world_size)
-        if strategy.mesh.get("pp", 1) > 1:
+        if strategy.mesh.pp > 1:
             raise NotImplementedError(
                 f"the Plan uses pipeline stages (mesh {dict(strategy.mesh)}); graphpass cannot execute "
                 "those yet (partition_stages is not built). Plan with graphpass.plan(..., "
@@ -134,7 +134,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
         given_plan = _auto_plan(model, cluster, inputs, rank, world_size)
     source = given_plan if given_plan is not None else chosen
-    dp = source.mesh.get("dp", 1) if given_plan is not None else chosen.dp  # type: ignore[union-attr]
+    dp = source.mesh.dp  # type: ignore[union-attr]
     k = source.microbatches  # type: ignore[union-attr]
 
     # Capture at one microbatch of this rank's share: shapes are specialised in the graph.

@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.pass_manager import PassRecord, op_name
+from graphpass.pass_manager import PassRecord
+from graphpass.ops import op_name
 from graphpass.plan import Plan
 
 DUMP_ENV = "GRAPHPASS_DUMP_DIR"

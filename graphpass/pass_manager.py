@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
+from graphpass.ops import op_name
 from graphpass.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -66,15 +67,6 @@ class PassContext:
     example_inputs: tuple[torch.Tensor, ...]
     provided: set[str] = field(default_factory=set)
 
-    def axis_rank(self, mesh: dict[str, int], axis: str) -> int:
-        """This rank's coordinate along ``axis`` of ``mesh`` (row-major, as ``DeviceMesh`` lays
-        ranks out)."""
-        coord = self.rank
-        for name in reversed(list(mesh)):
-            if name == axis:
-                return coord % mesh[name]
-            coord //= mesh[name]
-        raise KeyError(f"mesh axis {axis!r} is not in the mesh {mesh}")
 
 
 GraphPass = Callable[[fx.GraphModule, Plan, PassContext], fx.GraphModule]
@@ -90,16 +82,6 @@ def graph_pass(name: str, requires: Sequence[str] = (), provides: Sequence[str] 
         return fn
 
     return wrap
-
-
-def op_name(node: fx.Node) -> str:
-    """Short readable name of a node's op: ``aten.linear``, ``all_reduce_grads``, ``get_attr``."""
-    if node.op != "call_function":
-        return node.op
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}"
-    return getattr(target, "__name__", str(target))
 
 
 def op_counts(gm: fx.GraphModule) -> collections.Counter:

@@ -19,11 +19,36 @@ from typing import Any, Mapping
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from graphpass.mesh import Mesh
+
 #: The only schedule names ``Strategy.schedule`` accepts (they map onto torch.distributed.pipelining).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 #: DDP's default bucket size: large enough to amortise per-collective latency, small enough to
 #: start communicating early in backward.
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one block does inside the ``dp`` axis: its ZeRO stage, its OSDP operator-split
+    factor, and whether its activations are recomputed in backward.
+
+    A :class:`Strategy` makes the same choice for every block (:attr:`Strategy.choice`); the
+    planner picks one per block; :func:`graphpass.plan_builder.plan_from_choices` turns either
+    into a :class:`Plan`'s per-node ``zero``, ``split`` and ``recompute``.
+    """
+
+    zero: int = 0
+    split: int = 1
+    recompute: bool = False
+
+    def __str__(self) -> str:
+        parts = [f"zero-{self.zero}" if self.zero else "dp"]
+        if self.split > 1:
+            parts.append(f"split {self.split}")
+        if self.recompute:
+            parts.append("recompute")
+        return " + ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,16 @@ class Strategy:
     def degree(self) -> int:
         """Number of devices the strategy occupies: ``dp * tp * pp``."""
         return self.dp * self.tp * self.pp
+
+    @property
+    def mesh(self) -> Mesh:
+        """The ``pp x dp x tp`` mesh this strategy runs on."""
+        return Mesh.of(pp=self.pp, dp=self.dp, tp=self.tp)
+
+    @property
+    def choice(self) -> Choice:
+        """The per-block choice it makes for every block (no ZeRO without a ``dp`` axis)."""
+        return Choice(self.zero if self.dp > 1 else 0, self.split, self.recompute)
 
     def check(self, world_size: int) -> None:
         """Raise if this strategy cannot run on ``world_size`` ranks or uses an unbuilt feature.
@@ -125,7 +160,8 @@ class Plan:
     """How to run one captured graph on a mesh.
 
     Attributes:
-        mesh: ordered mesh axes and sizes, e.g. ``{"dp": 4}``; the product is the world size.
+        mesh: the :class:`~graphpass.mesh.Mesh` (ordered axes and sizes; a ``{"dp": 4}`` mapping
+            is accepted and converted); the product is the world size.
         placements: node name → {axis → placement string} for every input, parameter and the loss.
         stages: node names of each pipeline stage's first node (one stage: ``("*",)``).
         strategy: the uniform strategy this plan was made from, if any.
@@ -152,7 +188,7 @@ class Plan:
         reasons: human-readable lines saying why the plan is what it is (shown by ``explain``).
     """
 
-    mesh: Mapping[str, int]
+    mesh: Mesh
     placements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     stages: tuple[str, ...] = ("*",)
     strategy: Strategy | None = None
@@ -169,9 +205,11 @@ class Plan:
     reasons: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for axis, size in self.mesh.items():
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"Plan.mesh[{axis!r}] must be a positive int, got {size!r}")
+        if not isinstance(self.mesh, Mesh):
+            try:
+                object.__setattr__(self, "mesh", Mesh(self.mesh))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"Plan.mesh: {exc}") from None
         for node, by_axis in self.placements.items():
             for axis, text in by_axis.items():
                 if axis not in self.mesh:
@@ -207,10 +245,7 @@ class Plan:
     @property
     def world_size(self) -> int:
         """Product of the mesh sizes."""
-        size = 1
-        for n in self.mesh.values():
-            size *= n
-        return size
+        return self.mesh.world_size
 
     def placement(self, node: str, axis: str) -> Placement:
         """Placement of ``node`` on ``axis`` (Replicate when the plan does not mention it)."""
@@ -263,7 +298,7 @@ class Plan:
 
     def explain(self) -> str:
         """A readable account: the mesh, what each kind of node gets, predictions and reasons."""
-        lines = [f"mesh: {' x '.join(f'{a}={n}' for a, n in self.mesh.items())} ({self.world_size} devices)"]
+        lines = [f"mesh: {self.mesh} ({self.world_size} devices)"]
         if self.strategy is not None:
             lines.append(f"strategy: {self.strategy}")
         groups: dict[str, list[str]] = {}

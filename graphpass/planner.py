@@ -47,12 +47,13 @@ from graphpass import meta
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
-from graphpass.cost.compute import grad_requiring_nodes, node_bytes, node_flops, op_name
+from graphpass.cost.compute import grad_requiring_nodes, node_bytes, node_flops
 from graphpass.passes.split_operators import default_split
-from graphpass.passes.tensor_parallel import TensorParallelError, layout
+from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout
+from graphpass.ops import op_base
 from graphpass.plan import Plan, Strategy
 from graphpass.transitions import transition
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_choices, plan_from_strategy
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class _SavedTensors(fx.Interpreter):
         out = super().run_node(node)
         for t in _flat_tensors(out):
             self.producer.setdefault(StorageWeakRef(t.untyped_storage()), node)
-        if self.flash and op_name(node) == "scaled_dot_product_attention" and isinstance(out, torch.Tensor):
+        if self.flash and op_base(node) == "scaled_dot_product_attention" and isinstance(out, torch.Tensor):
             # Flash / memory-efficient attention saves q, k, v, the output and a float32
             # logsumexp per (batch, head, query); the fake run takes the math path, which would
             # also save the (s x s) probabilities.
@@ -190,7 +191,7 @@ class _SavedTensors(fx.Interpreter):
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         node = self.current
-        if not (self.flash and node is not None and op_name(node) == "scaled_dot_product_attention"):
+        if not (self.flash and node is not None and op_base(node) == "scaled_dot_product_attention"):
             self._record(t, node)
         return t
 
@@ -301,7 +302,7 @@ class GraphProfile:
     def _signature(self, block: _Block) -> str:
         if block.kind != S.LAYER:
             return block.kind
-        parts = [f"{op_name(n)}:{tuple(getattr(n.meta.get(meta.VAL), 'shape', ()))}" for n in block.nodes]
+        parts = [f"{op_base(n)}:{tuple(getattr(n.meta.get(meta.VAL), 'shape', ()))}" for n in block.nodes]
         parts += [f"p{tuple(self.tensors[p.name].shape)}" for p in block.params]
         return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
@@ -350,7 +351,7 @@ class GraphProfile:
         traffic: dict[str, list[tuple[str, str, float]]] = defaultdict(list)
         gathered: set[str] = set()
         if tp > 1:
-            lay = layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
+            lay = tp_layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
             placements = lay.placements
             # A sharded value that the pass all-gathers for replicated consumers is saved by them
             # whole, as gathered; sequence parallelism's gathers into column linears are
@@ -531,14 +532,14 @@ class Planner:
         self._rejected: dict[int, str] = {}
         self.measure_s = time.perf_counter() - start
 
-    def blocks(self, mesh: S.Mesh) -> list[S.BlockCost] | None:
-        """Block costs for ``mesh``'s layout (None when the model cannot take its tp)."""
-        return self._ensure([mesh]).get((mesh.tp, mesh.sequence_parallel))
+    def blocks(self, layout: S.Layout) -> list[S.BlockCost] | None:
+        """Block costs for ``layout``'s tensor parallelism (None when the model cannot take its tp)."""
+        return self._ensure([layout]).get((layout.mesh.tp, layout.sequence_parallel))
 
-    def _ensure(self, meshes: Sequence[S.Mesh]) -> dict[tuple[int, bool], list[S.BlockCost]]:
+    def _ensure(self, layouts: Sequence[S.Layout]) -> dict[tuple[int, bool], list[S.BlockCost]]:
         wanted: dict[tuple[int, bool], set[int]] = defaultdict(set)
-        for mesh in meshes:
-            wanted[(mesh.tp, mesh.sequence_parallel)].add(S.local_batch(mesh, self.batch))
+        for layout in layouts:
+            wanted[(layout.mesh.tp, layout.sequence_parallel)].add(S.local_batch(layout, self.batch))
         for key, batches in wanted.items():
             if key[0] in self._rejected or (key in self._layouts and batches <= self._batches[key]):
                 continue
@@ -563,20 +564,19 @@ class Planner:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a graphpass.Strategy, got {type(strategy).__name__}")
         strategy.check(self.cluster.world_size) if self.executable_only else _check_degrees(strategy, self.cluster)
-        mesh = S.Mesh(strategy.pp, strategy.dp, strategy.tp, strategy.microbatches, strategy.sequence_parallel)
-        if self.batch % (mesh.dp * mesh.microbatches):
+        layout = S.Layout(strategy.mesh, strategy.microbatches, strategy.sequence_parallel)
+        if self.batch % (strategy.dp * strategy.microbatches):
             raise ValueError(
-                f"the global batch of {self.batch} samples does not split into dp={mesh.dp} x "
-                f"microbatches={mesh.microbatches}; choose degrees dividing it"
+                f"the global batch of {self.batch} samples does not split into dp={strategy.dp} x "
+                f"microbatches={strategy.microbatches}; choose degrees dividing it"
             )
-        blocks = self.blocks(mesh)
+        blocks = self.blocks(layout)
         if blocks is None:
-            raise ValueError(self._rejected[mesh.tp])
-        choice = S.Choice(strategy.zero if mesh.dp > 1 else 0, strategy.split, strategy.recompute)
-        cand = S.evaluate(blocks, mesh, S.uniform_choices(blocks, choice), costing)
+            raise ValueError(self._rejected[strategy.tp])
+        cand = S.evaluate(blocks, layout, S.uniform_choices(blocks, strategy.choice), costing)
         if cand is None:
             raise ValueError(
-                f"Strategy pp={mesh.pp} needs at least {mesh.pp} blocks; the model has {len(self.profile.blocks)}"
+                f"Strategy pp={strategy.pp} needs at least {strategy.pp} blocks; the model has {len(self.profile.blocks)}"
             )
         reasons = [f"uniform strategy priced as given: {strategy}"]
         if cand.peak_memory_bytes > budget:
@@ -604,11 +604,11 @@ class Planner:
                 "samples (dp must divide it); use a batch that is a multiple of the data-parallel degree"
             )
         layouts = self._ensure(mesh_list)
-        usable = [m for m in mesh_list if (m.tp, m.sequence_parallel) in layouts]
+        usable = [m for m in mesh_list if (m.mesh.tp, m.sequence_parallel) in layouts]
         _, costing = self._with_budget(memory_budget)
         best, found, infeasible = S.search(layouts, usable, costing, time_limit_s)
         reasons = _reasons(best, found, infeasible, self._rejected, costing, len(usable), self.measure_s)
-        return _to_plan(self.profile, layouts[(best.mesh.tp, best.mesh.sequence_parallel)], best, costing,
+        return _to_plan(self.profile, layouts[(best.layout.mesh.tp, best.layout.sequence_parallel)], best, costing,
                         None, reasons, start - self.measure_s)
 
 
@@ -684,7 +684,7 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
     lines = [
         f"searched {tried} meshes (pp x dp x tp x microbatches x sequence-parallel) under a "
         f"{costing.memory_limit_bytes / 2**30:.2f} GiB per-device budget; {len(found)} fit",
-        f"chosen {best.mesh}: predicted step {best.step_time_s * 1e3:.2f} ms, peak "
+        f"chosen {best.layout}: predicted step {best.step_time_s * 1e3:.2f} ms, peak "
         f"{best.peak_memory_bytes / 2**30:.2f} GiB ({best.how}"
         + ("" if best.optimal else f", gap {best.gap:.1%}") + ")",
     ]
@@ -701,7 +701,7 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
         )
     for other in found[1:4]:
         lines.append(
-            f"runner-up {other.mesh}: {other.step_time_s * 1e3:.2f} ms "
+            f"runner-up {other.layout}: {other.step_time_s * 1e3:.2f} ms "
             f"({other.step_time_s / best.step_time_s:.2f}x), peak {other.peak_memory_bytes / 2**30:.2f} GiB"
         )
     if infeasible:
@@ -720,24 +720,9 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
 
 def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
              strategy: Strategy | None, reasons: list[str], start: float) -> Plan:
-    mesh = cand.mesh
-    gm = profile.gm
-    base = plan_from_strategy(gm, Strategy(dp=mesh.dp, tp=mesh.tp, sequence_parallel=mesh.sequence_parallel), ())
-    zero: dict[str, int] = {}
-    split: dict[str, dict[str, Any]] = {}
-    recompute: list[int] = []
-    for gblock, choice in zip(profile.blocks, cand.choices):
-        if choice.zero:
-            for p in gblock.params:
-                tensor = profile.tensors[p.name]
-                if tensor.requires_grad and tensor.dim() > 0:
-                    zero[p.name] = choice.zero
-        if choice.split > 1:
-            names = {n.name for n in gblock.nodes}
-            split.update({k: v for k, v in default_split(gm, choice.split).items() if k in names})
-        if choice.recompute and gblock.layer is not None:
-            recompute.append(gblock.layer)
-    mesh_axes = ({"pp": mesh.pp} if mesh.pp > 1 else {}) | {"dp": mesh.dp} | ({"tp": mesh.tp} if mesh.tp > 1 else {})
+    layout = cand.layout
+    mesh = layout.mesh
+    choices = {n.name: choice for gblock, choice in zip(profile.blocks, cand.choices) for n in (*gblock.nodes, *gblock.params)}
     stages = tuple(profile.blocks[stage[0]].nodes[0].name for stage in cand.stages) if mesh.pp > 1 else ("*",)
     breakdown = []
     for s, indices in enumerate(cand.stages):
@@ -745,25 +730,18 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
             pr, block = cand.priced[i], blocks[i]
             breakdown.append({
                 "block": block.name, "stage": s, "choice": str(cand.choices[i]),
-                "time_s": pr.time_s * mesh.microbatches, "tp_comm_s": pr.tp_comm_s * mesh.microbatches,
+                "time_s": pr.time_s * layout.microbatches, "tp_comm_s": pr.tp_comm_s * layout.microbatches,
                 "dp_comm_s": pr.dp_comm_s, "state_bytes": pr.state_bytes, "activation_bytes": pr.act_bytes,
                 "transient_bytes": pr.transient_bytes,
             })
     reasons = list(reasons)
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
-    return Plan(
-        mesh=mesh_axes,
-        placements=base.placements,
-        tp_parts=base.tp_parts,
+    base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
+                             microbatches=layout.microbatches, strategy=strategy, reasons=reasons)
+    return replace(
+        base,
         stages=stages,
-        strategy=strategy,
-        zero=zero,
-        recompute=tuple(sorted(recompute)),
-        split=split,
-        sequence_parallel=mesh.sequence_parallel,
-        microbatches=mesh.microbatches,
         predicted_step_time_s=cand.step_time_s,
         predicted_peak_memory_bytes=int(cand.peak_memory_bytes),
         breakdown=tuple(breakdown),
-        reasons=tuple(reasons),
     )

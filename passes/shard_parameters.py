@@ -68,7 +68,7 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
     if not targets or num_shards == 1:
         log.info("%s: no ZeRO-sharded parameters on a dp axis of size > 1; nothing to do", NAME)
         return gm
-    index = ctx.axis_rank(dict(plan.mesh), AXIS)
+    index = plan.mesh.coordinate(ctx.rank, AXIS)
     by_stage: dict[int, list[fx.Node]] = {}
     for name, (node, stage) in targets.items():
         module_path, _, attr = node.target.rpartition(".")

@@ -781,7 +781,7 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
     if size == 1:
         log.info("%s: no tp axis of size > 1; nothing to do", NAME)
         return gm
-    walker = _Walker(gm, plan, size, ctx.axis_rank(dict(plan.mesh), AXIS))
+    walker = _Walker(gm, plan, size, plan.mesh.coordinate(ctx.rank, AXIS))
     walker.run()
     gm.graph.eliminate_dead_code()
     gm.recompile()

@@ -15,6 +15,8 @@ from typing import Iterator, Mapping
 
 import torch.distributed as dist
 
+from graphpass.mesh import Mesh
+
 _COLLECT_AT_EXIT: list[bool] = []
 
 
@@ -28,19 +30,18 @@ def _collect_at_exit() -> None:
 
 
 class ProcessMesh:
-    """Named mesh axes over the default process group (or a single process).
+    """A :class:`~graphpass.mesh.Mesh` over the default process group (or a single process).
 
     Args:
-        axes: ordered ``{axis: size}``; the product must equal the world size.
+        mesh: the plan's mesh (or an ordered ``{axis: size}``); the product must equal the
+            world size.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
     """
 
-    def __init__(self, axes: Mapping[str, int], device_type: str = "cpu"):
-        self.axes = dict(axes)
-        size = 1
-        for n in self.axes.values():
-            size *= n
-        self.size = size
+    def __init__(self, mesh: Mesh | Mapping[str, int], device_type: str = "cpu"):
+        self.mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+        self.axes = dict(self.mesh)
+        self.size = size = self.mesh.world_size
         world = dist.get_world_size() if dist.is_initialized() else 1
         if size != world:
             raise ValueError(
@@ -91,16 +92,12 @@ class ProcessMesh:
 
     def axis_size(self, axis: str) -> int:
         """Number of ranks along ``axis`` (product over comma-joined axes)."""
-        size = 1
-        for name in axis.split(","):
-            size *= self.axes[name]
-        return size
+        self._axes(axis)
+        return self.mesh.size(axis)
 
     def axis_rank(self, axis: str) -> int:
-        """This rank's coordinate along ``axis``."""
-        if self._device_mesh is None:
-            return 0
-        return self._device_mesh.get_local_rank(axis)
+        """This rank's coordinate along ``axis`` (the same row-major layout ``DeviceMesh`` uses)."""
+        return self.mesh.coordinate(self.rank, axis)
 
 
 _ACTIVE: list[ProcessMesh] = []

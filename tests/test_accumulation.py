@@ -131,6 +131,6 @@ def test_a_schedule_with_a_backward_before_its_forward_is_refused():
 
 def test_the_executable_search_offers_gradient_accumulation():
     cluster = gp.Cluster.preset("a100-80g", nodes=1, gpus_per_node=2)
-    found = {(m.dp, m.microbatches) for m in S.meshes(cluster, 16, [1], 4, executable_only=True)}
+    found = {(m.mesh.dp, m.microbatches) for m in S.meshes(cluster, 16, [1], 4, executable_only=True)}
     assert {(2, 1), (2, 2), (2, 4), (2, 8)} <= found
-    assert all(m.pp == 1 for m in S.meshes(cluster, 16, [1], 4, executable_only=True))
+    assert all(m.mesh.pp == 1 for m in S.meshes(cluster, 16, [1], 4, executable_only=True))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import graphpass as gp
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 from graphpass.capture import capture
 from graphpass.cli import main
 from graphpass.dump import Dumper

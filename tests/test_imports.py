@@ -17,7 +17,7 @@ import networkx as nx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"graphpass": "graphpass", "passes": "graphpass.passes", "cost": "graphpass.cost", "runtime": "graphpass.runtime"}
-FRONT = {"graphpass", "graphpass.api", "graphpass.planner", "graphpass.uniform_plan", "graphpass.cli"}
+FRONT = {"graphpass", "graphpass.api", "graphpass.planner", "graphpass.plan_builder", "graphpass.cli"}
 ALLOWED = {
     "core": {"core"},
     "runtime": {"core", "runtime"},

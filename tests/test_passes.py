@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import ast
 import re
-import operator
 import pathlib
 
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 import graphpass as gp
 from graphpass import meta
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 from graphpass.capture import capture
 from graphpass.dump import Dumper
-from graphpass.pass_manager import PassContext, PassError, graph_pass, op_name, run_passes
+from graphpass.pass_manager import PassContext, PassError, graph_pass, run_passes
+from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
 from graphpass.passes.collectives import is_collective
 from graphpass.runtime import collectives as ops

@@ -16,7 +16,7 @@ import zoo
 from configs import GPTConfig, build, example_inputs
 from graphpass.api import resolve_strategy
 from graphpass.cost.memory import model_state_bytes
-from graphpass.cost.search import Mesh, NoPlanError
+from graphpass.cost.search import Layout, NoPlanError
 from graphpass.planner import Planner, PlanningError, parse_memory
 
 GiB = 2**30
@@ -68,7 +68,7 @@ def test_saved_activations_follow_megatron_per_layer(small_planner):
     sbh2 = s * b * h  # bytes of one s·b·h bf16 tensor is 2·sbh; the formula counts bytes per sbh
 
     def layer(tp, sp):
-        blocks = small_planner.blocks(Mesh(1, 8 // tp, tp, 1, sp))
+        blocks = small_planner.blocks(Layout.of(1, 8 // tp, tp, 1, sp))
         return next(x for x in blocks if x.kind == "layer")
 
     full = layer(1, False).saved_bytes / sbh2
@@ -91,11 +91,11 @@ def test_tensor_parallel_traffic_is_what_the_pass_emits(small_planner):
     """Megatron: 2 all-reduces forward (row linears) and 2 backward (column inputs) per layer, of
     the s·b·h activation; with SP the same volume as all-gather / reduce-scatter pairs."""
     act = BATCH * SMALL.block_size * SMALL.n_embd * 2
-    layer = next(x for x in small_planner.blocks(Mesh(1, 4, 2)) if x.kind == "layer")
+    layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2)) if x.kind == "layer")
     assert sorted(layer.tp_traffic) == sorted(
         [("forward", "all_reduce", act)] * 2 + [("backward", "all_reduce", act)] * 2
     )
-    layer = next(x for x in small_planner.blocks(Mesh(1, 4, 2, 1, True)) if x.kind == "layer")
+    layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2, 1, True)) if x.kind == "layer")
     kinds = sorted((p, k) for p, k, _ in layer.tp_traffic)
     # Sequence parallel: each column-linear input is gathered, re-gathered in backward and its
     # gradient reduce-scattered; each partial sum is reduce-scattered (all-gathered in backward).

@@ -28,9 +28,10 @@ import torch.utils.checkpoint
 
 import graphpass as gp
 from graphpass import meta
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 from graphpass.capture import capture
-from graphpass.pass_manager import PassContext, PassError, op_name, run_passes
+from graphpass.pass_manager import PassContext, PassError, run_passes
+from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
 from graphpass.passes.collectives import is_collective
 from graphpass.passes.recompute import recompute

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 import graphpass as gp
 from graphpass import meta
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 from graphpass.capture import capture
-from graphpass.pass_manager import PassContext, PassError, op_name, run_passes
+from graphpass.pass_manager import PassContext, PassError, run_passes
+from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
 from graphpass.passes.collectives import is_collective
 from graphpass.passes.split_operators import is_linear, split_operators

@@ -19,9 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpass as gp
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 from graphpass.capture import capture
-from graphpass.pass_manager import PassContext, PassError, op_name, run_passes
+from graphpass.pass_manager import PassContext, PassError, run_passes
+from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
 from graphpass.passes.collectives import is_collective
 

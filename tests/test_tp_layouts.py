@@ -21,9 +21,10 @@ import torch
 import graphpass as gp
 import zoo
 from graphpass.capture import capture
-from graphpass.pass_manager import PassContext, op_name, run_passes
+from graphpass.pass_manager import PassContext, run_passes
+from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 
 RTOL, ATOL = 1e-5, 1e-6
 LAYOUTS = ("fused_gpt", "hf_neox", "hf_phi3", "hf_t5", "hf_mixtral")

@@ -24,7 +24,7 @@ from graphpass.capture import capture
 from graphpass.plan import placement_to_str
 from graphpass.passes.tensor_parallel import _Walker
 from graphpass.runtime import mesh as mesh_lib
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 
 SIZE = 2
 

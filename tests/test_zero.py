@@ -15,9 +15,10 @@ import torch.fx as fx
 
 import graphpass as gp
 from graphpass import meta
-from graphpass.uniform_plan import plan_from_strategy
+from graphpass.plan_builder import plan_from_strategy
 from graphpass.capture import capture
-from graphpass.pass_manager import PassContext, op_name, run_passes
+from graphpass.pass_manager import PassContext, run_passes
+from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
 from graphpass.passes.collectives import is_collective
 from graphpass.runtime.memory import MemoryProbe, optimizer_state_tensors, tensor_bytes

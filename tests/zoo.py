@@ -285,7 +285,7 @@ def compile_on_ranks(name: str, strategy_kwargs: dict, steps: int, batch: int, p
     import torch.distributed as dist
 
     import graphpass as gp
-    from graphpass.uniform_plan import plan_from_strategy
+    from graphpass.plan_builder import plan_from_strategy
     from graphpass.capture import capture
 
     world = dist.get_world_size()

@@ -1,0 +1,131 @@
+"""The device mesh: ordered, named axes and how ranks lie on them.
+
+One type from the plan to the process groups: a :class:`~graphpass.plan.Plan` holds a
+:class:`Mesh`, a :class:`~graphpass.plan.Strategy` and the planner's search make one
+(:meth:`Mesh.of`), passes read this rank's coordinate from it, the cost model the ranks of a
+group (to price a collective on the links that group spans), and
+:class:`graphpass.runtime.mesh.ProcessMesh` builds torch's ``DeviceMesh`` from it. Ranks are laid
+out row-major as ``DeviceMesh`` does: the last axis is innermost (``tp`` in ``pp x dp x tp``, so a
+tensor-parallel group is consecutive ranks, inside one node).
+
+A mesh reads as a mapping ``{axis: size}`` (``mesh["dp"]``, ``dict(mesh)``, ``mesh.items()``),
+which is also its JSON form.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Iterator
+
+#: Axis order of every mesh graphpass builds (Megatron-LM's): pipeline outermost, tensor innermost.
+ORDER = ("pp", "dp", "tp")
+
+
+class Mesh(Mapping):
+    """Ordered named axes and their sizes; immutable and hashable.
+
+    Args:
+        axes: ``{axis: size}`` in layout order (outermost first); sizes are positive ints.
+    """
+
+    __slots__ = ("_axes",)
+
+    def __init__(self, axes: Mapping[str, int] | Iterator[tuple[str, int]]):
+        items = tuple(dict(axes).items())
+        for axis, size in items:
+            if not isinstance(axis, str) or not axis or "," in axis:
+                raise ValueError(f"mesh axis names must be non-empty strings without ',', got {axis!r}")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"mesh[{axis!r}] must be a positive int, got {size!r}")
+        object.__setattr__(self, "_axes", items)
+
+    @classmethod
+    def of(cls, pp: int = 1, dp: int = 1, tp: int = 1) -> "Mesh":
+        """The ``pp x dp x tp`` mesh in :data:`ORDER`; ``dp`` is always an axis (the batch is split
+        on it), ``pp`` and ``tp`` only when larger than 1."""
+        sizes = {"pp": pp, "dp": dp, "tp": tp}
+        return cls({a: n for a, n in sizes.items() if a == "dp" or n > 1})
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a Mesh is immutable")
+
+    # -------------------------------------------------------------------- mapping protocol
+
+    def __getitem__(self, axis: str) -> int:
+        for name, size in self._axes:
+            if name == axis:
+                return size
+        raise KeyError(axis)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self._axes)
+
+    def __len__(self) -> int:
+        return len(self._axes)
+
+    def __hash__(self) -> int:
+        return hash(self._axes)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mesh):
+            return self._axes == other._axes
+        if isinstance(other, Mapping):
+            return tuple(dict(other).items()) == self._axes
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Mesh({dict(self._axes)})"
+
+    def __str__(self) -> str:
+        return " x ".join(f"{a}={n}" for a, n in self._axes)
+
+    def __reduce__(self):
+        return (Mesh, (dict(self._axes),))
+
+    # -------------------------------------------------------------------- sizes
+
+    @property
+    def world_size(self) -> int:
+        """Product of the axis sizes."""
+        return math.prod(n for _, n in self._axes)
+
+    def size(self, axis: str) -> int:
+        """Ranks along ``axis``: one axis, or several joined by commas (``"dp,tp"``: their
+        product); 1 for an axis the mesh does not have."""
+        return math.prod(self.get(name, 1) for name in axis.split(","))
+
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
+
+    @property
+    def dp(self) -> int:
+        return self.size("dp")
+
+    @property
+    def tp(self) -> int:
+        return self.size("tp")
+
+    # -------------------------------------------------------------------- layout
+
+    def coordinate(self, rank: int, axis: str) -> int:
+        """``rank``'s position along ``axis`` (row-major, the last axis innermost)."""
+        if axis not in self:
+            raise KeyError(f"mesh axis {axis!r} is not in the mesh {dict(self)}")
+        coord = rank
+        for name, size in reversed(self._axes):
+            if name == axis:
+                return coord % size
+            coord //= size
+        raise AssertionError("unreachable")
+
+    def group_ranks(self, axis: str, rank: int = 0) -> list[int]:
+        """The global ranks of ``rank``'s group along ``axis`` (in coordinate order); ``[rank]``
+        for an axis the mesh does not have."""
+        if axis not in self:
+            return [rank]
+        names = [name for name, _ in self._axes]
+        stride = math.prod(n for _, n in self._axes[names.index(axis) + 1:])
+        base = rank - self.coordinate(rank, axis) * stride
+        return [base + i * stride for i in range(self[axis])]

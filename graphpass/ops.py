@@ -1,0 +1,33 @@
+"""What a graph node's op is called, in the two forms graphpass uses.
+
+:func:`op_name` is the readable, qualified name the dumps, op counts and errors show
+(``aten.linear``, ``all_reduce_grads``, ``get_attr``); :func:`op_base` is the bare op the cost
+model keys its formulas on, the same for both capture routes (``aten.linear.default`` and
+``F.linear`` are both ``linear``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+
+def op_name(node: fx.Node) -> str:
+    """Short readable name of a node's op: ``aten.linear``, ``all_reduce_grads``, ``get_attr``."""
+    if node.op != "call_function":
+        return node.op
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def op_base(node: fx.Node) -> str:
+    """The op's base name for both capture routes: ``aten.linear.default`` and ``F.linear`` →
+    ``"linear"``, ``operator.getitem`` → ``"getitem"``, ``Tensor.view`` → ``"view"``."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.__name__
+    return getattr(target, "__name__", str(target))

@@ -1,0 +1,87 @@
+"""The plan that choices imply for a captured graph.
+
+A :class:`~graphpass.plan.Strategy` makes one :class:`~graphpass.plan.Choice` for every block;
+the planner picks one per block. Both become a :class:`~graphpass.plan.Plan` here, by one rule
+for what a choice means on the graph's nodes, so ``compile(strategy=gp.Strategy(...))``, the
+planner's plans and the tests' plans mean the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch.fx as fx
+
+from graphpass import meta
+from graphpass.megatron import megatron_layout
+from graphpass.mesh import Mesh
+from graphpass.passes.split_operators import default_split
+from graphpass.plan import Choice, Plan, Strategy
+
+
+def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
+    """The plan a uniform strategy implies: :func:`plan_from_choices` with
+    :attr:`Strategy.choice` for every node."""
+    return plan_from_choices(gm, strategy.mesh, strategy.choice, sequence_parallel=strategy.sequence_parallel,
+                             microbatches=strategy.microbatches, strategy=strategy, reasons=reasons)
+
+
+def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[str, Choice], *,
+                      sequence_parallel: bool = False, microbatches: int = 1, strategy: Strategy | None = None,
+                      reasons: Sequence[str] = ()) -> Plan:
+    """The plan of ``choices`` (one for every node, or node name → choice; unlisted nodes take
+    ``Choice()``) on ``mesh``.
+
+    Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
+    and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). With ``tp``, the
+    Megatron layout (:func:`graphpass.megatron.megatron_layout`). A parameter node's ``zero=k``
+    gives it ZeRO stage k when it is trainable and not a scalar (ZeRO shards along dim 0); a
+    layer recomputes when its nodes choose ``recompute``; ``split=k`` on a linear splits it k ways
+    along its output features when its weight is untied and has at least k rows
+    (``split_operators.default_split``).
+    """
+    choice_of = (lambda name: choices) if isinstance(choices, Choice) else (lambda name: choices.get(name, Choice()))
+    tp_placements: dict[str, str] = {}
+    tp_parts: dict[str, tuple[int, ...]] = {}
+    if mesh.tp > 1:
+        tp_placements, tp_parts = megatron_layout(gm)
+    placements: dict[str, dict[str, str]] = {}
+    zero: dict[str, int] = {}
+    layers: set[int] = set()
+    split_nodes: dict[int, set[str]] = {}
+    for node in gm.graph.nodes:
+        choice = choice_of(node.name)
+        layer = node.meta.get(meta.LAYER)
+        if node.op == "call_function":
+            if layer is not None and choice.recompute:
+                layers.add(layer)
+            if choice.split > 1:
+                split_nodes.setdefault(choice.split, set()).add(node.name)
+        if node.op == "placeholder":
+            placements[node.name] = {"dp": "Shard(0)"}
+        elif node.op == "get_attr":
+            placements[node.name] = {"dp": "Replicate()"}
+            if node.name in tp_placements:
+                placements[node.name]["tp"] = tp_placements[node.name]
+            if choice.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
+                tensor = gm.get_parameter(node.target)
+                if tensor.dim() > 0 and tensor.requires_grad:
+                    zero[node.name] = choice.zero
+    split = {}
+    for parts, names in split_nodes.items():
+        split.update({k: v for k, v in default_split(gm, parts).items() if k in names})
+    output = gm.graph.find_nodes(op="output")[0]
+    loss = output.args[0][meta.get(output, meta.ROLE)["loss"]]
+    placements[loss.name] = {"dp": "Partial(avg)"}
+    return Plan(
+        mesh=mesh,
+        placements=placements,
+        strategy=strategy,
+        zero=zero,
+        recompute=tuple(sorted(layers)),
+        sequence_parallel=sequence_parallel,
+        split=split,
+        microbatches=microbatches,
+        tp_parts=tp_parts,
+        reasons=tuple(reasons),
+    )
