@@ -66,3 +66,25 @@ def test_plan_rejects_unknown_axes_fields_and_placements():
 @pytest.mark.parametrize("placement", [Shard(0), Shard(2), Replicate(), Partial(), Partial("avg")])
 def test_placement_strings_round_trip(placement):
     assert placement_from_str(placement_to_str(placement)) == placement
+
+
+def test_mesh_lays_ranks_out_as_device_mesh_does():
+    """Coordinates and groups follow DeviceMesh's row-major layout (``arange(world).view(shape)``),
+    so the passes, the cost model and the process groups agree on which ranks share an axis."""
+    import torch
+
+    from graphpass.mesh import Mesh
+
+    mesh = Mesh.of(pp=2, dp=3, tp=2)
+    assert list(mesh) == ["pp", "dp", "tp"] and mesh.world_size == 12 and mesh.size("dp,tp") == 6
+    grid = torch.arange(12).view(2, 3, 2)
+    for rank in range(12):
+        p, d, t = (int(i) for i in (grid == rank).nonzero()[0])
+        assert (mesh.coordinate(rank, "pp"), mesh.coordinate(rank, "dp"), mesh.coordinate(rank, "tp")) == (p, d, t)
+        assert mesh.group_ranks("dp", rank) == grid[p, :, t].tolist()
+        assert mesh.group_ranks("tp", rank) == grid[p, d, :].tolist()
+        assert mesh.group_ranks("pp", rank) == grid[:, d, t].tolist()
+    assert Mesh.of(dp=4) == {"dp": 4} and gp.Plan(mesh={"dp": 2, "tp": 2}).mesh == Mesh.of(dp=2, tp=2)
+    assert gp.Plan.from_json(gp.Plan(mesh=Mesh.of(dp=2, tp=2)).to_json()).mesh == Mesh.of(dp=2, tp=2)
+    with pytest.raises(ValueError, match=r"Plan.mesh: mesh\['dp'\] must be a positive int"):
+        gp.Plan(mesh={"dp": 0})
