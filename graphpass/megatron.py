@@ -14,6 +14,13 @@ is a *fused projection*: its parts (the pieces' sizes) are sharded one by one, s
 computes its heads of q, k and v and the split stays local. When heads are interleaved instead
 (``view(B, T, heads, 3 * head_dim)`` then ``chunk(3, -1)``), a plain row shard already holds
 whole heads and no parts are needed.
+
+Grouped-query attention with fewer key/value heads than ``tp`` (one kv head and tp 2): the k and
+v projections stay *replicated*, as Megatron-LM and vLLM replicate kv heads: every rank computes
+all kv heads (a small projection), and the pass narrows the repeated keys and values to the
+rank's query heads where they meet sharded attention. A projection is treated so when its heads
+do not divide by tp while a sibling projection feeding the same row-parallel linear (the query)
+does; when no sibling divides, the pass's own error names the view and the sizes.
 """
 
 from __future__ import annotations
@@ -144,12 +151,38 @@ def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     return tuple(stop - start for start, stop in ordered)
 
 
-def megatron_layout(gm: fx.GraphModule) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+_HEAD_VIEWS = (aten.view, aten.reshape, aten._unsafe_view, aten.unflatten)
+
+
+def heads(linear: fx.Node) -> int | None:
+    """The head count a projection's output is viewed into (``view(B, T, heads, head_dim)``
+    right after the linear, through dtype casts), or None when it is not."""
+    val = linear.meta.get(meta.VAL)
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    features = val.shape[-1]
+    stack = list(linear.users)
+    while stack:
+        user = stack.pop()
+        packet = _packet(user)
+        if packet in (aten.to, aten._to_copy, aten.contiguous, aten.alias):
+            stack.extend(user.users)
+            continue
+        out = user.meta.get(meta.VAL)
+        if packet in _HEAD_VIEWS and isinstance(out, torch.Tensor) and out.dim() == val.dim() + 1:
+            if tuple(out.shape[:-2]) == tuple(val.shape[:-1]) and out.shape[-2] * out.shape[-1] == features:
+                return int(out.shape[-2])
+    return None
+
+
+def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
     """``{get_attr node name: "Shard(0)" | "Shard(1)"}`` for the weights tensor parallelism
     shards, and the fused parts of column weights and biases (``{node name: part sizes}``,
-    ``Plan.tp_parts``)."""
+    ``Plan.tp_parts``). With ``tp``, key/value projections with fewer heads than ``tp`` stay
+    replicated (see the module docstring)."""
     out: dict[str, str] = {}
     parts: dict[str, tuple[int, ...]] = {}
+    columns: dict[fx.Node, frozenset[fx.Node]] = {}  # column linear -> the row linears it feeds
     for node in gm.graph.nodes:
         if not _is_linear(node) or _weight(node) is None:
             continue
@@ -168,6 +201,7 @@ def megatron_layout(gm: fx.GraphModule) -> tuple[dict[str, str], dict[str, tuple
         out[_weight(node).name] = "Shard(0)"
         if _bias(node) is not None:
             out[_bias(node).name] = "Shard(0)"
+        columns[node] = frozenset(rows)
         found = fused_parts(node)
         if found is not None:
             parts[_weight(node).name] = found
@@ -181,6 +215,23 @@ def megatron_layout(gm: fx.GraphModule) -> tuple[dict[str, str], dict[str, tuple
             weight, idx = node.args[0], node.args[1]
             if isinstance(weight, fx.Node) and weight.op == "get_attr" and isinstance(idx, fx.Node) and idx.op == "placeholder":
                 out.setdefault(weight.name, "Shard(0)")  # token embedding: vocabulary parallel
+    if tp is not None and tp > 1:
+        _replicate_kv_heads(columns, parts, out, tp)
     # A weight shared by several linears (tied) must get one placement; column wins over row only
     # when every use is column-compatible, which setdefault above already ensured.
     return out, parts
+
+
+def _replicate_kv_heads(columns: dict[fx.Node, frozenset[fx.Node]], parts: dict[str, tuple[int, ...]],
+                        out: dict[str, str], tp: int) -> None:
+    """Leave the key/value projections with fewer heads than ``tp`` replicated (grouped-query
+    attention): their heads do not divide by tp, a sibling's (the query's) do."""
+    count = {node: heads(node) for node in columns if _weight(node).name not in parts}
+    for node, h in count.items():
+        if h is None or h % tp == 0:
+            continue
+        siblings = [other for other in count if other is not node and columns[other] & columns[node]]
+        if any(count[other] is not None and count[other] % tp == 0 and count[other] > h for other in siblings):
+            for param in (_weight(node), _bias(node)):
+                if param is not None:
+                    out.pop(param.name, None)

@@ -44,7 +44,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     tp_placements: dict[str, str] = {}
     tp_parts: dict[str, tuple[int, ...]] = {}
     if mesh.tp > 1:
-        tp_placements, tp_parts = megatron_layout(gm)
+        tp_placements, tp_parts = megatron_layout(gm, mesh.tp)
     placements: dict[str, dict[str, str]] = {}
     zero: dict[str, int] = {}
     layers: set[int] = set()

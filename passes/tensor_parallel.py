@@ -412,6 +412,13 @@ def _attention(w: _Walker, node: fx.Node) -> Placement:
     q, k, v = node.args[:3]
     places = [w.placement(t) for t in (q, k, v)]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if places[0] == Shard(1) and _same_heads(w, node):
+        # Replicated keys/values (kv heads fewer than tp, repeated to the query's heads): keep
+        # this rank's heads, a local slice whose backward all-gathers the gradient.
+        for i in (1, 2):
+            if places[i] == R:
+                w.set_arg(node, i, w.redistribute(node.args[i], Shard(1), node))
+        places = [w.placement(t) for t in node.args[:3]]
     if all(p == Shard(1) for p in places):  # heads split across ranks
         if isinstance(mask, fx.Node) and len(w.gshape.get(mask, ())) == 4 and w.gshape[mask][1] != 1:
             local_mask = w.redistribute(mask, Shard(1), node)  # a per-head mask: keep our heads
@@ -421,6 +428,13 @@ def _attention(w: _Walker, node: fx.Node) -> Placement:
                 node.update_kwarg("attn_mask", local_mask)
         return Shard(1)
     return w.to_replicate_all(node)
+
+
+def _same_heads(w: _Walker, node: fx.Node) -> bool:
+    """Whether an attention's q, k and v have the same global head count (dim 1): not grouped
+    attention that maps several query heads onto one kv head inside the op."""
+    shapes = [w.gshape.get(t, ()) for t in node.args[:3] if isinstance(t, fx.Node)]
+    return len(shapes) == 3 and all(len(s) == 4 for s in shapes) and len({s[1] for s in shapes}) == 1
 
 
 def _matmul_out(w: _Walker, node: fx.Node, a: fx.Node, b: fx.Node) -> Any:
@@ -455,6 +469,25 @@ def _matmul_out(w: _Walker, node: fx.Node, a: fx.Node, b: fx.Node) -> Any:
     return R
 
 
+def _narrow_batch_operand(w: _Walker, node: fx.Node, a: fx.Node, b: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """When one operand is sharded on a batch dim (heads) and the other is replicated with that
+    dim whole (keys or values replicated for kv heads fewer than tp, repeated to every head): the
+    replicated one narrowed to this rank's slice of the dim, a local slice."""
+    out = w.ndim(node)
+    for sharded, other, first in ((a, b, True), (b, a, False)):
+        ps, po = w.placement(sharded), w.placement(other)
+        ns, no = w.ndim(sharded), w.ndim(other)
+        if not (isinstance(ps, Shard) and ps.dim < ns - 2 and po == R):
+            continue
+        dim = ps.dim + out - ns  # the output batch dim
+        odim = dim - (out - no)
+        if odim < 0 or w.gshape[other][odim] != w.gshape[sharded][ps.dim]:
+            continue
+        narrowed = w.redistribute(other, Shard(odim), node)
+        return (sharded, narrowed) if first else (narrowed, sharded)
+    return None
+
+
 @rule(aten.matmul.default, aten.bmm.default)
 def _matmul(w: _Walker, node: fx.Node) -> Placement:
     a, b = node.args[0], node.args[1]
@@ -462,7 +495,13 @@ def _matmul(w: _Walker, node: fx.Node) -> Placement:
         return w.to_replicate_all(node)
     placed = _matmul_out(w, node, a, b)
     if placed is None:
-        return w.to_replicate_all(node)
+        narrowed = _narrow_batch_operand(w, node, a, b)
+        placed = _matmul_out(w, node, *narrowed) if narrowed else None
+        if placed is None:
+            return w.to_replicate_all(node)
+        for i, operand in enumerate(narrowed):
+            w.set_arg(node, i, operand)
+        a, b = narrowed
     if placed not in (R, P):
         for i, operand in enumerate((a, b)):
             if w.placement(operand) != R:

@@ -81,9 +81,11 @@ def test_tp_not_dividing_heads_names_the_module_and_sizes():
         _plan_and_run(zoo.build("gpt"), zoo.batches("gpt", 1, 4)[0], gp.Strategy(tp=8), 8)
 
 
-def test_tp_not_dividing_kv_heads_names_the_module():
-    with pytest.raises(PassError, match=r"tp=4 cannot split node .* \(module model.model.layers.0.self_attn\).*sharded size 2, not divisible by 4"):
-        _plan_and_run(zoo.build("hf_llama"), zoo.batches("hf_llama", 1, 4)[0], gp.Strategy(tp=4), 4)
+def test_tp_not_dividing_query_heads_names_the_module():
+    """Key/value heads fewer than tp are replicated (test_tp_layouts), query heads are not: tp=8
+    on 4 query heads is an error naming the attention module and the sizes."""
+    with pytest.raises(PassError, match=r"tp=8 cannot split node .* \(module model.model.layers.0.self_attn\).*sharded size 4, not divisible by 8"):
+        _plan_and_run(zoo.build("hf_llama"), zoo.batches("hf_llama", 1, 4)[0], gp.Strategy(tp=8), 8)
 
 
 def test_tp_not_dividing_vocab_names_the_parameter():

@@ -101,3 +101,43 @@ def test_layouts_train_like_one_process(rank_pool, world_size):
             for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
                 zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
                                              ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------- kv heads fewer than tp (GQA/MQA)
+
+#: (model, tp): Llama with 2 kv heads on tp 4 (sdpa attention), with 1 kv head on tp 2 (eager
+#: matmul attention).
+FEW_KV = (("hf_llama", 4), ("hf_llama_mqa", 2))
+
+
+@pytest.mark.parametrize("name, tp", FEW_KV)
+def test_kv_heads_fewer_than_tp_are_replicated_and_attention_stays_sharded(name, tp):
+    """As Megatron-LM and vLLM do: k and v projections replicated (every rank computes all kv
+    heads), queries sharded by heads; the repeated keys and values are narrowed to the rank's
+    heads (a local slice), so attention runs on 4 / tp heads and nothing is all-gathered."""
+    model = zoo.build(name)
+    batch = zoo.batches(name, 1, 4)[0]
+    gm = capture(model, batch).gm
+    plan = plan_from_strategy(gm, gp.Strategy(tp=tp), [])
+    out = run_passes(gm, plan, PassContext(0, tp, batch), PIPELINE)[0]
+    shapes = {k: tuple(p.shape) for k, p in out.named_parameters()}
+    kv_rows = 16 * {"hf_llama": 2, "hf_llama_mqa": 1}[name]
+    assert shapes["model.model.layers.0.self_attn.k_proj.weight"] == (kv_rows, 64)  # whole
+    assert shapes["model.model.layers.0.self_attn.q_proj.weight"] == (64 // tp, 64)
+    ops = [op_name(n) for n in out.graph.nodes]
+    assert "tp_all_gather" not in ops and ops.count("tp_scatter") >= 2 * 2  # k and v of 2 layers
+    assert set(_attention_heads(out)) == {4 // tp}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_kv_heads_fewer_than_tp_train_like_one_process(rank_pool, world_size):
+    pool = rank_pool(world_size)
+    for name, tp in FEW_KV:
+        if tp != world_size:
+            continue
+        ref_losses, ref_state = zoo.train_reference(name, steps=3, batch=8)[:2]
+        for kwargs in ({"tp": tp}, {"tp": tp, "sequence_parallel": True}):
+            for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
+                zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
+                                             ref_losses, ref_state, rtol=RTOL, atol=ATOL)
