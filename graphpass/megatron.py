@@ -40,7 +40,7 @@ _PASS_THROUGH = {
     aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.dropout, aten.mul, aten.add, aten.sub, aten.div,
     aten.neg, aten.cat, aten.slice, aten.unsqueeze, aten.expand, aten.scaled_dot_product_attention, aten.to,
     aten._to_copy, aten.alias, aten.unflatten, aten.flatten, aten.split, aten.chunk, aten.softmax,
-    aten.matmul, aten.bmm, aten.type_as, operator.getitem,
+    aten.matmul, aten.bmm, aten.type_as, aten.squeeze, aten.select, aten.unbind, operator.getitem,
 }
 
 
@@ -97,11 +97,55 @@ def _feeds_cross_entropy(node: fx.Node) -> bool:
 _BIG = 2**62  # slice ends beyond this mean "to the end" (torch writes sys.maxsize)
 
 
+def _ndim(node: fx.Node) -> int:
+    val = node.meta.get(meta.VAL)
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _selected_apart(node: fx.Node, pos: int) -> bool:
+    """Whether dim ``pos`` of ``node`` is, through moves of dims (unsqueeze, transpose, squeeze,
+    permute, contiguous), only ever indexed apart (``select`` of it, ``unbind``)."""
+    while True:
+        users = list(node.users)
+        if users and all(u.target in (aten.select.int, aten.unbind.int)
+                         and (u.args[1] if len(u.args) > 1 else 0) % max(_ndim(node), 1) == pos for u in users):
+            return True
+        if len(users) != 1:
+            return False
+        (user,) = users
+        packet, nd = _packet(user), _ndim(node)
+        if packet in (aten.contiguous, aten.clone, aten.alias):
+            pass
+        elif packet is aten.unsqueeze:
+            pos += 1 if user.args[1] % (nd + 1) <= pos else 0
+        elif packet is aten.squeeze and user.target == aten.squeeze.dim:
+            d = user.args[1] % nd
+            if d == pos:
+                return False
+            pos -= 1 if d < pos else 0
+        elif packet is aten.transpose:
+            a, b = user.args[1] % nd, user.args[2] % nd
+            pos = b if pos == a else a if pos == b else pos
+        elif packet is aten.permute:
+            pos = [d % nd for d in user.args[1]].index(pos)
+        else:
+            return False
+        node = user
+
+
 def _piece(user: fx.Node, dim: int, size: int) -> list[tuple[int, int]] | None:
     """The ``[start, stop)`` ranges of features a slicing op cuts along ``dim``, or None when the
-    op is not a slicing of that dim."""
+    op is not a slicing of that dim. ``unflatten(dim, (k, size / k))`` counts as k equal pieces
+    when the new k dim is only indexed apart (``nn.MultiheadAttention``'s packed q, k, v), not
+    when it is a heads view."""
     target = user.target
     args = list(user.args)
+    if target == aten.unflatten.int:
+        sizes = list(args[2])
+        if args[1] % (dim + 1) != dim or len(sizes) != 2 or not _selected_apart(user, dim):
+            return None
+        k = sizes[0] if sizes[0] != -1 else size // sizes[1]
+        return [(i * size // k, (i + 1) * size // k) for i in range(k)]
     if target == aten.slice.Tensor:
         d = args[1] if len(args) > 1 else 0
         start = args[2] if len(args) > 2 and args[2] is not None else 0

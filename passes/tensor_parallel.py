@@ -87,6 +87,29 @@ class PartsShard:
     parts: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class MergedShard:
+    """Dim ``dim`` merges a whole outer factor of size ``outer`` with an inner factor sharded over
+    tp (``nn.MultiheadAttention``'s ``view(T, B * heads, head_dim)`` of head-sharded features:
+    rank r holds, for every one of the ``outer`` batch rows, its heads). DTensor calls this a
+    strided shard. Views that split the outer factor off again make it a plain ``Shard``;
+    transposes and elementwise ops carry it; any other op first gathers it."""
+
+    dim: int
+    outer: int
+
+
+#: Ops through which a parameter's gradient flows back whole to it (pieces and views of it).
+_PARAM_VIEWS = {operator.getitem, aten.split, aten.split_with_sizes, aten.chunk, aten.t, aten.transpose, aten.view,
+                aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.alias, aten.detach, aten.slice,
+                aten.unflatten, aten.flatten, aten.contiguous}
+
+
+def _packet(node: fx.Node) -> Any:
+    target = node.target
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+
+
 class TensorParallelError(ValueError):
     """A model/plan combination tensor parallelism cannot shard (names module and sizes)."""
 
@@ -104,6 +127,7 @@ class _Walker:
         self.warned: set[str] = set()
         self.needs_grad = _nodes_needing_grad(gm)
         self.parts: dict[fx.Node, tuple[int, ...]] = {}  # fused weights/biases -> part sizes
+        self.merged_from: dict[fx.Node, fx.Node] = {}  # a view making a MergedShard -> its Shard input
         for node in self.graph.nodes:
             shape = _shape(node)
             if shape is not None:
@@ -129,6 +153,10 @@ class _Walker:
         src = self.placement(value)
         if src == dst:
             return value
+        if isinstance(src, MergedShard):
+            value, src = self.unmerge(value, user), R
+            if src == dst:
+                return value
         key = (value, str(dst), grad)
         if key in self.cache:
             return self.cache[key]
@@ -137,8 +165,47 @@ class _Walker:
         )
         self.place[node] = dst
         self.gshape[node] = self.gshape.get(value, ())
+        self.inherit_grad(value, node)
         self.cache[key] = node
         return node
+
+    def inherit_grad(self, value: fx.Node, node: fx.Node) -> None:
+        """A node the pass made from ``value`` needs a gradient when ``value`` does (so a
+        replicated all-reduced partial feeding sharded compute still gets Megatron's f)."""
+        if value in self.needs_grad:
+            self.needs_grad.add(node)
+
+    def local_view(self, value: fx.Node, global_shape: Sequence[int], placement: Any, user: fx.Node) -> fx.Node:
+        """``value`` reshaped to ``global_shape`` (at its local sizes under ``placement``),
+        inserted before ``user``."""
+        local = list(global_shape)
+        if isinstance(placement, (Shard, MergedShard)):
+            local[placement.dim] //= self.size
+        with self.graph.inserting_before(user):
+            node = self.graph.call_function(aten.reshape.default, (value, local))  # value may be strided
+        meta.copy_meta(value, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD,
+                                             meta.PLACEMENT))
+        node.meta[meta.CREATED_BY] = NAME
+        self.place[node] = placement
+        self.gshape[node] = tuple(global_shape)
+        self.inherit_grad(value, node)
+        return node
+
+    def unmerge(self, value: fx.Node, user: fx.Node) -> fx.Node:
+        """A ``MergedShard`` value gathered whole: split the merged dim into (outer, inner) — a
+        plain ``Shard`` of the inner factor —, all-gather that, and merge back."""
+        key = (value, "unmerge")
+        if key not in self.cache and value in self.merged_from:
+            # Made by a view of a plain shard: gather that (once for all its views) and view it.
+            whole = self.redistribute(self.merged_from[value], R, user)
+            self.cache[key] = self.local_view(whole, self.gshape[value], R, user)
+        if key not in self.cache:
+            mp, shape = self.place[value], self.gshape[value]
+            split = (*shape[:mp.dim], mp.outer, shape[mp.dim] // mp.outer, *shape[mp.dim + 1:])
+            inner = self.local_view(value, split, Shard(mp.dim + 1), user)
+            gathered = self.redistribute(inner, R, user)
+            self.cache[key] = self.local_view(gathered, shape, R, user)
+        return self.cache[key]
 
     def copy_for_sharded_use(self, value: fx.Node, user: fx.Node) -> fx.Node:
         """A replicated activation feeding sharded compute: its gradient is partial (Megatron f)."""
@@ -153,6 +220,12 @@ class _Walker:
         return self.cache[key]
 
     def mark_partial_grad(self, param: Any) -> None:
+        """The parameter behind ``param`` (itself, or a piece or view of it: ``nn.
+        MultiheadAttention`` splits ``in_proj_weight`` into q and kv weights in the graph) gets
+        a gradient that is partial over tp."""
+        while (isinstance(param, fx.Node) and param.op == "call_function" and param.args
+               and isinstance(param.args[0], fx.Node) and _packet(param) in _PARAM_VIEWS):
+            param = param.args[0]
         if isinstance(param, fx.Node) and param.op == "get_attr" and meta.get(param, meta.ATTR_KIND) == "parameter":
             param.meta[meta.GRAD_PARTIAL] = AXIS
 
@@ -248,11 +321,13 @@ class _Walker:
         if rule is None and isinstance(target, torch._ops.OpOverload):
             rule = RULES.get(target.overloadpacket)
         tensor_args = [a for a in node.all_input_nodes if a in self.place]
-        if any(isinstance(self.place.get(a), PartsShard) for a in tensor_args) and rule is not _slice:
+        if any(isinstance(self.place.get(a), PartsShard) for a in tensor_args) and rule not in (_slice, _view):
             raise TensorParallelError(
                 f"internal: the fused projection output reaches {self.where(node)} ({node.target}), "
                 "which does not cut it into its parts"
             )
+        if rule not in _CARRY_MERGED and any(isinstance(self.place.get(a), MergedShard) for a in tensor_args):
+            self.gather_merged(node)
         if target is operator.getitem:
             # Before the all-replicated shortcut: placement() reads a multi-output node's list
             # of placements as Replicate, but its items may be sharded (chunks of head-sharded qkv).
@@ -263,6 +338,17 @@ class _Walker:
             self.warn_once(node)
             return self.to_replicate_all(node)
         return rule(self, node)
+
+    def gather_merged(self, node: fx.Node) -> None:
+        """Every ``MergedShard`` input of ``node`` replaced by its gathered whole."""
+        def fix(arg: Any) -> Any:
+            if isinstance(arg, fx.Node) and isinstance(self.place.get(arg), MergedShard):
+                return self.redistribute(arg, R, node)
+            if isinstance(arg, (list, tuple)):
+                return type(arg)(fix(a) for a in arg)
+            return arg
+        node.args = tuple(fix(a) for a in node.args)
+        node.kwargs = {k: fix(v) for k, v in node.kwargs.items()}
 
     def getitem(self, node: fx.Node) -> Placement:
         source, index = node.args
@@ -322,6 +408,7 @@ def _linear(w: _Walker, node: fx.Node) -> Placement:
             add.meta[meta.VAL] = node.meta.get(meta.VAL)
             node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
             w.gshape[add] = w.gshape.get(node, ())
+            w.inherit_grad(node, add)
             w.place[node] = P
             w.place[add] = _binary(w, add)
         return P
@@ -372,6 +459,7 @@ def _embedding(w: _Walker, node: fx.Node) -> Placement:
             masked = local_op(aten.mul.Tensor, node, keep)
         node.replace_all_uses_with(masked, delete_user_cb=lambda u: u is not masked)
         w.gshape[masked] = w.gshape.get(node, ())
+        w.inherit_grad(node, masked)
         w.place[node] = P
         w.place[masked] = P
         return P
@@ -640,10 +728,19 @@ def _view_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> tu
 def _view(w: _Walker, node: fx.Node) -> Placement:
     x = node.args[0]
     xp = w.placement(x)
+    packet = node.target.overloadpacket
+    if isinstance(xp, PartsShard):
+        return _unflatten_parts(w, node, xp)
+    if isinstance(xp, MergedShard):
+        return _view_merged(w, node, xp)
     if not isinstance(xp, Shard):
         return xp
     in_shape, out_shape = w.gshape[x], w.gshape[node]
-    packet = node.target.overloadpacket
+    merged = _merge_map(in_shape, out_shape, xp.dim, w.size) if packet in _SIZED_VIEWS else None
+    if merged is not None:
+        _local_sizes(w, node, merged[0])
+        w.merged_from[node] = x
+        return MergedShard(*merged)
     if packet is aten.expand:
         sizes = list(node.args[1])
         offset = len(sizes) - len(in_shape)
@@ -676,14 +773,97 @@ def _view(w: _Walker, node: fx.Node) -> Placement:
     return Shard(out_dim)
 
 
+def _moved(p: Any, dim: int) -> Any:
+    """``p`` (a Shard or MergedShard) on dim ``dim`` instead."""
+    return MergedShard(dim, p.outer) if isinstance(p, MergedShard) else Shard(dim)
+
+
+_SIZED_VIEWS = (aten.view, aten.reshape, aten._unsafe_view)
+
+
+def _local_sizes(w: _Walker, node: fx.Node, dim: int) -> None:
+    """Divide a view's size argument at output dim ``dim`` by tp (``-1`` stays)."""
+    sizes = list(node.args[1])
+    if sizes[dim] != -1:
+        sizes[dim] //= w.size
+        w.set_arg(node, 1, sizes)
+
+
+def _merge_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, size: int) -> tuple[int, int] | None:
+    """A view that merges whole input dims ``k..dim-1`` (``k < dim``) with the leading factor of
+    sharded input dim ``dim`` (a multiple of tp: the heads) into one output dim: (that output
+    dim, the merged outer size); None when the view is not such a merge."""
+    for k in range(dim - 1, -1, -1):
+        prefix = math.prod(in_shape[:k])
+        acc, o = 1, 0
+        while o < len(out_shape) and acc < prefix:
+            acc *= out_shape[o]
+            o += 1
+        if acc != prefix or o >= len(out_shape):
+            continue
+        outer = math.prod(in_shape[k:dim])
+        if outer > 1 and out_shape[o] % outer == 0:
+            lead = out_shape[o] // outer
+            if lead > 1 and in_shape[dim] % lead == 0 and lead % size == 0:
+                return o, outer
+    return None
+
+
+def _view_merged(w: _Walker, node: fx.Node, xp: MergedShard) -> Placement:
+    """A view of a ``MergedShard``: one that splits the outer factor off again leaves the inner
+    one a plain ``Shard``; one that keeps the merged dim whole keeps the placement; any other
+    gathers first."""
+    x = node.args[0]
+    in_shape, out_shape = w.gshape[x], w.gshape[node]
+    if node.target.overloadpacket in _SIZED_VIEWS:
+        prefix = math.prod(in_shape[:xp.dim])
+        acc, o = 1, 0
+        while o < len(out_shape) and acc < prefix:
+            acc *= out_shape[o]
+            o += 1
+        if acc == prefix and o < len(out_shape):
+            if out_shape[o] == in_shape[xp.dim]:
+                _local_sizes(w, node, o)
+                if x in w.merged_from:  # still a view of the same plain shard
+                    w.merged_from[node] = w.merged_from[x]
+                return MergedShard(o, xp.outer)
+            acc, j = 1, o
+            while j < len(out_shape) and acc < xp.outer:
+                acc *= out_shape[j]
+                j += 1
+            inner = in_shape[xp.dim] // xp.outer
+            if acc == xp.outer and j < len(out_shape) and out_shape[j] % w.size == 0 and inner % out_shape[j] == 0:
+                _local_sizes(w, node, j)
+                return Shard(j)
+    w.set_arg(node, 0, w.redistribute(x, R, node))
+    return _view(w, node)
+
+
+def _unflatten_parts(w: _Walker, node: fx.Node, xp: PartsShard) -> Placement:
+    """A fused projection of equal parts unflattened into (parts, part size) — ``nn.
+    MultiheadAttention``'s ``unflatten(-1, (3, E))``: the part size is sharded (every part holds
+    this rank's chunk), so the result is a plain ``Shard`` of the new last dim."""
+    x = node.args[0]
+    k, part = len(xp.parts), xp.parts[0]
+    if node.target.overloadpacket is aten.unflatten and len(set(xp.parts)) == 1:
+        dim, sizes = _norm_dim(node.args[1], w.ndim(x)), list(node.args[2])
+        if dim == xp.dim and len(sizes) == 2 and sizes[0] in (k, -1) and sizes[1] in (part, -1):
+            w.set_arg(node, 2, [k, part // w.size])
+            return Shard(dim + 1)
+    raise TensorParallelError(
+        f"internal: the fused projection output reaches {w.where(node)} ({node.target}), which does not "
+        "cut it into its parts"
+    )
+
+
 @rule(aten.transpose.int)
 def _transpose(w: _Walker, node: fx.Node) -> Placement:
     xp = w.placement(node.args[0])
-    if not isinstance(xp, Shard):
+    if not isinstance(xp, (Shard, MergedShard)):
         return xp
     nd = w.ndim(node.args[0])
     a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
-    return Shard(b if xp.dim == a else a if xp.dim == b else xp.dim)
+    return _moved(xp, b if xp.dim == a else a if xp.dim == b else xp.dim)
 
 
 @rule(aten.t.default)
@@ -695,10 +875,14 @@ def _t(w: _Walker, node: fx.Node) -> Placement:
 @rule(aten.permute.default)
 def _permute(w: _Walker, node: fx.Node) -> Placement:
     xp = w.placement(node.args[0])
-    if not isinstance(xp, Shard):
+    if not isinstance(xp, (Shard, MergedShard)):
         return xp
     dims = [_norm_dim(d, w.ndim(node.args[0])) for d in node.args[1]]
-    return Shard(dims.index(xp.dim))
+    return _moved(xp, dims.index(xp.dim))
+
+
+#: Rules that carry a ``MergedShard`` input (every other op gathers it first).
+_CARRY_MERGED = (_view, _transpose, _permute)
 
 
 @rule(aten.unsqueeze.default)
@@ -931,6 +1115,6 @@ def layout(gm: fx.GraphModule, plan: Plan) -> Layout:
             node.target.__name__, tuple(shape), _dtype_of(source), node.meta.get(meta.LAYER),
             node.kwargs.get("grad", "slice"), anchor.name,
         ))
-    placements = {n.name: Shard(p.dim) if isinstance(p, PartsShard) else p
+    placements = {n.name: Shard(p.dim) if isinstance(p, (PartsShard, MergedShard)) else p
                   for n, p in walker.place.items() if n.meta.get(meta.CREATED_BY) != NAME}
     return Layout(placements, tuple(emitted))

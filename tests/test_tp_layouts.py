@@ -5,7 +5,10 @@
 - ``hf_phi3``: Phi-3's fused q/k/v cut by slicing and fused gate/up cut by ``chunk(2, -1)``;
 - ``hf_t5``: T5's encoder-decoder with eager attention (``matmul``) and a relative position bias;
 - ``hf_mixtral``: a Mixture-of-Experts decoder (its experts stay replicated for now; attention
-  and the embedding are sharded).
+  and the embedding are sharded);
+- ``encoder``: ``nn.TransformerEncoder``, whose ``nn.MultiheadAttention`` packs q, k and v in one
+  ``in_proj_weight`` cut by ``unflatten(-1, (3, E))`` and merges batch and heads in a view
+  (``view(T, B * heads, head_dim)``): sharded by heads through that merged dim.
 
 Each is checked twice: the graph after the passes keeps attention sharded by heads (no q/k/v
 all-gather: without sequence parallelism nothing is all-gathered at all; with it, only the
@@ -27,7 +30,7 @@ from graphpass.passes import PIPELINE
 from graphpass.plan_builder import plan_from_strategy
 
 RTOL, ATOL = 1e-5, 1e-6
-LAYOUTS = ("fused_gpt", "hf_neox", "hf_phi3", "hf_t5", "hf_mixtral")
+LAYOUTS = ("fused_gpt", "hf_neox", "hf_phi3", "hf_t5", "hf_mixtral", "encoder")
 aten = torch.ops.aten
 
 
@@ -63,6 +66,17 @@ def test_attention_stays_sharded_by_heads_without_gathering_q_k_v(name):
         assert plan.tp_parts, "the fused projection is sharded part by part"
 
 
+def _consumers(node):
+    """The users of ``node``, looking through the views the pass inserts around a gather."""
+    out = []
+    for user in node.users:
+        if user.target == aten.reshape.default and user.meta.get("gp.created_by") == "tensor_parallel":
+            out.extend(_consumers(user))
+        else:
+            out.append(user)
+    return out
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_sequence_parallel_gathers_only_the_inputs_of_column_linears(name):
     gm, _ = _passes(name, sequence_parallel=True)
@@ -71,7 +85,7 @@ def test_sequence_parallel_gathers_only_the_inputs_of_column_linears(name):
         # Its experts are not tensor-parallel yet: the router and experts see every token, so
         # the MoE block's input is gathered whole (a sequence-parallel gather, like a column
         # linear's, but into replicated compute).
-        gathers = [n for n in gathers if not all(u.meta["gp.module_path"].endswith(".mlp") for u in n.users)]
+        gathers = [n for n in gathers if not all(".mlp" in u.meta["gp.module_path"] for u in _consumers(n))]
     assert gathers
     for node in gathers:
         assert {u.target for u in node.users} <= {aten.linear.default}, (name, node.name, list(node.users))
@@ -138,6 +152,25 @@ def test_kv_heads_fewer_than_tp_train_like_one_process(rank_pool, world_size):
             continue
         ref_losses, ref_state = zoo.train_reference(name, steps=3, batch=8)[:2]
         for kwargs in ({"tp": tp}, {"tp": tp, "sequence_parallel": True}):
+            for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
+                zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
+                                             ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------- torch.nn.MultiheadAttention variants
+
+#: nn.Transformer (cross-attention splits in_proj_weight in the graph) and nn.MultiheadAttention
+#: returning its weights (the bmm path); the encoder of LAYOUTS is the fused-attention path.
+MHA = ("transformer", "mha_weights")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_multihead_attention_variants_train_like_one_process(rank_pool, world_size):
+    pool = rank_pool(world_size)
+    for name in MHA:
+        ref_losses, ref_state = zoo.train_reference(name, steps=3, batch=8)[:2]
+        for kwargs in ({"tp": world_size}, {"dp": world_size // 2, "tp": 2, "sequence_parallel": True}):
             for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
                 zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
                                              ref_losses, ref_state, rtol=RTOL, atol=ATOL)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Replicate
 import graphpass as gp
 from graphpass.capture import capture
 from graphpass.plan import placement_to_str
-from graphpass.passes.tensor_parallel import _Walker
+from graphpass.passes.tensor_parallel import MergedShard, _Walker
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.plan_builder import plan_from_strategy
 
@@ -58,6 +58,13 @@ def _cases():
     add("permute", lambda a: a.permute(0, 2, 1, 3), [(B, H, T, D)], all_dims(4))
     add("view merge", lambda a: a.reshape(B, H, T * D), [(B, H, T, D)], all_dims(4))
     add("view split", lambda a: a.view(B, T, H, D), [(B, T, H * D)], all_dims(3))
+    # nn.MultiheadAttention's views: heads merged into the batch dim, and split off again.
+    add("view merge batch heads", lambda a: a.view(T, B * H, D), [(T, B, H * D)], all_dims(3))
+    add("view batch heads and back", lambda a: a.view(T, B * H, D).transpose(0, 1).view(B, H, T, D),
+        [(T, B, H * D)], all_dims(3))
+    add("view batch heads then sum", lambda a: a.view(T, B * H, D).sum(-1), [(T, B, H * D)], [(2,)])
+    add("packed qkv", lambda a: list(a.unflatten(-1, (3, H * D)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+                                     .contiguous().unbind(0)), [(T, B, 3 * H * D)], [(0,), (1,), (None,)])
     add("unsqueeze", lambda a: a.unsqueeze(1), [(B, T, D)], all_dims(3))
     add("select", lambda a: a.select(1, 2), [(B, H, T)], all_dims(3))
     add("slice", lambda a: a[:, :, 1:3], [(B, H, T)], all_dims(3))
@@ -120,10 +127,22 @@ def _placement_and_outputs(label_filter=None):
 
             with mesh_lib.active(mesh):
                 _Watch(gm).run(torch.zeros(2))
-            results[label] = ([placement_to_str(p) for p in places], [seen[n] for n in watched])
+            results[label] = ([_spelled(p) for p in places], [seen[n] for n in watched])
         except Exception as exc:  # noqa: BLE001 - reported per case
             results[label] = f"{type(exc).__name__}: {exc}"
     return results
+
+
+def _spelled(placement) -> str:
+    if isinstance(placement, MergedShard):
+        return f"MergedShard({placement.dim},{placement.outer})"
+    return placement_to_str(placement)
+
+
+def _rebuild_merged(locals_, dim: int, outer: int) -> torch.Tensor:
+    """The global tensor of a MergedShard: each rank holds, per outer index, its inner chunk."""
+    split = [t.unflatten(dim, (outer, t.shape[dim] // outer)) for t in locals_]
+    return torch.cat(split, dim=dim + 1).flatten(dim, dim + 1)
 
 
 def _global(label, fn, shapes, seed):
@@ -148,7 +167,9 @@ def test_every_rule_places_its_output_as_the_op_computes_it(rank_pool):
             continue
         for i, (place, want) in enumerate(zip(places, expected)):
             locals_ = [r[1][i] for r in per_rank]
-            if place.startswith("Shard"):
+            if place.startswith("MergedShard"):
+                got = _rebuild_merged(locals_, *(int(v) for v in place[12:-1].split(",")))
+            elif place.startswith("Shard"):
                 got = torch.cat(locals_, dim=int(place[6:-1]))
             elif place.startswith("Partial"):
                 got = sum(locals_)

@@ -32,6 +32,41 @@ class EncoderLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class TransformerLM(nn.Module):
+    """``torch.nn.Transformer`` (encoder, decoder, cross-attention) on token embeddings: its
+    cross-attention splits ``in_proj_weight`` into q and kv weights inside the graph."""
+
+    def __init__(self, d_model: int = 64, nhead: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d_model)
+        self.transformer = nn.Transformer(d_model, nhead, 1, 1, 2 * d_model, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        return F.cross_entropy(self.head(self.transformer(x, x)).flatten(0, 1), targets.flatten())
+
+
+class AttentionWeightsLM(nn.Module):
+    """Sequence-first ``nn.MultiheadAttention`` blocks that also return the attention weights
+    (``need_weights=True``: the batched-matmul path, not fused attention)."""
+
+    def __init__(self, d_model: int = 64, nhead: int = 4, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d_model)
+        self.attns = nn.ModuleList(nn.MultiheadAttention(d_model, nhead) for _ in range(layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).transpose(0, 1)
+        for attn, norm in zip(self.attns, self.norms):
+            h = norm(x)
+            out, weights = attn(h, h, h, need_weights=True)
+            x = x + out + 0.0 * weights.sum()
+        return F.cross_entropy(self.head(x.transpose(0, 1)).flatten(0, 1), targets.flatten())
+
+
 class MLP(nn.Module):
     """A plain MLP regressor with MSE loss."""
 
@@ -158,6 +193,10 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return EncoderLM()
     if name == "mlp":
         return MLP()
+    if name == "transformer":
+        return TransformerLM()
+    if name == "mha_weights":
+        return AttentionWeightsLM()
     if name == "hf_gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
