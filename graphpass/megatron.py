@@ -114,9 +114,7 @@ def _selected_apart(node: fx.Node, pos: int) -> bool:
             return False
         (user,) = users
         packet, nd = _packet(user), _ndim(node)
-        if packet in (aten.contiguous, aten.clone, aten.alias):
-            pass
-        elif packet is aten.unsqueeze:
+        if packet is aten.unsqueeze:
             pos += 1 if user.args[1] % (nd + 1) <= pos else 0
         elif packet is aten.squeeze and user.target == aten.squeeze.dim:
             d = user.args[1] % nd
@@ -128,7 +126,7 @@ def _selected_apart(node: fx.Node, pos: int) -> bool:
             pos = b if pos == a else a if pos == b else pos
         elif packet is aten.permute:
             pos = [d % nd for d in user.args[1]].index(pos)
-        else:
+        elif packet not in (aten.contiguous, aten.clone, aten.alias):  # these keep every dim
             return False
         node = user
 

@@ -705,15 +705,21 @@ for _op in (aten.add, aten.sub, aten.mul, aten.div, aten.where, aten.eq, aten.ne
 # ---------------------------------------------------------------------- rules: shapes
 
 
+def _out_dim_at(out_shape: Sequence[int], prefix: int) -> int | None:
+    """The output dim of a view that starts right after ``prefix`` elements' worth of leading
+    dims (the product of the output dims before it is ``prefix``); None when no dim starts there."""
+    acc, o = 1, 0
+    while o < len(out_shape) and acc < prefix:
+        acc *= out_shape[o]
+        o += 1
+    return o if acc == prefix and o < len(out_shape) else None
+
+
 def _view_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> tuple[int, str] | None:
     """Where input dim ``dim`` lands in a view: (output dim, "split"|"merge"|"same") when it is the
     leading factor of its group, else None (the shard cannot stay local)."""
-    before = math.prod(in_shape[:dim])
-    acc, o = 1, 0
-    while o < len(out_shape) and acc < before:
-        acc *= out_shape[o]
-        o += 1
-    if acc != before or o >= len(out_shape):
+    o = _out_dim_at(out_shape, math.prod(in_shape[:dim]))
+    if o is None:
         return None
     if out_shape[o] == in_shape[dim]:
         return o, "same"
@@ -794,12 +800,8 @@ def _merge_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, size
     sharded input dim ``dim`` (a multiple of tp: the heads) into one output dim: (that output
     dim, the merged outer size); None when the view is not such a merge."""
     for k in range(dim - 1, -1, -1):
-        prefix = math.prod(in_shape[:k])
-        acc, o = 1, 0
-        while o < len(out_shape) and acc < prefix:
-            acc *= out_shape[o]
-            o += 1
-        if acc != prefix or o >= len(out_shape):
+        o = _out_dim_at(out_shape, math.prod(in_shape[:k]))
+        if o is None:
             continue
         outer = math.prod(in_shape[k:dim])
         if outer > 1 and out_shape[o] % outer == 0:
@@ -816,12 +818,8 @@ def _view_merged(w: _Walker, node: fx.Node, xp: MergedShard) -> Placement:
     x = node.args[0]
     in_shape, out_shape = w.gshape[x], w.gshape[node]
     if node.target.overloadpacket in _SIZED_VIEWS:
-        prefix = math.prod(in_shape[:xp.dim])
-        acc, o = 1, 0
-        while o < len(out_shape) and acc < prefix:
-            acc *= out_shape[o]
-            o += 1
-        if acc == prefix and o < len(out_shape):
+        o = _out_dim_at(out_shape, math.prod(in_shape[:xp.dim]))
+        if o is not None:
             if out_shape[o] == in_shape[xp.dim]:
                 _local_sizes(w, node, o)
                 if x in w.merged_from:  # still a view of the same plain shard

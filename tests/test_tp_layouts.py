@@ -105,16 +105,21 @@ CASES = {
 }
 
 
+def _assert_parity(pool, world_size: int, name: str, strategies) -> None:
+    """Every rank's losses and full state after 3 steps of each strategy match one process."""
+    ref_losses, ref_state = zoo.train_reference(name, steps=3, batch=8)[:2]
+    for kwargs in strategies:
+        for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
+            zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
+                                         ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_layouts_train_like_one_process(rank_pool, world_size):
     pool = rank_pool(world_size)
     for name in LAYOUTS:
-        ref_losses, ref_state = zoo.train_reference(name, steps=3, batch=8)[:2]
-        for kwargs in CASES[world_size]:
-            for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
-                zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
-                                             ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+        _assert_parity(pool, world_size, name, CASES[world_size])
 
 
 # ------------------------------------------------------------- kv heads fewer than tp (GQA/MQA)
@@ -148,13 +153,8 @@ def test_kv_heads_fewer_than_tp_are_replicated_and_attention_stays_sharded(name,
 def test_kv_heads_fewer_than_tp_train_like_one_process(rank_pool, world_size):
     pool = rank_pool(world_size)
     for name, tp in FEW_KV:
-        if tp != world_size:
-            continue
-        ref_losses, ref_state = zoo.train_reference(name, steps=3, batch=8)[:2]
-        for kwargs in ({"tp": tp}, {"tp": tp, "sequence_parallel": True}):
-            for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
-                zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
-                                             ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+        if tp == world_size:
+            _assert_parity(pool, world_size, name, ({"tp": tp}, {"tp": tp, "sequence_parallel": True}))
 
 
 # ---------------------------------------------------------- torch.nn.MultiheadAttention variants
@@ -169,8 +169,5 @@ MHA = ("transformer", "mha_weights")
 def test_multihead_attention_variants_train_like_one_process(rank_pool, world_size):
     pool = rank_pool(world_size)
     for name in MHA:
-        ref_losses, ref_state = zoo.train_reference(name, steps=3, batch=8)[:2]
-        for kwargs in ({"tp": world_size}, {"dp": world_size // 2, "tp": 2, "sequence_parallel": True}):
-            for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
-                zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}/{world_size}", losses, state,
-                                             ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+        _assert_parity(pool, world_size, name,
+                       ({"tp": world_size}, {"dp": world_size // 2, "tp": 2, "sequence_parallel": True}))
