@@ -9,9 +9,16 @@ spec-sheet or guessed figures; this module replaces them with measurements, all 
   sizes, median of repeats after warmup); a large tensor copy gives achieved memory bandwidth
   (bytes read plus written). The `DeviceSpec` records these *achieved* rates with
   ``compute_efficiency = memory_efficiency = 1.0``, so the roofline applies no further discount.
+* **Contention** (`profile`, CPU, ``world_size > 1``): each rank times an MLP sub-layer's
+  forward and backward alone, then with every rank running it at once; the slowest rank's
+  slowdown is ``DeviceSpec.contention``, by which the planner scales op times that one process
+  measured (`node_times`).
 * **Links** (`profile`, ``world_size > 1``): ``world_size`` local ranks
   (`graphpass.runtime.launch.launch`, gloo on CPU, nccl on GPU) time ``all_reduce`` over a ladder
-  of sizes: median of repeats after warmup on each rank, the slowest rank's median per size. The
+  of sizes: median of repeats after warmup on each rank, the slowest rank's median per size. On
+  CPU each operand comes fresh out of a matmul with no barrier before the call, as in a step
+  (gloo shares the cores with compute; buffers are cold, ranks arrive apart); on GPU the ranks
+  start together after a barrier. The
   ring model of `graphpass.cost.collectives` (``all_reduce_time``)::
 
       t(S) = 2(n-1) * alpha + 2(n-1)/n * S / B
@@ -28,6 +35,8 @@ spec-sheet or guessed figures; this module replaces them with measurements, all 
   of the fake shapes, forward and backward, and written back. Identical keys are measured once, so
   a 96-layer model measures one layer's ops. Views cost 0 and are never measured. Whatever stays
   unpriced is logged at WARNING (the roofline prices it): never silently.
+  `isolation_factor` then runs the whole graph once and scales the isolated times to what they
+  take in sequence.
 
 **Threads (CPU).** A CPU `DeviceSpec` is one rank's share of the host. `launch` gives each rank
 ``os.cpu_count() // world_size`` torch threads (1 each for 2 ranks on this 2-core machine), and
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
@@ -64,6 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from graphpass import meta
 from graphpass.cluster import (
@@ -87,6 +98,7 @@ __all__ = [
     "ProfileReport",
     "fit_ring_all_reduce",
     "is_this_machine",
+    "isolation_factor",
     "node_times",
     "op_cache_path",
     "op_key",
@@ -247,6 +259,33 @@ def _measure_device(kind: str, dtypes: Sequence[str], quick: bool, world_size: i
 # --------------------------------------------------------------------------- links
 
 
+#: Width of the matmul that produces each timed collective's operand on CPU (`_operand`).
+_PRODUCER_WIDTH = 256
+
+
+def _operand(like: torch.Tensor, kind: str) -> torch.Tensor:
+    """The tensor a timed collective sends, shaped like ``like``.
+
+    On GPU, ``like`` itself after a barrier: NCCL runs on its own stream and the ranks start
+    together. On CPU, gloo's collectives run on the cores that compute, so the operand is made
+    the way training makes it: fresh out of a matmul, outside the cache, with no barrier, each
+    rank arriving when its compute ends (the time includes the wait for the slower rank, as in a
+    step)."""
+    if kind != "cpu":
+        dist.barrier()
+        return like
+    n = like.numel()
+    rows = -(-n // _PRODUCER_WIDTH)
+    weight = _producer_weight()
+    x = torch.randn(rows, _PRODUCER_WIDTH, dtype=like.dtype)
+    return (x @ weight).view(-1)[:n]
+
+
+@functools.lru_cache(maxsize=1)
+def _producer_weight() -> torch.Tensor:
+    return torch.randn(_PRODUCER_WIDTH, _PRODUCER_WIDTH) / _PRODUCER_WIDTH**0.5
+
+
 def _measure_collectives(kind: str, quick: bool) -> dict[str, Any]:
     """This rank's median all_reduce time per ladder size, plus one all_gather and reduce_scatter."""
     n = dist.get_world_size()
@@ -258,14 +297,14 @@ def _measure_collectives(kind: str, quick: bool) -> dict[str, Any]:
     for _ in range(2 + budget.warmup):
         for tensor in tensors:
             dist.all_reduce(tensor)
-    # Rounds over the ladder, one timed call per size per round, each after a barrier so that
-    # the ranks start together: a slow spell of the machine (other processes, the OS) then
-    # spreads over all sizes instead of skewing one, and the median per size discards it.
+    # Rounds over the ladder, one timed call per size per round: a slow spell of the machine
+    # (other processes, the OS) then spreads over all sizes instead of skewing one, and the
+    # median per size discards it.
     samples: list[list[float]] = [[] for _ in tensors]
     for _ in range(budget.repeats):
         for tensor, times in zip(tensors, samples):
-            dist.barrier()
-            times.append(_time_once_s(lambda: dist.all_reduce(tensor), kind))
+            operand = _operand(tensor, kind)
+            times.append(_time_once_s(lambda: dist.all_reduce(operand), kind))
     all_reduce = [(size, statistics.median(times)) for size, times in zip(budget.ladder_bytes, samples)]
     # For the report only: the same size as the ladder's largest step.
     size = budget.ladder_bytes[-1] - budget.ladder_bytes[-1] % (4 * n)
@@ -275,17 +314,51 @@ def _measure_collectives(kind: str, quick: bool) -> dict[str, Any]:
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     others = {}
-    for name, call in (
-        ("all_gather", lambda: all_gather(gathered, shard)),
-        ("reduce_scatter", lambda: reduce_scatter(shard, gathered)),
+    for name, fn, out, like in (
+        ("all_gather", all_gather, gathered, shard),
+        ("reduce_scatter", reduce_scatter, shard, gathered),
     ):
         try:
-            dist.barrier()
-            others[name] = (size, _median_s(call, kind, warmup=1, repeats=max(3, budget.repeats // 2)))
+            fn(out, like)  # warm-up
+            times = []
+            for _ in range(max(3, budget.repeats // 2)):
+                operand = _operand(like, kind)
+                times.append(_time_once_s(lambda: fn(out, operand), kind))
+            others[name] = (size, statistics.median(times))
         except (RuntimeError, NotImplementedError) as exc:  # not every backend has every op
             others[name] = (size, None)
             logger.debug("%s not timed on %s: %s", name, dist.get_backend(), exc)
     return {"all_reduce": all_reduce, **others}
+
+
+def _layer_work(rows: int, width: int) -> Callable[[], None]:
+    """One MLP sub-layer's forward and backward (matmuls, GELU, residual add, LayerNorm), the mix
+    of compute-bound and memory-bound ops a training step runs, on fresh activations each call."""
+    w1 = torch.randn(width, 4 * width, requires_grad=True)
+    w2 = torch.randn(4 * width, width, requires_grad=True)
+    gamma = torch.ones(width, requires_grad=True)
+
+    def run() -> None:
+        x = torch.randn(rows, width, requires_grad=True)
+        h = torch.nn.functional.gelu(x @ w1)
+        torch.nn.functional.layer_norm(h @ w2 + x, (width,), gamma).sum().backward()
+
+    return run
+
+
+def _measure_contention(quick: bool) -> tuple[float, float]:
+    """(alone_s, together_s): this rank's median time of `_layer_work` while the other ranks wait,
+    then while every rank runs it at once (CPU ranks share cores, caches and DRAM)."""
+    work = _layer_work(512 if quick else 2048, 256)
+    repeats = 5 if quick else 15
+    alone = 0.0
+    for rank in range(dist.get_world_size()):  # one rank at a time, the others idle in a barrier
+        dist.barrier()
+        if dist.get_rank() == rank:
+            alone = _median_s(work, "cpu", warmup=2, repeats=repeats)
+        dist.barrier()
+    together = _median_s(work, "cpu", warmup=2, repeats=repeats)
+    return alone, together
 
 
 def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, Any]:
@@ -294,6 +367,8 @@ def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, 
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     dist.barrier()  # all ranks measure their device at once: shared cores and DRAM show up
     device = _measure_device(kind, dtypes, quick, dist.get_world_size())
+    # GPUs do not share compute with each other; CPU ranks of one host do.
+    device["contention"] = _measure_contention(quick) if kind == "cpu" else None
     dist.barrier()
     return {"device": device, "collectives": _measure_collectives(kind, quick)}
 
@@ -523,6 +598,7 @@ def run_profile(
             "tflops": {d: min(r["device"]["tflops"][d] for r in results) for d in dtypes},
             "memory_bandwidth_gbps": min(r["device"]["memory_bandwidth_gbps"] for r in results),
             "threads": results[0]["device"]["threads"],
+            "contention": _contention(results),
         }
         ladder = results[0]["collectives"]["all_reduce"]
         report_links = [
@@ -556,6 +632,7 @@ def run_profile(
         memory_bandwidth_gbps=device_result["memory_bandwidth_gbps"],
         compute_efficiency=1.0,  # achieved rates, not peaks
         memory_efficiency=1.0,
+        contention=device_result.get("contention"),
     )
     today = datetime.date.today().isoformat()
     profiled = Cluster(
@@ -573,6 +650,14 @@ def run_profile(
         fit_residual=residual, others=others, filled_dtypes=filled,
         seconds=time.perf_counter() - start_s,
     )
+
+
+def _contention(results: Sequence[dict[str, Any]]) -> float | None:
+    """The slowest rank's slowdown computing alongside the others (>= 1; None off CPU)."""
+    pairs = [r["device"]["contention"] for r in results]
+    if any(p is None for p in pairs):
+        return None
+    return round(max(1.0, max(together / alone for alone, together in pairs)), 3)
 
 
 #: Measured kind factors are clamped to this range: a single timing far outside it is noise.
@@ -941,3 +1026,40 @@ def _measure_pending(pending: dict[str, list[fx.Node]], times: dict[str, tuple[f
             "%d ops could not run in isolation on %s (left to the roofline): %s",
             len(failed), device.name, "; ".join(f"{k}: {v}" for k, v in list(failed.items())[:_MAX_REPORTED]),
         )
+
+
+def isolation_factor(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
+                     times: dict[str, tuple[float, float]]) -> float:
+    """How much longer the whole graph's forward and backward takes than the sum of its ops'
+    isolated `node_times` (>= 1 expected: caches shared between ops, autograd bookkeeping).
+
+    Ops measured one at a time run on warm inputs with nothing else in the caches; in a step each
+    reads what the previous one left. The graph runs for real in this process (median of 3 after
+    a warm-up), so only where every parameter, buffer and input is a real tensor on this
+    machine's device and every op has a profiled time; elsewhere 1.0 (logged).
+    """
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    tensors = [*gm.parameters(), *gm.buffers(), *inputs]
+    if any(n.name not in times for n in nodes):
+        logger.info("isolation factor: not every op has a profiled time; op times left unscaled")
+        return 1.0
+    if any(t.is_meta or isinstance(t, FakeTensor) for t in tensors):
+        logger.info("isolation factor: the graph holds meta or fake tensors and cannot run; op times left unscaled")
+        return 1.0
+    op_sum = sum(f + b for f, b in (times[n.name] for n in nodes))
+    if op_sum <= 0:
+        return 1.0
+    kind = tensors[0].device.type if tensors else "cpu"
+
+    def step() -> None:
+        out = [t for t in _flat_tensors(gm(*inputs)) if t.requires_grad]
+        if out:
+            torch.autograd.backward(out, [torch.ones_like(t) for t in out])
+        for p in gm.parameters():
+            p.grad = None
+
+    whole = _median_s(step, kind, warmup=1, repeats=3)
+    factor = whole / op_sum
+    logger.info("isolation factor %.3f: the whole graph took %.1f ms, its ops alone %.1f ms",
+                factor, whole * 1e3, op_sum * 1e3)
+    return factor

@@ -151,6 +151,10 @@ class DeviceSpec:
             in (0, 1]; 1.0 when ``peak_tflops`` was measured.
         memory_efficiency: Fraction of ``memory_bandwidth_gbps`` assumed achieved, in (0, 1];
             1.0 when the bandwidth was measured.
+        contention: How many times longer one rank's compute takes while every rank of the host
+            computes at once than one process alone measured it (CPU ranks share cores, caches
+            and DRAM), >= 1; measured by `graphpass.profile`. None = not measured: the planner
+            then assumes only core oversubscription.
     """
 
     name: str
@@ -160,6 +164,7 @@ class DeviceSpec:
     memory_bandwidth_gbps: float
     compute_efficiency: float = DEFAULT_EFFICIENCY
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+    contention: float | None = None
 
     def __post_init__(self) -> None:
         _check_str("DeviceSpec", "name", self.name)
@@ -178,11 +183,16 @@ class DeviceSpec:
             if value > 1:
                 raise ValueError(f"DeviceSpec.{name} must be in (0, 1], got {value!r}")
             object.__setattr__(self, name, value)
+        if self.contention is not None:
+            value = _check_number("DeviceSpec", "contention", self.contention)
+            if value < 1:
+                raise ValueError(f"DeviceSpec.contention must be >= 1 (a slowdown), got {value!r}")
+            object.__setattr__(self, "contention", value)
 
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
         return hash(
             (self.name, self.kind, tuple(sorted(self.peak_tflops.items())), self.memory_bytes,
-             self.memory_bandwidth_gbps, self.compute_efficiency, self.memory_efficiency)
+             self.memory_bandwidth_gbps, self.compute_efficiency, self.memory_efficiency, self.contention)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,14 +205,15 @@ class DeviceSpec:
             "memory_bandwidth_gbps": self.memory_bandwidth_gbps,
             "compute_efficiency": self.compute_efficiency,
             "memory_efficiency": self.memory_efficiency,
+            "contention": self.contention,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
         """Builds a spec from `to_dict` output; unknown or missing keys raise ValueError.
 
-        The efficiencies may be missing (JSON written before they existed): they take their
-        defaults.
+        The efficiencies and the contention may be missing (JSON written before they existed):
+        they take their defaults.
         """
         return cls(**_from_fields(cls, data, "DeviceSpec"))
 

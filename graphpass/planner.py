@@ -427,11 +427,15 @@ def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> Plan:
 # ------------------------------------------------------------------------------------- search
 
 
-def _oversubscription(cluster: Cluster) -> float:
-    """How many times slower one rank's compute runs than one process measured it: on CPU, when
-    ranks x threads per rank (as ``graphpass.launch`` sets them) exceed the cores."""
+def _contention(cluster: Cluster) -> float:
+    """How many times slower one rank's compute runs than one process alone measured it: on CPU,
+    the profile's measured `DeviceSpec.contention` (ranks share cores, caches and DRAM), else the
+    core oversubscription alone (ranks x threads per rank, as ``graphpass.launch`` sets them,
+    over the cores)."""
     if cluster.device.kind != "cpu":
         return 1.0
+    if cluster.device.contention is not None:
+        return cluster.device.contention
     cores = os.cpu_count() or 1
     threads = max(1, cores // cluster.world_size)
     return max(1.0, cluster.world_size * threads / cores)
@@ -475,7 +479,7 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         overlap=1.0 if cluster.device.kind == "cuda" else 0.0,
         executable_only=executable_only,
         optimizer_s_per_param=(
-            _measure_optimizer(profile.param_dtype, optimizer_states, cluster.device.kind) * _oversubscription(cluster)
+            _measure_optimizer(profile.param_dtype, optimizer_states, cluster.device.kind) * _contention(cluster)
             if measure and cluster.name.startswith("local") else None
         ),
     )
@@ -523,7 +527,7 @@ class Planner:
         self.batch = int(inputs[0].shape[0])
         captured = capture(model, inputs)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster,
-                                    _measured_times(captured.gm, self.cluster, measure_ops))
+                                    _measured_times(captured.gm, self.cluster, measure_ops, inputs))
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
                                 measure_ops)
         self.executable_only = executable_only
@@ -662,20 +666,24 @@ def _check_degrees(strategy: Strategy, cluster: Cluster) -> None:
         )
 
 
-def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool) -> dict[str, tuple[float, float]]:
+def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
+                    inputs: Sequence[torch.Tensor]) -> dict[str, tuple[float, float]]:
     """Profiled node times when the cluster is this machine (presets are priced by the roofline).
 
-    ``measure`` runs the ops the cache lacks (:func:`graphpass.cost.profiler.node_times`); the
-    profiler logs loudly whatever it cannot supply. On CPU, op times are measured by one process,
-    while ``world_size`` ranks share the host's cores: when ranks x threads per rank exceed the
-    cores, every op takes that many times longer.
+    ``measure`` runs the ops the cache lacks (:func:`graphpass.cost.profiler.node_times`) and then
+    the whole graph once, to scale the isolated op times to what they take in sequence
+    (:func:`graphpass.cost.profiler.isolation_factor`); the profiler logs loudly whatever it
+    cannot supply. On CPU, op times are measured by one process while ``world_size`` ranks share
+    the host: every op takes :func:`_contention` times longer.
     """
     if not cluster.name.startswith("local"):
         return {}
     from graphpass.cost import profiler
 
     times = profiler.node_times(gm, cluster.device, measure=measure)
-    factor = _oversubscription(cluster)
+    factor = _contention(cluster)
+    if measure and profiler.is_this_machine(cluster.device):
+        factor *= profiler.isolation_factor(gm, inputs, times)
     return {k: (f * factor, b * factor) for k, (f, b) in times.items()}
 
 

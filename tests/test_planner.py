@@ -6,6 +6,7 @@ Models are built on the meta device (nothing is allocated); the planner only see
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -394,3 +395,16 @@ def test_compile_auto_on_a_cnn_picks_data_parallel(rank_pool):
     assert meshes == {(("dp", 2),)}
     losses = [l for _, l, _ in results]
     assert losses[0] == losses[1] and all(math.isfinite(x) for x in losses[0])
+
+
+def test_cpu_op_times_are_scaled_by_the_profiled_contention_else_by_oversubscription(monkeypatch):
+    """Op times measured by one process are what one rank takes while every rank computes:
+    the profile's measured contention when there is one, else cores oversubscribed."""
+    from graphpass import planner as planner_module
+
+    monkeypatch.setattr(planner_module.os, "cpu_count", lambda: 2)
+    measured = dataclasses.replace(GLOO_4, device=dataclasses.replace(GLOO_4.device, contention=2.6))
+    assert planner_module._contention(measured) == 2.6
+    assert planner_module._contention(GLOO_4) == 2.0  # 4 ranks x 1 thread on 2 cores
+    assert planner_module._contention(dataclasses.replace(GLOO_4, devices_per_node=2)) == 1.0
+    assert planner_module._contention(gp.Cluster.preset("h200")) == 1.0  # GPUs do not share

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -67,6 +68,8 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     assert report.filled_dtypes == {"bf16": "fp32", "fp16": "fp32", "tf32": "fp32"}
     assert 0.1 < c.device.memory_bandwidth_gbps < 1000
     assert (c.device.compute_efficiency, c.device.memory_efficiency) == (1.0, 1.0)
+    # Two ranks computing at once on their own cores: a slowdown >= 1 (clamped), measured.
+    assert c.device.contention is not None and c.device.contention >= 1.0
     link = c.intra_node
     assert c.inter_node == link and link.name == "measured"
     assert link.latency_s >= 0 and link.bandwidth_gbps > 0
@@ -86,6 +89,7 @@ def test_profile_one_rank_keeps_the_default_link_and_writes_the_default_path(cac
     assert path.parent == cache_dir / "clusters" and path.name == "cpu-1.json"
     assert Cluster.from_json(path.read_text()) == c
     assert c.intra_node == c.inter_node == cluster_module._LOOPBACK  # nothing to measure
+    assert c.device.contention is None  # nobody to contend with
 
 
 @pytest.mark.parametrize(
@@ -153,6 +157,17 @@ def test_device_efficiencies_round_trip_default_for_old_json_and_are_validated()
         DeviceSpec("cpu", "cpu", {"fp32": 0.1}, 2**30, 10.0, compute_efficiency=1.5)
     with pytest.raises(ValueError, match="memory_efficiency"):
         DeviceSpec("cpu", "cpu", {"fp32": 0.1}, 2**30, 10.0, memory_efficiency=0.0)
+
+
+def test_device_contention_round_trips_defaults_to_unmeasured_and_is_at_least_one():
+    spec = DeviceSpec("cpu", "cpu", {"fp32": 0.1}, 2**30, 10.0, 1.0, 1.0, contention=1.25)
+    assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert hash(spec) != hash(dataclasses.replace(spec, contention=None))
+    old = spec.to_dict()
+    del old["contention"]
+    assert DeviceSpec.from_dict(old).contention is None  # a profile written before it existed
+    with pytest.raises(ValueError, match="DeviceSpec.contention must be >= 1"):
+        dataclasses.replace(spec, contention=0.9)
 
 
 # --------------------------------------------------------------------------- per-op times
@@ -270,3 +285,44 @@ def test_node_times_measures_a_gpt_with_valid_token_ids(tmp_path, caplog):
     assert not [r for r in caplog.records if "could not run" in r.getMessage() or "no profiled" in r.getMessage()]
     names = {n.name for n in gm.graph.nodes if n.op == "call_function"}
     assert set(times) == names
+
+
+def test_isolation_factor_is_the_whole_graphs_time_over_the_sum_of_its_ops(monkeypatch):
+    gm = _mlp_graph(32)
+    torch.manual_seed(1)
+    inputs = (torch.randn(64, 32), torch.randn(64, 32))
+    times = {n.name: (1e-3, 2e-3) for n in gm.graph.nodes if n.op == "call_function"}
+    op_sum = 3e-3 * len(times)
+    ran = []
+
+    def fake_median(fn, kind, *, warmup, repeats):
+        fn()
+        # The step ran forward and backward, then cleared the gradients it made.
+        ran.append(all(p.grad is None for p in gm.parameters()))
+        return 1.5 * op_sum
+
+    monkeypatch.setattr(profiler, "_median_s", fake_median)
+    assert profiler.isolation_factor(gm, inputs, times) == pytest.approx(1.5)
+    assert ran == [True]
+    # The whole graph really runs: its backward reaches every parameter.
+    grads = []
+
+    def run_once(fn, kind, **_):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(profiler, "_median_s", run_once)
+    for p in gm.parameters():
+        p.register_hook(lambda g, grads=grads: grads.append(g.shape))
+    profiler.isolation_factor(gm, inputs, times)
+    assert sorted(grads) == sorted(p.shape for p in gm.parameters())
+
+
+def test_isolation_factor_leaves_times_alone_when_the_graph_cannot_run(monkeypatch):
+    gm = _mlp_graph(16)
+    times = {n.name: (1e-3, 1e-3) for n in gm.graph.nodes if n.op == "call_function"}
+    monkeypatch.setattr(profiler, "_median_s", lambda *a, **k: pytest.fail("must not run the graph"))
+    meta_inputs = (torch.empty(64, 16, device="meta"), torch.empty(64, 16, device="meta"))
+    assert profiler.isolation_factor(gm, meta_inputs, times) == 1.0
+    partial = dict(list(times.items())[1:])  # one op left to the roofline: no op sum to compare
+    assert profiler.isolation_factor(gm, (torch.randn(64, 16), torch.randn(64, 16)), partial) == 1.0
