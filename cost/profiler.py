@@ -1034,8 +1034,8 @@ def isolation_factor(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
     isolated `node_times` (>= 1 expected: caches shared between ops, autograd bookkeeping).
 
     Ops measured one at a time run on warm inputs with nothing else in the caches; in a step each
-    reads what the previous one left. The graph runs for real in this process (median of 3 after
-    a warm-up), so only where every parameter, buffer and input is a real tensor on this
+    reads what the previous one left. The graph runs for real in this process (median of 5 after
+    2 warm-ups), so only where every parameter, buffer and input is a real tensor on this
     machine's device and every op has a profiled time; elsewhere 1.0 (logged).
     """
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -1058,7 +1058,7 @@ def isolation_factor(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
         for p in gm.parameters():
             p.grad = None
 
-    whole = _median_s(step, kind, warmup=1, repeats=3)
+    whole = _median_s(step, kind, warmup=2, repeats=5)
     factor = whole / op_sum
     logger.info("isolation factor %.3f: the whole graph took %.1f ms, its ops alone %.1f ms",
                 factor, whole * 1e3, op_sum * 1e3)

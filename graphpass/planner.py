@@ -26,6 +26,7 @@ searching (the baselines a user would otherwise pick).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -34,7 +35,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -226,13 +227,19 @@ class GraphProfile:
         batch: samples in ``inputs`` (dim 0).
         cluster: where it will run (decides flash-attention accounting and the roofline).
         measured: profiled ``(forward_s, backward_s)`` per node name, when available.
+        measure_at: profiled times of the same nodes at another number of samples (the local
+            batch a layout runs; ``{}`` where it cannot tell), or None: times at other batches
+            are then ``measured`` scaled linearly.
     """
 
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor], batch: int, cluster: Cluster,
-                 measured: Mapping[str, tuple[float, float]] | None = None):
+                 measured: Mapping[str, tuple[float, float]] | None = None,
+                 measure_at: Callable[[int], Mapping[str, tuple[float, float]]] | None = None):
         self.gm, self.batch, self.cluster = gm, batch, cluster
         self.device: DeviceSpec = cluster.device
         self.measured = dict(measured or {})
+        self._measure_at = measure_at
+        self._measured_at: dict[int, dict[str, tuple[float, float]]] = {batch: self.measured}
         self.param_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND, None) == "parameter"]
         self.tensors = {n.name: self._attr(n.target) for n in self.param_nodes}
         trainable = [n for n in self.param_nodes if self.tensors[n.name].requires_grad]
@@ -314,7 +321,7 @@ class GraphProfile:
         total = sharded = 0.0
         for block in self.blocks:
             for node in block.nodes:
-                seconds = sum(self._time(node.name, 1.0, 1))
+                seconds = sum(self._time(node.name, self.batch, 1))
                 total += seconds
                 sharded += seconds if runs_sharded(node) else 0.0
         if total > 0 and sharded < _MIN_TP_COMPUTE_SHARE * total:
@@ -324,9 +331,19 @@ class GraphProfile:
                 f"would run again on each of the {tp} tp ranks"
             )
 
-    def _time(self, name: str, scale: float, divide: float) -> tuple[float, float]:
-        """(forward_s, backward_s) of one node at ``scale`` times the captured batch, its compute
-        split ``divide`` ways."""
+    def _measured_for(self, batch: int) -> Mapping[str, tuple[float, float]]:
+        if batch not in self._measured_at:
+            self._measured_at[batch] = dict(self._measure_at(batch)) if self._measure_at else {}
+        return self._measured_at[batch]
+
+    def _time(self, name: str, batch: int, divide: float) -> tuple[float, float]:
+        """(forward_s, backward_s) of one node at ``batch`` samples, its compute split ``divide``
+        ways: measured at that batch where it was, else the captured batch's time scaled."""
+        at_batch = self._measured_for(batch)
+        if name in at_batch:
+            f, b = at_batch[name]
+            return f / divide, b / divide
+        scale = batch / self.batch
         if name in self.measured:
             f, b = self.measured[name]
             return f * scale / divide, b * scale / divide
@@ -378,10 +395,9 @@ class GraphProfile:
             times = {}
             split_nodes = {n.name: (tp if runs_sharded(n) else 1) for n in block.nodes}
             for b in batches:
-                scale = b / self.batch
                 fwd = bwd = 0.0
                 for node in block.nodes:
-                    f, bw = self._time(node.name, scale, split_nodes[node.name])
+                    f, bw = self._time(node.name, b, split_nodes[node.name])
                     fwd += f
                     bwd += bw
                 times[b] = (fwd, bwd)
@@ -526,8 +542,10 @@ class Planner:
             )
         self.batch = int(inputs[0].shape[0])
         captured = capture(model, inputs)
+        measure_at = (functools.partial(_measured_at_batch, model, inputs, captured.gm, self.cluster)
+                      if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster,
-                                    _measured_times(captured.gm, self.cluster, measure_ops, inputs))
+                                    _measured_times(captured.gm, self.cluster, measure_ops, inputs), measure_at)
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
                                 measure_ops)
         self.executable_only = executable_only
@@ -685,6 +703,26 @@ def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
     if measure and profiler.is_this_machine(cluster.device):
         factor *= profiler.isolation_factor(gm, inputs, times)
     return {k: (f * factor, b * factor) for k, (f, b) in times.items()}
+
+
+def _measured_at_batch(model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.GraphModule, cluster: Cluster,
+                       batch: int) -> dict[str, tuple[float, float]]:
+    """`_measured_times` of ``model`` captured again at ``batch`` samples (the first ``batch`` rows
+    of every input whose dim 0 is the batch), keyed by the node names of ``gm``: an op's time
+    is not linear in its batch (fixed costs per op, cache effects). ``{}`` (logged) when the
+    graph at that batch is not the same graph."""
+    full = int(inputs[0].shape[0])
+    sliced = [t[:batch] if t.dim() and t.shape[0] == full else t for t in inputs]
+    try:
+        other = capture(model, sliced).gm
+    except Exception as exc:  # noqa: BLE001 - the linear scaling stands in; said below
+        log.info("op times at batch %d: capture failed (%s); scaling the batch-%d times", batch, exc, full)
+        return {}
+    ops = [(n.name, n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    if ops != [(n.name, n.target) for n in other.graph.nodes if n.op == "call_function"]:
+        log.info("op times at batch %d: the graph differs from the batch-%d one; scaling its times", batch, full)
+        return {}
+    return _measured_times(other, cluster, True, sliced)
 
 
 def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],

@@ -408,3 +408,27 @@ def test_cpu_op_times_are_scaled_by_the_profiled_contention_else_by_oversubscrip
     assert planner_module._contention(GLOO_4) == 2.0  # 4 ranks x 1 thread on 2 cores
     assert planner_module._contention(dataclasses.replace(GLOO_4, devices_per_node=2)) == 1.0
     assert planner_module._contention(gp.Cluster.preset("h200")) == 1.0  # GPUs do not share
+
+
+def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatch):
+    """An op's time is not linear in its batch (a fixed cost per call): with measure_ops the
+    planner measures the graph again at each local batch instead of scaling the global one."""
+    from graphpass import planner as planner_module
+
+    def fake_times(gm, cluster, measure, inputs):
+        batch = int(inputs[0].shape[0])
+        # 1 ms per call plus 0.1 ms per sample, forward; twice that backward.
+        return {n.name: (1e-3 + 1e-4 * batch, 2e-3 + 2e-4 * batch)
+                for n in gm.graph.nodes if n.op == "call_function"}
+
+    monkeypatch.setattr(planner_module, "_measured_times", fake_times)
+    batch = zoo.batches("mlp", 1, 16)[0]
+    planner = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch, measure_ops=True)
+    ops = {n.name for n in planner.profile.gm.graph.nodes if n.op == "call_function"}
+    for strategy, local in ((gp.Strategy(dp=2), 8), (gp.Strategy(dp=2, microbatches=4), 2)):
+        blocks = planner.blocks(Layout(strategy.mesh, strategy.microbatches, False))
+        forward = sum(b.times[local][0] for b in blocks)
+        assert forward == pytest.approx(len(ops) * (1e-3 + 1e-4 * local))  # not 16-sample times / k
+    # Without measure_ops nothing is measured again: the captured batch's times scale linearly.
+    flat = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch)
+    assert flat.profile._measured_for(8) == {}
