@@ -2,14 +2,15 @@
 
 What is measured: for each world size in ``--world-sizes`` (default 2 and 4 gloo ranks of this
 machine) the machine is profiled first (``gp.profile(world_size=W)``: matmul rate, copy bandwidth,
-gloo all-reduce alpha/beta; cached where ``Cluster.local(W)`` loads it; ``--no-profile`` reuses
-the cached one). ``gp.profile`` refuses more ranks than cores, so on this 2-core machine the
-4-rank predictions use the 2-rank profile's figures (:func:`local_cluster`). Then, for at least
-six uniform strategies per world size:
+the ranks' contention for the cores, gloo all-reduce alpha/beta on operands fresh from compute;
+cached where ``Cluster.local(W)`` loads it; ``--no-profile`` reuses the cached one). Then, for
+at least six uniform strategies per world size:
 
 * **predicted**: one :class:`graphpass.planner.Planner` per world size, in this process, with
-  ``measure_ops=True`` (every op of the captured graph timed on this machine, with the threads per
-  rank that ``gp.launch`` gives ranks, since op-time cache keys include the thread count) and
+  ``measure_ops=True`` (every op of the captured graph timed on this machine at each local batch
+  the strategies run, with the threads per rank that ``gp.launch`` gives ranks, since op-time
+  cache keys include the thread count; scaled by the whole graph's time over its ops' sum and by
+  the profiled contention) and
   ``optimizer_states=2`` (AdamW); ``planner.price(Strategy(...))`` gives
   ``predicted_step_time_s`` and ``predicted_peak_memory_bytes`` (per rank) and a per-block
   breakdown;
@@ -40,8 +41,7 @@ and every collective), ``opt`` = ``opt.step`` + ``zero_grad``; ``state`` = param
 ``train_step`` and during ``opt.step`` (as in ``bench/memory.py``).
 
 The ranks share the machine's cores (``cpu_count // W`` threads each, at least one; at 4 ranks on
-2 cores they oversubscribe, which the planner models by scaling op times by
-``ranks x threads / cores``). MiB = 2**20 bytes.
+2 cores they oversubscribe, which the profile's measured contention covers). MiB = 2**20 bytes.
 
     python bench/fidelity.py                       # 2 then 4 ranks (about 2.5 min here)
     python bench/fidelity.py --world-sizes 2 --no-profile
@@ -130,9 +130,8 @@ def _threads(world: int) -> int:
 def local_cluster(args: argparse.Namespace, world: int) -> gp.Cluster:
     """This machine as ``world`` ranks, profiled with ``world`` ranks (unless ``--no-profile``).
 
-    With more ranks than cores, the profile measures the ranks' contention for the cores, which
-    is what the timed runs see too; the planner scales single-process op times by
-    ``ranks x threads / cores``.
+    The profile measures the ranks' contention for the cores (``DeviceSpec.contention``), which
+    is what the timed runs see too; the planner scales single-process op times by it.
     """
     if not args.no_profile and world not in args.profiled:
         gp.profile(world_size=world)
