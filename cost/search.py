@@ -28,6 +28,9 @@ Search, outermost first:
        \quad\text{s.t.}\quad \sum_o n_{c,o} = |c|,\qquad
        E \ge \sum_{c,o} n_{c,o} (d_o - w_o),\ E \ge 0,
 
+       \sum_{c,o} n_{c,o} (s_o - g_o + h_o + f\,a_o + b_o) \le M,\qquad
+       \sum_{c,o} n_{c,o}\, s_o \le M,
+
        \sum_{c,o} n_{c,o} (s_o + f\,a_o) + r_{c,o}\, z_{c,o} \le M \ \ \forall c, o,
        \qquad n_{c,o} \le |c|\, z_{c,o},\ z \in \{0, 1\}
 
@@ -37,8 +40,14 @@ Search, outermost first:
    (``E`` is the exposed communication), ``s`` the model state kept all step, ``a`` the
    activations one microbatch keeps until its backward, ``f`` the microbatches in flight, and
    ``r`` the transient bytes alive only while the block runs (ZeRO-3's gathered weights and their
-   full gradients, a recomputed layer's rematerialised activations). ``z`` marks the options in
-   use, so the peak includes the largest transient actually chosen, not the sum.
+   full gradients, a recomputed layer's rematerialised activations and its backward's working
+   set). ``z`` marks the options in use, so the peak includes the largest transient actually
+   chosen, not the sum. The first two rows are the two ends of backward: at its start every
+   activation is alive but the step's gradients do not exist yet (``g`` the gradients in ``s``;
+   ``h`` those held from earlier microbatches when accumulating; ``b`` the loss's gradients, the
+   post block's backward working set); at its end every gradient exists and the activations are
+   freed. In between, backward frees a layer's activations as it makes its gradients, so the
+   sum is largest at one of the ends. The transient rows keep both, conservatively.
 
 Step time of a mesh with ``p`` stages of per-microbatch time ``t_s`` (1F1B / GPipe):
 ``sum_s t_s + (m - 1) max_s t_s + max_s (E_s + u_s)``; for ``p = 1`` that is ``m t + E + u``.
@@ -133,6 +142,10 @@ class BlockCost:
         output_bytes: the activation the block hands to the next (a pipeline send).
         tp_traffic: ``(phase, kind, bytes)`` of each tensor-parallel collective at the reference
             batch, phase ``"forward"`` or ``"backward"``.
+        backward_bytes: the most the block's backward allocates beyond what was alive when
+            backward reached it, at the reference batch. The post block's (the loss's
+            gradients: the logits' and the loss's own) meets every activation at the start of
+            backward; a recomputed layer's comes on top of its rematerialised activations.
     """
 
     name: str
@@ -148,6 +161,7 @@ class BlockCost:
     input_bytes: float
     output_bytes: float
     tp_traffic: tuple[tuple[str, str, float], ...] = ()
+    backward_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -217,6 +231,18 @@ class Priced:
     act_bytes: float  # activations one microbatch keeps until its backward
     transient_bytes: float  # alive only while this block runs
     tp_comm_s: float = 0.0  # part of time_s spent in tensor-parallel collectives
+    grad_bytes: float = 0.0  # the gradients in state_bytes: they exist only once backward made them
+    held_bytes: float = 0.0  # gradients held from the step's earlier microbatches (accumulation)
+    start_bytes: float = 0.0  # the loss's backward working set, on top of every activation
+
+    def start_peak_bytes(self, flight: int) -> float:
+        """At the start of backward: state without this step's new gradients (those held from
+        earlier microbatches stay), every activation in flight, the loss's gradients."""
+        return self.state_bytes - self.grad_bytes + self.held_bytes + flight * self.act_bytes + self.start_bytes
+
+    def end_peak_bytes(self) -> float:
+        """At the end of backward: the whole state, gradients included; activations freed."""
+        return self.state_bytes
 
 
 @dataclass
@@ -361,8 +387,11 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     state = weights + grads + optim
 
     saved = block.saved_bytes * scale
+    # Gradients accumulate over the step's microbatches (buckets hold full ones below ZeRO-2,
+    # stages 2/3 sum shards), so from the second microbatch on they meet its activations.
+    held = grads if m > 1 else 0.0
     act = block.input_bytes * scale if choice.recompute else saved
-    transient = saved if choice.recompute else 0.0
+    transient = saved + block.backward_bytes * scale if choice.recompute else 0.0
 
     if zero == 0:
         # Gradients travel in shared buckets: the latency is charged per bucket in compose().
@@ -399,7 +428,8 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
               3: m * (4 * p_bytes + 2 * g_bytes)}[zero] if dp > 1 else 0.0
     time_s += copies / bandwidth / m
     return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
-                  tp_forward * (2 if choice.recompute else 1) + tp_backward)
+                  tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=grads, held_bytes=held,
+                  start_bytes=block.backward_bytes * scale if block.kind == POST else 0.0)
 
 
 # ------------------------------------------------------------------------------------- stages
@@ -427,14 +457,18 @@ def partition(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, com
     best[0][0] = 0.0
     for s in range(1, p + 1):
         flight = _stage_flight(layout, s - 1)
-        floor = [min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options]
+        start_floor = [min(pr.start_peak_bytes(flight) for _, pr in opts) for opts in options]
+        end_floor = [min(pr.end_peak_bytes() for _, pr in opts) for opts in options]
+        base_floor = [min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options]
         spike = [min(pr.transient_bytes for _, pr in opts) for opts in options]
         for j in range(s, n - (p - s) + 1):
-            memory, peak = 0.0, 0.0
+            start = end = base = peak = 0.0
             for i in range(j - 1, s - 2, -1):  # stage s covers blocks i..j-1
-                memory += floor[i]
+                start += start_floor[i]
+                end += end_floor[i]
+                base += base_floor[i]
                 peak = max(peak, spike[i])
-                if memory + peak > limit:
+                if max(start, end, base + peak if peak > 0 else 0.0) > limit:
                     break
                 if best[s - 1][i] == inf:
                     continue
@@ -471,7 +505,8 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
     objective.SetCoefficient(exposed, 1.0)
     comm_row = solver.Constraint(-inf, 0.0)
     comm_row.SetCoefficient(exposed, -1.0)
-    base_row = solver.Constraint(-inf, 1.0)
+    start_row = solver.Constraint(-inf, 1.0)  # the start of backward: every activation alive
+    end_row = solver.Constraint(-inf, 1.0)  # the end of backward: every gradient made
     for key, members in clusters.items():
         rep = members[0]
         pick = solver.Constraint(len(members), len(members))
@@ -482,7 +517,8 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
             # Ties (communication fully hidden) go to the option that communicates least.
             objective.SetCoefficient(n, m * pr.time_s + pr.optimizer_s + _TIE_BREAK * pr.dp_comm_s)
             comm_row.SetCoefficient(n, pr.dp_comm_s - pr.window_s)
-            base_row.SetCoefficient(n, (pr.state_bytes + flight * pr.act_bytes) * mem_scale)
+            start_row.SetCoefficient(n, pr.start_peak_bytes(flight) * mem_scale)
+            end_row.SetCoefficient(n, pr.end_peak_bytes() * mem_scale)
             if pr.transient_bytes > 0:
                 used[key, o] = solver.BoolVar(f"z[{key},{o}]")
                 link = solver.Constraint(-inf, 0.0)
@@ -520,12 +556,17 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
 
 
 def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Sequence[Priced], flight: int) -> float:
-    """Kept state and in-flight activations, plus the largest transient with what it meets (a
-    layer's transient comes after backward freed the post block's activations)."""
+    """The largest of: the start of backward (every activation, no new gradient yet, the loss's
+    gradients), the end of backward (every gradient, no activation), and each transient with
+    the state and activations it may meet (a layer's transient comes after backward freed the
+    post block's activations)."""
+    start = sum(priced[i].start_peak_bytes(flight) for i in indices)
+    end = sum(priced[i].end_peak_bytes() for i in indices)
     base = sum(priced[i].state_bytes + flight * priced[i].act_bytes for i in indices)
     post = sum(flight * priced[i].act_bytes for i in indices if blocks[i].kind == POST)
-    spikes = [priced[i].transient_bytes - (post if blocks[i].kind == LAYER else 0.0) for i in indices]
-    return base + max(0.0, max(spikes, default=0.0))
+    spikes = [priced[i].transient_bytes - (post if blocks[i].kind == LAYER else 0.0)
+              for i in indices if priced[i].transient_bytes > 0]
+    return max(start, end, base + max(spikes, default=-math.inf))
 
 
 def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]], choices: list[Choice],
@@ -633,9 +674,12 @@ def solve_mesh(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, de
 def _smallest_peak(layout: Layout, options: Sequence[Sequence[tuple[Choice, Priced]]]) -> float:
     """A lower bound of the peak on this mesh: every block at its smallest, spread over pp stages."""
     flight = _stage_flight(layout, 0)
-    floor = sum(min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options)
+    start = sum(min(pr.start_peak_bytes(flight) for _, pr in opts) for opts in options)
+    end = sum(min(pr.end_peak_bytes() for _, pr in opts) for opts in options)
+    base = sum(min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options)
     spike = max((min(pr.transient_bytes for _, pr in opts) for opts in options), default=0.0)
-    return floor / layout.mesh.pp + spike
+    p = layout.mesh.pp
+    return max(start / p, end / p, base / p + spike if spike > 0 else 0.0)
 
 
 #: Uniform assignments compared against the ILP's answer on every mesh.

@@ -35,7 +35,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -218,6 +218,86 @@ def _saved_bytes_by_node(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], fla
     return dict(out)
 
 
+class _BackwardWindows(_SavedTensors):
+    """`_SavedTensors` that also keeps every saved tensor (for a probe's baseline) and hooks the
+    gradient of every value one block hands to a later one, so that a memory probe can tell
+    when backward leaves each block."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, owner: Mapping[fx.Node, int],
+                 on_leave: Callable[[int], None]):
+        super().__init__(gm, mode, flash_attention=False)
+        # node -> the latest block that reads it (gradients flow back from there)
+        self.crossing = {n: max(owner[u] for u in n.users if u in owner)
+                         for n in owner if any(owner.get(u, -1) > owner[n] for u in n.users)}
+        self.on_leave = on_leave
+        self.kept: list[torch.Tensor] = []
+
+    def run_node(self, node: fx.Node) -> Any:
+        out = super().run_node(node)
+        if node in self.crossing:
+            for t in _flat_tensors(out):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._left, self.crossing[node]))
+        return out
+
+    def _left(self, block: int, grad: torch.Tensor) -> None:
+        self.on_leave(block)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.kept.append(t)
+        return super().pack(t)
+
+
+def _backward_bytes_by_block(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
+                             blocks: Sequence[Sequence[fx.Node]]) -> list[float]:
+    """Per block: the most bytes its backward allocates beyond what was alive when backward
+    reached it (the gradients of its activations and of the ops inside it, net of the saved
+    activations it frees on the way). For the post block that is the loss's working set (the
+    logits' gradient and the loss's own), alive while every activation still is; for a
+    recomputed layer it comes on top of its rematerialised activations.
+
+    Simulated on fake tensors at the captured batch: forward, then backward under the memory
+    probe, cut into windows where the gradient of a value that crosses into a block first
+    appears (backward leaves the blocks in reverse order).
+    """
+    from graphpass.runtime.memory import MemoryProbe
+
+    owner = {n: i for i, nodes in enumerate(blocks) for n in nodes}
+    out = [0.0] * len(blocks)
+    if not owner:
+        return out
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    probe: MemoryProbe | None = None
+    state = {"block": len(blocks) - 1, "entry": 0.0}
+
+    def on_leave(block: int) -> None:
+        # The first gradient flowing out of `block` (from a block after it) ends the windows of
+        # every block from the current one down to `block`.
+        if probe is None or block > state["block"]:
+            return
+        current = int(state["block"])
+        out[current] = max(out[current], probe.peak_bytes - state["entry"])
+        state["block"], state["entry"] = block - 1, float(probe.current_bytes)
+        probe.reset_peak()
+
+    interp = _BackwardWindows(gm, mode, owner, on_leave)
+    fake_inputs = [mode.from_tensor(t) for t in inputs]
+    with mode, torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t):
+        result = interp.run(*fake_inputs)
+    losses = [t for t in _flat_tensors(result) if t.requires_grad]
+    if not losses:
+        return out
+    with mode:
+        probe = MemoryProbe(baseline=interp.kept, fake=True)
+        with probe:
+            interp.kept.clear()  # the probe holds them weakly: backward frees them as it goes
+            state["entry"] = float(probe.current_bytes)
+            torch.autograd.backward(losses, [torch.ones_like(t) for t in losses])
+            if state["block"] >= 0:
+                out[state["block"]] = max(out[state["block"]], probe.peak_bytes - state["entry"])
+    return [max(0.0, b) for b in out]
+
+
 class GraphProfile:
     """A captured graph measured once: blocks, per-node work, saved activations, parameters.
 
@@ -264,6 +344,8 @@ class GraphProfile:
                 has_backward = b > 0 or any(a in grad_nodes for a in node.all_input_nodes)
                 self.work[node.name] = (f, b, node_bytes(node) - weights, weights if has_backward else -weights)
         self.saved = _saved_bytes_by_node(gm, inputs, flash_attention=cluster.device.kind == "cuda")
+        self.backward_bytes = dict(zip((b.name for b in self.blocks),
+                                       _backward_bytes_by_block(gm, inputs, [b.nodes for b in self.blocks])))
         self.split_linears = set(default_split(gm, 2))
 
     def _attr(self, target: str) -> torch.Tensor:
@@ -401,10 +483,13 @@ class GraphProfile:
                     fwd += f
                     bwd += bw
                 times[b] = (fwd, bwd)
-            saved = sum(
-                self.saved.get(n.name, 0.0) / (tp if tp > 1 and placed(n, (Shard,)) and n.name not in gathered else 1)
-                for n in block.nodes
-            )
+            def saved_share(n: fx.Node) -> float:
+                """What ``n`` saves on one rank: sharded with its output, or, for a reduction
+                to a scalar over sharded inputs (the vocab-parallel loss), with those inputs."""
+                sharded = (placed(n, (Shard,)) and n.name not in gathered) or (runs_sharded(n) and _is_scalar(n))
+                return self.saved.get(n.name, 0.0) / (tp if tp > 1 and sharded else 1)
+
+            saved = sum(saved_share(n) for n in block.nodes)
             if block.kind == S.PRE:  # inputs saved by the first ops (token ids)
                 saved += sum(v for k, v in self.saved.items() if k not in self.work)
             params = param_bytes = split_bytes = 0.0
@@ -422,13 +507,27 @@ class GraphProfile:
                     split_bytes += _tensor_bytes(self.tensors[w.name]) if w.name in self.tensors else 0.0
                     split_count += 1
             scale_io = 1 / tp if sequence_parallel and tp > 1 else 1.0
+            # A backward's working set is the size of the activations it differentiates: sharded
+            # as what they save is under this layout (the post block: its loss, whose input is
+            # the logits; the vocab-parallel loss shards it by tp).
+            measured = [n for n in block.nodes if _is_scalar(n)] if block.kind == S.POST else []
+            measured = [n for n in measured if self.saved.get(n.name)] or block.nodes
+            whole = sum(self.saved.get(n.name, 0.0) for n in measured)
+            share = sum(saved_share(n) for n in measured)
+            working = self.backward_bytes.get(block.name, 0.0) * (share / whole if whole > 0 else 1.0)
             out.append(S.BlockCost(
                 name=block.name, kind=block.kind, signature=block.signature, layer=block.layer,
                 params=params, param_bytes=param_bytes, split_bytes=split_bytes, split_count=split_count,
                 times=times, saved_bytes=saved, input_bytes=block.input_bytes * scale_io,
                 output_bytes=block.output_bytes * scale_io, tp_traffic=tuple(traffic.get(block.name, ())),
+                backward_bytes=working,
             ))
         return out
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    val = node.meta.get(meta.VAL)
+    return isinstance(val, torch.Tensor) and val.dim() == 0
 
 
 def _is_float_node(node: fx.Node) -> bool:

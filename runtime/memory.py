@@ -72,8 +72,9 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["MemoryProbe", "measure_peak_bytes", "optimizer_state_tensors", "tensor_bytes"]
 
 
-def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The CPU storages behind ``t``: its own, or its inner tensors' for a wrapper subclass."""
+def _storages(t: torch.Tensor, fake: bool = False) -> Iterator[torch.UntypedStorage]:
+    """The CPU storages behind ``t``: its own, or its inner tensors' for a wrapper subclass; with
+    ``fake``, a fake tensor's (of any device) instead."""
     stack = [t]
     while stack:
         obj = stack.pop()
@@ -82,7 +83,7 @@ def _storages(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
             inners = (getattr(obj, name) for name in inner_names)
             stack.extend(inner for inner in inners if isinstance(inner, torch.Tensor))
             continue
-        if isinstance(obj, FakeTensor) or obj.device.type != "cpu" or obj.layout != torch.strided:
+        if isinstance(obj, FakeTensor) != fake or (not fake and obj.device.type != "cpu") or obj.layout != torch.strided:
             continue
         try:
             yield obj.untyped_storage()
@@ -164,6 +165,9 @@ class MemoryProbe(TorchDispatchMode):
     Args:
         baseline: Tensors alive before entering (parameters, gradients, optimizer state, inputs).
             Their distinct storages count from entry until they are freed. Not kept alive.
+        fake: count fake tensors (of any device) instead of real CPU ones: a simulation of a
+            region run under the ``FakeTensorMode`` that is active when the probe is entered
+            (the planner's, on shapes only). Real tensors are then not counted.
 
     Attributes:
         peak_bytes: Max over the region of (baseline bytes + bytes of storages allocated in the
@@ -173,8 +177,9 @@ class MemoryProbe(TorchDispatchMode):
     Entering again starts a fresh measurement from the same ``baseline`` (as it is then).
     """
 
-    def __init__(self, baseline: Iterable[torch.Tensor] = ()):
+    def __init__(self, baseline: Iterable[torch.Tensor] = (), *, fake: bool = False):
         super().__init__()
+        self._fake = fake
         # Weak references only: the probe must not change what is alive.
         self._baseline: list[weakref.ref] = []
         for t in baseline:
@@ -247,7 +252,7 @@ class MemoryProbe(TorchDispatchMode):
             for ref in self._baseline:
                 t = ref()
                 if t is not None:
-                    for storage in _storages(t):
+                    for storage in _storages(t, self._fake):
                         self._track(storage)
             self._fake_mode_on_entry = active_fake_mode()
             self._active = True
@@ -277,7 +282,7 @@ class MemoryProbe(TorchDispatchMode):
         if active_fake_mode() is self._fake_mode_on_entry:
             for value in tree_flatten(out)[0]:
                 if isinstance(value, torch.Tensor):
-                    for storage in _storages(value):
+                    for storage in _storages(value, self._fake):
                         self._track(storage)
             schema = getattr(func, "_schema", None)  # higher-order ops have none
             if func in _STORAGE_RESIZING_OPS or (schema is not None and schema.is_mutable):
@@ -285,7 +290,7 @@ class MemoryProbe(TorchDispatchMode):
                 # returning it.
                 for value in tree_flatten((args, kwargs))[0]:
                     if isinstance(value, torch.Tensor):
-                        for storage in _storages(value):
+                        for storage in _storages(value, self._fake):
                             if id(storage) in self._tracked:
                                 self._track(storage)
         return out

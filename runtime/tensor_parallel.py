@@ -244,12 +244,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # In place in the saved exp, as Megatron does: the logits' gradient needs no buffer of
+        # the logits' size beyond the one forward saved (the graph is not run backward twice).
         exp, sum_exp, local_target, in_range, valid = ctx.saved_tensors
-        softmax = exp / sum_exp.unsqueeze(-1)
-        onehot = torch.zeros_like(softmax).scatter_(-1, local_target.unsqueeze(-1), 1.0)
-        onehot = onehot * in_range.unsqueeze(-1)
-        scale = (grad / ctx.count) * valid.unsqueeze(-1)
-        return (softmax - onehot) * scale, None, None, None, None
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        hit = in_range.unsqueeze(-1).to(softmax.dtype)
+        softmax.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
+        return softmax.mul_(((grad / ctx.count) * valid).unsqueeze(-1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

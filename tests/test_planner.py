@@ -176,8 +176,8 @@ def test_wide_layers_on_single_gpu_nodes_rediscover_osdp_splitting():
     cfg = GPTConfig(vocab_size=32768, block_size=256, n_layer=8, n_head=64, n_embd=8192, dropout=0.0, bias=False)
     planner = Planner(_meta(cfg), "a100-40g:8x1", example_inputs(cfg, batch=16, device="meta"))
     peak = planner.auto().predicted_peak_memory_bytes
-    plans = [planner.auto(memory_budget=int(peak * f)) for f in (0.9, 0.8)]
-    for f, plan in zip((0.9, 0.8), plans):
+    plans = [planner.auto(memory_budget=int(peak * f)) for f in (0.9, 0.85)]
+    for f, plan in zip((0.9, 0.85), plans):
         assert plan.predicted_peak_memory_bytes <= peak * f, plan.explain()
         assert "tp" not in dict(plan.mesh)
     assert any(_summary(plan)["split"] and 3 in _summary(plan)["zero"] for plan in plans)
