@@ -12,7 +12,8 @@ spec-sheet or guessed figures; this module replaces them with measurements, all 
 * **Contention** (`profile`, CPU, ``world_size > 1``): each rank times an MLP sub-layer's
   forward and backward alone, then with every rank running it at once; the slowest rank's
   slowdown is ``DeviceSpec.contention``, by which the planner scales op times that one process
-  measured (`node_times`).
+  measured (`node_times`). An AdamW step over 4M parameters measured alike (memory-bound: DRAM
+  is what the ranks share most) gives ``DeviceSpec.memory_contention`` for optimizer steps.
 * **Links** (`profile`, ``world_size > 1``): ``world_size`` local ranks
   (`graphpass.runtime.launch.launch`, gloo on CPU, nccl on GPU) time ``all_reduce`` over a ladder
   of sizes: median of repeats after warmup on each rank, the slowest rank's median per size. On
@@ -346,19 +347,30 @@ def _layer_work(rows: int, width: int) -> Callable[[], None]:
     return run
 
 
-def _measure_contention(quick: bool) -> tuple[float, float]:
-    """(alone_s, together_s): this rank's median time of `_layer_work` while the other ranks wait,
-    then while every rank runs it at once (CPU ranks share cores, caches and DRAM)."""
-    work = _layer_work(512 if quick else 2048, 256)
+def _optimizer_work(elements: int) -> Callable[[], None]:
+    """One AdamW step over ``elements`` parameters in 4 tensors: memory-bound streaming."""
+    params = [torch.nn.Parameter(torch.randn(elements // 4)) for _ in range(4)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    return torch.optim.AdamW(params, lr=1e-4).step
+
+
+def _measure_contention(quick: bool) -> dict[str, tuple[float, float]]:
+    """Per kind of work (``"compute"``: `_layer_work`, ``"memory"``: `_optimizer_work`), this
+    rank's (alone_s, together_s): its median time while the other ranks wait, then while every
+    rank runs it at once (CPU ranks share cores, caches and DRAM)."""
     repeats = 5 if quick else 15
-    alone = 0.0
-    for rank in range(dist.get_world_size()):  # one rank at a time, the others idle in a barrier
-        dist.barrier()
-        if dist.get_rank() == rank:
-            alone = _median_s(work, "cpu", warmup=2, repeats=repeats)
-        dist.barrier()
-    together = _median_s(work, "cpu", warmup=2, repeats=repeats)
-    return alone, together
+    works = {"compute": _layer_work(512 if quick else 2048, 256), "memory": _optimizer_work(2**20 if quick else 2**22)}
+    out = {}
+    for kind, work in works.items():
+        alone = 0.0
+        for rank in range(dist.get_world_size()):  # one rank at a time, the others idle in a barrier
+            dist.barrier()
+            if dist.get_rank() == rank:
+                alone = _median_s(work, "cpu", warmup=2, repeats=repeats)
+            dist.barrier()
+        out[kind] = (alone, _median_s(work, "cpu", warmup=2, repeats=repeats))
+    return out
 
 
 def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, Any]:
@@ -598,7 +610,8 @@ def run_profile(
             "tflops": {d: min(r["device"]["tflops"][d] for r in results) for d in dtypes},
             "memory_bandwidth_gbps": min(r["device"]["memory_bandwidth_gbps"] for r in results),
             "threads": results[0]["device"]["threads"],
-            "contention": _contention(results),
+            "contention": _contention(results, "compute"),
+            "memory_contention": _contention(results, "memory"),
         }
         ladder = results[0]["collectives"]["all_reduce"]
         report_links = [
@@ -633,6 +646,7 @@ def run_profile(
         compute_efficiency=1.0,  # achieved rates, not peaks
         memory_efficiency=1.0,
         contention=device_result.get("contention"),
+        memory_contention=device_result.get("memory_contention"),
     )
     today = datetime.date.today().isoformat()
     profiled = Cluster(
@@ -652,12 +666,13 @@ def run_profile(
     )
 
 
-def _contention(results: Sequence[dict[str, Any]]) -> float | None:
-    """The slowest rank's slowdown computing alongside the others (>= 1; None off CPU)."""
-    pairs = [r["device"]["contention"] for r in results]
-    if any(p is None for p in pairs):
+def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
+    """The slowest rank's slowdown running ``kind`` of work alongside the others (>= 1; None
+    off CPU)."""
+    measured = [r["device"]["contention"] for r in results]
+    if any(m is None for m in measured):
         return None
-    return round(max(1.0, max(together / alone for alone, together in pairs)), 3)
+    return round(max(1.0, max(together / alone for alone, together in (m[kind] for m in measured))), 3)
 
 
 #: Measured kind factors are clamped to this range: a single timing far outside it is noise.

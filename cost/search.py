@@ -133,6 +133,7 @@ class BlockCost:
         signature: equal for identical blocks (same ops, shapes and parameters): they cluster.
         layer: repeated-layer index, None for pre/post.
         params: trainable elements this rank holds (after tensor-parallel sharding).
+        tensors: trainable parameter tensors (what a foreach optimizer steps one by one).
         param_bytes: bytes of those parameters in their dtype.
         split_bytes: bytes of the linears operator splitting would cut (0: nothing to split).
         split_count: how many such linears.
@@ -162,6 +163,7 @@ class BlockCost:
     output_bytes: float
     tp_traffic: tuple[tuple[str, str, float], ...] = ()
     backward_bytes: float = 0.0
+    tensors: int = 0
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,8 @@ class Costing:
             microbatching, no split with tp).
         optimizer_s_per_param: measured optimizer-step seconds per parameter element on this
             machine (None: priced as memory traffic, ``2p + g + 2o`` bytes at the bandwidth).
+        optimizer_s_per_tensor: measured seconds per parameter tensor of the same step (the
+            per-tensor work of a foreach optimizer; ZeRO shards keep one tensor per parameter).
         bucket_cap_bytes: gradient all-reduce bucket size of pure data parallelism
             (``Plan.bucket_cap_bytes``): one collective's latency per bucket, not per block.
     """
@@ -216,6 +220,7 @@ class Costing:
     overlap: float = 1.0
     executable_only: bool = False
     optimizer_s_per_param: float | None = None
+    optimizer_s_per_tensor: float = 0.0
     bucket_cap_bytes: float = 25 * 2**20  # DDP's default, as Plan's
 
 
@@ -418,7 +423,7 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     share = 1 / dp if zero >= 1 else 1.0
     bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
     if costing.optimizer_s_per_param is not None:
-        optimizer_s = share * block.params * costing.optimizer_s_per_param
+        optimizer_s = share * block.params * costing.optimizer_s_per_param + block.tensors * costing.optimizer_s_per_tensor
     else:
         optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
     # Flat-buffer copies around the data-parallel collectives (bytes read + written): a gradient

@@ -155,6 +155,9 @@ class DeviceSpec:
             computes at once than one process alone measured it (CPU ranks share cores, caches
             and DRAM), >= 1; measured by `graphpass.profile`. None = not measured: the planner
             then assumes only core oversubscription.
+        memory_contention: The same slowdown for memory-bound work (an optimizer step streaming
+            its states), which contends for DRAM more than compute does; None = not measured
+            (``contention`` stands in).
     """
 
     name: str
@@ -165,6 +168,7 @@ class DeviceSpec:
     compute_efficiency: float = DEFAULT_EFFICIENCY
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
     contention: float | None = None
+    memory_contention: float | None = None
 
     def __post_init__(self) -> None:
         _check_str("DeviceSpec", "name", self.name)
@@ -183,16 +187,17 @@ class DeviceSpec:
             if value > 1:
                 raise ValueError(f"DeviceSpec.{name} must be in (0, 1], got {value!r}")
             object.__setattr__(self, name, value)
-        if self.contention is not None:
-            value = _check_number("DeviceSpec", "contention", self.contention)
-            if value < 1:
-                raise ValueError(f"DeviceSpec.contention must be >= 1 (a slowdown), got {value!r}")
-            object.__setattr__(self, "contention", value)
+        for name in ("contention", "memory_contention"):
+            if getattr(self, name) is not None:
+                value = _check_number("DeviceSpec", name, getattr(self, name))
+                if value < 1:
+                    raise ValueError(f"DeviceSpec.{name} must be >= 1 (a slowdown), got {value!r}")
+                object.__setattr__(self, name, value)
 
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
         return hash(
             (self.name, self.kind, tuple(sorted(self.peak_tflops.items())), self.memory_bytes,
-             self.memory_bandwidth_gbps, self.compute_efficiency, self.memory_efficiency, self.contention)
+             self.memory_bandwidth_gbps, self.compute_efficiency, self.memory_efficiency, self.contention, self.memory_contention)
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,13 +211,14 @@ class DeviceSpec:
             "compute_efficiency": self.compute_efficiency,
             "memory_efficiency": self.memory_efficiency,
             "contention": self.contention,
+            "memory_contention": self.memory_contention,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceSpec:
         """Builds a spec from `to_dict` output; unknown or missing keys raise ValueError.
 
-        The efficiencies and the contention may be missing (JSON written before they existed):
+        The efficiencies and the contentions may be missing (JSON written before they existed):
         they take their defaults.
         """
         return cls(**_from_fields(cls, data, "DeviceSpec"))

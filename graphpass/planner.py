@@ -493,11 +493,12 @@ class GraphProfile:
             if block.kind == S.PRE:  # inputs saved by the first ops (token ids)
                 saved += sum(v for k, v in self.saved.items() if k not in self.work)
             params = param_bytes = split_bytes = 0.0
-            split_count = 0
+            split_count = tensors = 0
             for p in block.params:
                 tensor = self.tensors[p.name]
                 if not tensor.requires_grad:
                     continue
+                tensors += 1
                 share = tp if isinstance(placements.get(p.name), Shard) else 1
                 params += tensor.numel() / share
                 param_bytes += tensor.numel() * tensor.element_size() / share
@@ -520,7 +521,7 @@ class GraphProfile:
                 params=params, param_bytes=param_bytes, split_bytes=split_bytes, split_count=split_count,
                 times=times, saved_bytes=saved, input_bytes=block.input_bytes * scale_io,
                 output_bytes=block.output_bytes * scale_io, tp_traffic=tuple(traffic.get(block.name, ())),
-                backward_bytes=working,
+                backward_bytes=working, tensors=tensors,
             ))
         return out
 
@@ -542,38 +543,61 @@ def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> Plan:
 # ------------------------------------------------------------------------------------- search
 
 
-def _contention(cluster: Cluster) -> float:
+def _contention(cluster: Cluster, memory_bound: bool = False) -> float:
     """How many times slower one rank's compute runs than one process alone measured it: on CPU,
-    the profile's measured `DeviceSpec.contention` (ranks share cores, caches and DRAM), else the
-    core oversubscription alone (ranks x threads per rank, as ``graphpass.launch`` sets them,
-    over the cores)."""
+    the profile's measured `DeviceSpec.contention` (ranks share cores, caches and DRAM; for
+    ``memory_bound`` work such as an optimizer step, ``memory_contention``), else the core
+    oversubscription alone (ranks x threads per rank, as ``graphpass.launch`` sets them, over
+    the cores)."""
     if cluster.device.kind != "cpu":
         return 1.0
-    if cluster.device.contention is not None:
-        return cluster.device.contention
+    measured = cluster.device.memory_contention if memory_bound else None
+    measured = measured if measured is not None else cluster.device.contention
+    if measured is not None:
+        return measured
     cores = os.cpu_count() or 1
     threads = max(1, cores // cluster.world_size)
     return max(1.0, cluster.world_size * threads / cores)
 
 
-def _measure_optimizer(dtype: torch.dtype, states: int, device: str = "cpu", elements: int = 2**21) -> float:
-    """Seconds per parameter element of one optimizer step on this machine: AdamW (foreach, the
-    default implementation) for 2 states, SGD with momentum for 1, plain SGD for 0."""
-    param = torch.nn.Parameter(torch.randn(elements, dtype=dtype, device=device))
-    param.grad = torch.randn_like(param)
-    if states >= 2:
-        opt: torch.optim.Optimizer = torch.optim.AdamW([param], lr=1e-4)
-    else:
-        opt = torch.optim.SGD([param], lr=1e-4, momentum=0.9 if states == 1 else 0.0)
-    times = []
-    for i in range(7):
-        start = time.perf_counter()
-        opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] / elements
+def _measure_optimizer(shapes: Sequence[torch.Size], dtype: torch.dtype, states: int, device: str = "cpu",
+                       max_elements: int = 2**23) -> tuple[float, float]:
+    """(seconds per parameter element, seconds per parameter tensor) of one optimizer step on
+    this machine: AdamW (foreach, the default implementation) for 2 states, SGD with momentum
+    for 1, plain SGD for 0, over tensors of the model's parameter ``shapes`` (the first ones up
+    to ``max_elements``), and again over the same tensors a quarter the size (dim 0 cut, as
+    ZeRO's shards are): the difference is the per-element part, the rest per tensor."""
+    chosen, total = [], 0
+    for shape in shapes:
+        if chosen and total + math.prod(shape) > max_elements:
+            break
+        chosen.append(tuple(shape) or (1,))
+        total += math.prod(chosen[-1])
+
+    def step_s(sizes: Sequence[tuple[int, ...]]) -> float:
+        params = [torch.nn.Parameter(torch.randn(size, dtype=dtype, device=device)) for size in sizes]
+        for param in params:
+            param.grad = torch.randn_like(param)
+        if states >= 2:
+            opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-4)
+        else:
+            opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9 if states == 1 else 0.0)
+        times = []
+        for i in range(7):
+            start = time.perf_counter()
+            opt.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    quarter = [(max(1, size[0] // 4), *size[1:]) for size in chosen]
+    whole_s, quarter_s = step_s(chosen), step_s(quarter)
+    fewer = total - sum(math.prod(size) for size in quarter)
+    per_element = max(0.0, whole_s - quarter_s) / fewer if fewer > 0 else whole_s / max(total, 1)
+    per_tensor = max(0.0, whole_s - per_element * total) / len(chosen)
+    return per_element, per_tensor
 
 
 def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float, optimizer_states: int,
@@ -583,6 +607,12 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
     # copy). 16-bit weights: mixed precision, gradients in 16 bits, an fp32 master copy plus fp32
     # states (ZeRO's K = 12 for Adam).
     master = 4 if param_bytes < 4 else 0
+    per_element, per_tensor = None, 0.0
+    if measure and cluster.name.startswith("local"):
+        shapes = [profile.tensors[n.name].shape for n in profile.param_nodes if profile.tensors[n.name].requires_grad]
+        per_element, per_tensor = (
+            t * _contention(cluster, memory_bound=True) for t in _measure_optimizer(shapes, profile.param_dtype, optimizer_states,
+                                                                 cluster.device.kind))
     return S.Costing(
         cluster=cluster,
         batch=batch,
@@ -593,10 +623,8 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         # compute for the same cores, so nothing is assumed hidden there.
         overlap=1.0 if cluster.device.kind == "cuda" else 0.0,
         executable_only=executable_only,
-        optimizer_s_per_param=(
-            _measure_optimizer(profile.param_dtype, optimizer_states, cluster.device.kind) * _contention(cluster)
-            if measure and cluster.name.startswith("local") else None
-        ),
+        optimizer_s_per_param=per_element,
+        optimizer_s_per_tensor=per_tensor,
     )
 
 

@@ -70,6 +70,7 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     assert (c.device.compute_efficiency, c.device.memory_efficiency) == (1.0, 1.0)
     # Two ranks computing at once on their own cores: a slowdown >= 1 (clamped), measured.
     assert c.device.contention is not None and c.device.contention >= 1.0
+    assert c.device.memory_contention is not None and c.device.memory_contention >= 1.0
     link = c.intra_node
     assert c.inter_node == link and link.name == "measured"
     assert link.latency_s >= 0 and link.bandwidth_gbps > 0
@@ -89,7 +90,7 @@ def test_profile_one_rank_keeps_the_default_link_and_writes_the_default_path(cac
     assert path.parent == cache_dir / "clusters" and path.name == "cpu-1.json"
     assert Cluster.from_json(path.read_text()) == c
     assert c.intra_node == c.inter_node == cluster_module._LOOPBACK  # nothing to measure
-    assert c.device.contention is None  # nobody to contend with
+    assert c.device.contention is None and c.device.memory_contention is None  # nobody to contend with
 
 
 @pytest.mark.parametrize(
@@ -160,14 +161,18 @@ def test_device_efficiencies_round_trip_default_for_old_json_and_are_validated()
 
 
 def test_device_contention_round_trips_defaults_to_unmeasured_and_is_at_least_one():
-    spec = DeviceSpec("cpu", "cpu", {"fp32": 0.1}, 2**30, 10.0, 1.0, 1.0, contention=1.25)
+    spec = DeviceSpec("cpu", "cpu", {"fp32": 0.1}, 2**30, 10.0, 1.0, 1.0, contention=1.25, memory_contention=1.5)
     assert DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert hash(spec) != hash(dataclasses.replace(spec, contention=None))
+    assert hash(spec) != hash(dataclasses.replace(spec, memory_contention=None))
     old = spec.to_dict()
-    del old["contention"]
-    assert DeviceSpec.from_dict(old).contention is None  # a profile written before it existed
+    del old["contention"], old["memory_contention"]
+    loaded = DeviceSpec.from_dict(old)  # a profile written before they existed
+    assert loaded.contention is None and loaded.memory_contention is None
     with pytest.raises(ValueError, match="DeviceSpec.contention must be >= 1"):
         dataclasses.replace(spec, contention=0.9)
+    with pytest.raises(ValueError, match="DeviceSpec.memory_contention must be >= 1"):
+        dataclasses.replace(spec, memory_contention=0.5)
 
 
 # --------------------------------------------------------------------------- per-op times
