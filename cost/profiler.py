@@ -10,9 +10,10 @@ spec-sheet or guessed figures; this module replaces them with measurements, all 
   (bytes read plus written). The `DeviceSpec` records these *achieved* rates with
   ``compute_efficiency = memory_efficiency = 1.0``, so the roofline applies no further discount.
 * **Contention** (`profile`, CPU, ``world_size > 1``): each rank times an MLP sub-layer's
-  forward and backward alone, then with every rank running it at once; the slowest rank's
-  slowdown is ``DeviceSpec.contention``, by which the planner scales op times that one process
-  measured (`node_times`). An AdamW step over 4M parameters measured alike (memory-bound: DRAM
+  forward and backward alone, then with every rank running it at once, each repeat as long as
+  its slowest rank (a synchronous step waits for it); that slowdown is
+  ``DeviceSpec.contention``, by which the planner scales op times that one process measured
+  (`node_times`). An AdamW step over 4M parameters measured alike (memory-bound: DRAM
   is what the ranks share most) gives ``DeviceSpec.memory_contention`` for optimizer steps.
 * **Links** (`profile`, ``world_size > 1``): ``world_size`` local ranks
   (`graphpass.runtime.launch.launch`, gloo on CPU, nccl on GPU) time ``all_reduce`` over a ladder
@@ -355,10 +356,11 @@ def _optimizer_work(elements: int) -> Callable[[], None]:
     return torch.optim.AdamW(params, lr=1e-4).step
 
 
-def _measure_contention(quick: bool) -> dict[str, tuple[float, float]]:
+def _measure_contention(quick: bool) -> dict[str, tuple[float, list[float]]]:
     """Per kind of work (``"compute"``: `_layer_work`, ``"memory"``: `_optimizer_work`), this
-    rank's (alone_s, together_s): its median time while the other ranks wait, then while every
-    rank runs it at once (CPU ranks share cores, caches and DRAM)."""
+    rank's median time while the other ranks wait, and its time of each repeat while every rank
+    runs it at once (CPU ranks share cores, caches and DRAM), the repeats started together by a
+    barrier as a synchronous step's are."""
     repeats = 5 if quick else 15
     works = {"compute": _layer_work(512 if quick else 2048, 256), "memory": _optimizer_work(2**20 if quick else 2**22)}
     out = {}
@@ -369,7 +371,12 @@ def _measure_contention(quick: bool) -> dict[str, tuple[float, float]]:
             if dist.get_rank() == rank:
                 alone = _median_s(work, "cpu", warmup=2, repeats=repeats)
             dist.barrier()
-        out[kind] = (alone, _median_s(work, "cpu", warmup=2, repeats=repeats))
+        work()
+        together = []
+        for _ in range(repeats):
+            dist.barrier()
+            together.append(_time_once_s(work, "cpu"))
+        out[kind] = (alone, together)
     return out
 
 
@@ -667,12 +674,16 @@ def run_profile(
 
 
 def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
-    """The slowest rank's slowdown running ``kind`` of work alongside the others (>= 1; None
-    off CPU)."""
+    """How much longer ``kind`` of work takes when every rank runs it at once and each repeat
+    lasts as long as its slowest rank (a synchronous step waits for it), than on one rank alone:
+    the median over repeats of the slowest rank's time, over the ranks' mean alone time (>= 1;
+    None off CPU)."""
     measured = [r["device"]["contention"] for r in results]
     if any(m is None for m in measured):
         return None
-    return round(max(1.0, max(together / alone for alone, together in (m[kind] for m in measured))), 3)
+    alone = statistics.fmean(m[kind][0] for m in measured)
+    slowest = statistics.median(max(times) for times in zip(*(m[kind][1] for m in measured)))
+    return round(max(1.0, slowest / alone), 3)
 
 
 #: Measured kind factors are clamped to this range: a single timing far outside it is noise.
