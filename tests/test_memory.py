@@ -313,3 +313,20 @@ def _collective_buffers() -> tuple[int, int]:
 def test_probe_counts_collective_output_buffers(rank_pool):
     results = rank_pool(2).run(_collective_buffers, timeout_s=60)
     assert results == [((1000 + 2000 + 2 * 1000) * F32,) * 2] * 2
+
+
+def test_fake_probe_simulates_a_region_on_shapes():
+    """With fake=True the probe counts fake tensors (the planner's simulations) and no real one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.ones(1000)
+    with FakeTensorMode():
+        x = torch.empty(1000, 1000)  # 4 MB, nothing allocated
+        with MemoryProbe(baseline=[x, real], fake=True) as probe:
+            assert probe.current_bytes == 4_000_000  # the real baseline tensor is not counted
+            y = x * 2
+            z = y + 1
+            del y  # freed: the peak stays, the current total drops
+            assert probe.current_bytes == 8_000_000
+        assert probe.peak_bytes == 12_000_000
+        del z
