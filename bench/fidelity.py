@@ -33,9 +33,10 @@ targets (time <= 5%, memory <= 3%), with the worst case. Both error columns are 
 The second table per world size splits each side into terms for diagnosis. Predicted: ``comp``
 = sum of the blocks' compute (forward + backward + recomputed forward), ``tp`` = tensor-parallel
 collectives, ``dp`` = data-parallel collectives (on CPU the planner hides none of it behind
-compute), ``opt`` = the optimizer step (the rest of the predicted step); ``state``,
-``act`` (activations saved for backward) and ``trans`` (the largest transient: gathered ZeRO-3
-weights, recomputed activations) in MiB. Measured: ``train`` = ``train_step`` (forward, backward
+compute), ``opt`` = the optimizer step (the rest of the predicted step); ``start`` (the start
+of backward: state without the step's new gradients, every activation, the loss's backward
+working set), ``end`` (the end of backward: the whole state) and ``trans`` (the largest
+transient: gathered ZeRO-3 weights, recomputed activations) in MiB. Measured: ``train`` = ``train_step`` (forward, backward
 and every collective), ``opt`` = ``opt.step`` + ``zero_grad``; ``state`` = parameters + gradients
 + AdamW state after the step, ``fwd+bwd`` and ``opt`` = the peak above the state during
 ``train_step`` and during ``opt.step`` (as in ``bench/memory.py``).
@@ -163,8 +164,10 @@ def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> tuple[
                 "compute": compute, "tp": tp, "dp": dp,
                 # On CPU nothing hides dp communication (Costing.overlap = 0): the rest is the optimizer.
                 "opt": plan.predicted_step_time_s - compute - tp - dp,
-                "state": sum(r["state_bytes"] for r in rows),
-                "act": sum(r["activation_bytes"] for r in rows),
+                # The two ends of backward the peak is the larger of (transients aside).
+                "start": sum(r["state_bytes"] - r["grad_bytes"] + r["held_bytes"] + r["activation_bytes"]
+                             + r["loss_backward_bytes"] for r in rows),
+                "end": sum(r["state_bytes"] for r in rows),
                 "transient": max(r["transient_bytes"] for r in rows),
             }
         return out, measure_s
@@ -276,12 +279,12 @@ def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, flo
           f"memory {mem_med:.1%} (target <= {MEMORY_TARGET:.0%}); {_worst(errors)}")
     print()
     print("  terms         predicted ms: comp     tp     dp    opt | measured ms: train    opt"
-          " || predicted MiB: state    act  trans | measured MiB: state fwd+bwd    opt")
+          " || predicted MiB: start    end  trans | measured MiB: state fwd+bwd    opt")
     for name, _ in STRATEGIES[world]:
         p, m = predicted[name], measured[name]
         print(f"  {name:22s} {p['compute'] * 1e3:15.1f} {p['tp'] * 1e3:6.1f} {p['dp'] * 1e3:6.1f} "
               f"{p['opt'] * 1e3:6.1f} | {m['train'] * 1e3:18.1f} {m['opt'] * 1e3:6.1f} || "
-              f"{p['state'] / MIB:20.1f} {p['act'] / MIB:6.1f} {p['transient'] / MIB:6.1f} | "
+              f"{p['start'] / MIB:20.1f} {p['end'] / MIB:6.1f} {p['transient'] / MIB:6.1f} | "
               f"{m['state'] / MIB:19.1f} {m['fwd_bwd'] / MIB:7.1f} {m['opt_mem'] / MIB:6.1f}")
     return errors
 

@@ -182,7 +182,10 @@ class Plan:
         breakdown: the planner's per-block figures, one dict per block in order: ``block``,
             ``stage``, ``choice`` (e.g. ``"zero-3 + recompute"``), ``time_s`` (compute and
             tensor-parallel collectives of one step), ``tp_comm_s``, ``dp_comm_s``,
-            ``state_bytes``, ``activation_bytes`` (per microbatch), ``transient_bytes``.
+            ``state_bytes`` (gradients included), ``activation_bytes`` (per microbatch),
+            ``transient_bytes``, ``grad_bytes`` (the gradients in ``state_bytes``), ``held_bytes``
+            (gradients held across microbatches), ``loss_backward_bytes`` (the loss's backward
+            working set, post block only).
         predicted_step_time_s: the cost model's step time, None until the planner prices it.
         predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
         reasons: human-readable lines saying why the plan is what it is (shown by ``explain``).

@@ -905,7 +905,8 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                 "block": block.name, "stage": s, "choice": str(cand.choices[i]),
                 "time_s": pr.time_s * layout.microbatches, "tp_comm_s": pr.tp_comm_s * layout.microbatches,
                 "dp_comm_s": pr.dp_comm_s, "state_bytes": pr.state_bytes, "activation_bytes": pr.act_bytes,
-                "transient_bytes": pr.transient_bytes,
+                "transient_bytes": pr.transient_bytes, "grad_bytes": pr.grad_bytes, "held_bytes": pr.held_bytes,
+                "loss_backward_bytes": pr.start_bytes,
             })
     reasons = list(reasons)
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
