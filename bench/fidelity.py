@@ -21,7 +21,8 @@ at least six uniform strategies per world size:
   ``--steps`` steps are timed, each started by a barrier; the step time is the median over steps
   of the slowest rank's time. Then one more step runs under
   :class:`graphpass.runtime.memory.MemoryProbe`, as ``bench/memory.py`` does: the baseline is the
-  parameters, the AdamW state (it exists after the first step) and the batch, so the probe's peak
+  parameters, the AdamW state (it exists after the first step), the runtime's resident gradient
+  buckets (``dmodel.resident_buffers()``) and the batch, so the probe's peak
   is absolute live tensor bytes on the rank; the figure is the max over ranks. The probe counts
   tensor storages only (no allocator slack, no gloo staging buffers): the same scope as the
   prediction.
@@ -202,7 +203,7 @@ def _measure_strategy(args, strategy: gp.Strategy, data) -> dict:
 
     gc.collect()
     batch = data[args.warmup + args.steps]
-    state = params + optimizer_state_tensors(opt)
+    state = params + optimizer_state_tensors(opt) + dmodel.resident_buffers()
     with MemoryProbe(baseline=state + list(batch)) as probe:
         dmodel.train_step(*batch)
         train_peak = probe.peak_bytes

@@ -144,9 +144,11 @@ class BlockCost:
         tp_traffic: ``(phase, kind, bytes)`` of each tensor-parallel collective at the reference
             batch, phase ``"forward"`` or ``"backward"``.
         backward_bytes: the most the block's backward allocates beyond what was alive when
-            backward reached it, at the reference batch. The post block's (the loss's
-            gradients: the logits' and the loss's own) meets every activation at the start of
-            backward; a recomputed layer's comes on top of its rematerialised activations.
+            backward reached it, at the reference batch. The last block's (the post block's:
+            the loss's gradients, the logits' and the loss's own) meets every activation at the
+            start of backward; a recomputed layer's comes on top of its rematerialised
+            activations.
+        backward_starts_here: the last block of the model, whose backward runs first.
     """
 
     name: str
@@ -164,6 +166,7 @@ class BlockCost:
     tp_traffic: tuple[tuple[str, str, float], ...] = ()
     backward_bytes: float = 0.0
     tensors: int = 0
+    backward_starts_here: bool = False
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,7 @@ class Priced:
     grad_bytes: float = 0.0  # the gradients in state_bytes: they exist only once backward made them
     held_bytes: float = 0.0  # gradients held from the step's earlier microbatches (accumulation)
     start_bytes: float = 0.0  # the loss's backward working set, on top of every activation
+    bucket_bytes: float = 0.0  # gradients bucketed for data-parallel reduction (a second copy while filled)
 
     def start_peak_bytes(self, flight: int) -> float:
         """At the start of backward: state without this step's new gradients (those held from
@@ -246,8 +250,14 @@ class Priced:
         return self.state_bytes - self.grad_bytes + self.held_bytes + flight * self.act_bytes + self.start_bytes
 
     def end_peak_bytes(self) -> float:
-        """At the end of backward: the whole state, gradients included; activations freed."""
+        """At the end of backward: the whole state, gradients included; activations freed (plus
+        one bucket being filled: `_bucket_spike`)."""
         return self.state_bytes
+
+
+def _bucket_spike(bucketed: float, costing: Costing) -> float:
+    """The end of backward's extra copy: the gradient bucket being filled, at most a bucket."""
+    return min(costing.bucket_cap_bytes, bucketed)
 
 
 @dataclass
@@ -383,18 +393,22 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     o_bytes = block.params * costing.optimizer_bytes_per_param
     zero = choice.zero
     entry = transition("all_reduce_grads") if zero == 0 else transition("all_gather_params", stage=zero)
-    # State kept all step: the weights (ZeRO: this rank's shard, plus what the table keeps alive
-    # through the step: ZeRO-1/2's gathered weights), gradients (full-size below stage 2, also
-    # while held back between microbatches), optimizer state.
-    weights = (p_bytes / dp if zero else p_bytes) + entry.step * p_bytes
+    # State kept all step: the weights (ZeRO: this rank's shard), gradients (full-size below
+    # stage 2), optimizer state, and what the table keeps alive through the step: ZeRO-1/2's
+    # gathered weights, data parallelism's gradient buckets (their buffers stay between steps).
     grads = g_bytes / dp if zero >= 2 else g_bytes
+    weights = (p_bytes / dp if zero else p_bytes) + (entry.step * p_bytes if zero else 0.0)
     optim = o_bytes / dp if zero >= 1 else o_bytes
     state = weights + grads + optim
 
     saved = block.saved_bytes * scale
-    # Gradients accumulate over the step's microbatches (buckets hold full ones below ZeRO-2,
-    # stages 2/3 sum shards), so from the second microbatch on they meet its activations.
-    held = grads if m > 1 else 0.0
+    # Gradients that meet the activations: the resident buckets' buffers, and those accumulated
+    # over the step's microbatches (buckets hold full ones below ZeRO-2, stages 2/3 sum shards)
+    # from the second microbatch on.
+    bucketed = zero == 0 and dp > 1
+    held = max(entry.step * grads if bucketed else 0.0, grads if m > 1 else 0.0)
+    # A bucket is filled from autograd's gradients, which live until it is: once more its size.
+    bucket = entry.transient * grads if bucketed else 0.0
     act = block.input_bytes * scale if choice.recompute else saved
     transient = saved + block.backward_bytes * scale if choice.recompute else 0.0
 
@@ -434,7 +448,8 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     time_s += copies / bandwidth / m
     return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
                   tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=grads, held_bytes=held,
-                  start_bytes=block.backward_bytes * scale if block.kind == POST else 0.0)
+                  bucket_bytes=bucket,
+                  start_bytes=block.backward_bytes * scale if block.backward_starts_here else 0.0)
 
 
 # ------------------------------------------------------------------------------------- stages
@@ -511,7 +526,9 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
     comm_row = solver.Constraint(-inf, 0.0)
     comm_row.SetCoefficient(exposed, -1.0)
     start_row = solver.Constraint(-inf, 1.0)  # the start of backward: every activation alive
-    end_row = solver.Constraint(-inf, 1.0)  # the end of backward: every gradient made
+    # The end of backward: every gradient made, and the bucket being filled at its largest.
+    spike = _bucket_spike(sum(max(pr.bucket_bytes for _, pr in options[i]) for i in indices), costing)
+    end_row = solver.Constraint(-inf, 1.0 - spike * mem_scale)
     for key, members in clusters.items():
         rep = members[0]
         pick = solver.Constraint(len(members), len(members))
@@ -560,13 +577,14 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
 # -------------------------------------------------------------------------------- composition
 
 
-def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Sequence[Priced], flight: int) -> float:
+def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Sequence[Priced], flight: int,
+                costing: Costing) -> float:
     """The largest of: the start of backward (every activation, no new gradient yet, the loss's
     gradients), the end of backward (every gradient, no activation), and each transient with
     the state and activations it may meet (a layer's transient comes after backward freed the
     post block's activations)."""
     start = sum(priced[i].start_peak_bytes(flight) for i in indices)
-    end = sum(priced[i].end_peak_bytes() for i in indices)
+    end = sum(priced[i].end_peak_bytes() for i in indices) + _bucket_spike(sum(priced[i].bucket_bytes for i in indices), costing)
     base = sum(priced[i].state_bytes + flight * priced[i].act_bytes for i in indices)
     post = sum(flight * priced[i].act_bytes for i in indices if blocks[i].kind == POST)
     spikes = [priced[i].transient_bytes - (post if blocks[i].kind == LAYER else 0.0)
@@ -590,7 +608,7 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
         tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
         exposed.append(max(0.0, comm))
         stage_times.append(t)
-        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(layout, s)))
+        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(layout, s), costing))
     m = layout.microbatches
     step = sum(stage_times) + (m - 1) * max(stage_times) + max(tails)
     return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)

@@ -511,7 +511,7 @@ class GraphProfile:
             # A backward's working set is the size of the activations it differentiates: sharded
             # as what they save is under this layout (the post block: its loss, whose input is
             # the logits; the vocab-parallel loss shards it by tp).
-            measured = [n for n in block.nodes if _is_scalar(n)] if block.kind == S.POST else []
+            measured = [n for n in block.nodes if _is_scalar(n)] if block is self.blocks[-1] else []
             measured = [n for n in measured if self.saved.get(n.name)] or block.nodes
             whole = sum(self.saved.get(n.name, 0.0) for n in measured)
             share = sum(saved_share(n) for n in measured)
@@ -521,7 +521,7 @@ class GraphProfile:
                 params=params, param_bytes=param_bytes, split_bytes=split_bytes, split_count=split_count,
                 times=times, saved_bytes=saved, input_bytes=block.input_bytes * scale_io,
                 output_bytes=block.output_bytes * scale_io, tp_traffic=tuple(traffic.get(block.name, ())),
-                backward_bytes=working, tensors=tensors,
+                backward_bytes=working, tensors=tensors, backward_starts_here=block is self.blocks[-1],
             ))
         return out
 

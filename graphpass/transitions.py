@@ -93,7 +93,10 @@ _F, _B, _MB, _STEP = FORWARD, BACKWARD, PER_MICROBATCH, PER_STEP
 TABLE: Mapping[str, Transition] = _entries(
     # ---- data parallel (insert_collectives, shard_parameters) ----
     Transition("dp gradient bucket", "all_reduce_grads", "dp", "Partial()", "Replicate()",
-               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP),)),
+               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP),),
+               # the bucket's flat buffer stays between steps (as DDP's); filling it from
+               # autograd's gradients holds them twice for a moment
+               step=1.0, transient=1.0),
     Transition("dp reported loss", "all_reduce", "dp", "Partial(avg)", "Replicate()",
                "the loss (detached)", (Movement(_F, "all_reduce"),)),
     Transition("dp step", "grad_sync_begin", "dp", "-", "-", "nothing (waits for the buckets)", ()),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -187,6 +187,18 @@ def _reusable_buffer(key: torch.Tensor, numel: int, dtype: torch.dtype) -> torch
     if buffer.numel() != numel or buffer.dtype != dtype or _use_count(buffer) != idle_count:
         return None
     return buffer
+
+
+def resident_buffers(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradient buckets' flat buffers kept between steps for buckets led by ``params``
+    (DDP keeps its buckets alike): memory the ranks hold all the time, which a memory probe
+    should count from the start of a region."""
+    out = []
+    for param in params:
+        entry = _BUCKET_BUFFERS.get(param)
+        if entry is not None:
+            out.append(entry[0])
+    return out
 
 
 def _remember_buffer(key: torch.Tensor, buffer: torch.Tensor) -> None:

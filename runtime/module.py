@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from graphpass import meta
 from graphpass.plan import Plan
+from graphpass.runtime import grad_sync
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.step import StepProgram, accumulation_schedule
 from graphpass.runtime.tensor_parallel import gather_tp_parameters
@@ -132,6 +133,12 @@ class DistributedModule(nn.Module):
         """This rank's trainable tensors under their original names (first name of tied weights)."""
         for name, p in self.graph_module.named_parameters(remove_duplicate=remove_duplicate):
             yield prefix + name, p
+
+    def resident_buffers(self) -> list[torch.Tensor]:
+        """Tensors the runtime keeps on this rank between steps besides the parameters: the
+        data-parallel gradient buckets' flat buffers (reused every step, as DDP's are). A memory
+        probe's baseline should include them, with the parameters and the optimizer state."""
+        return grad_sync.resident_buffers(list(self.graph_module.parameters()))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the original ``model.state_dict()`` keys, in its order (copies).
