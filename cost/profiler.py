@@ -478,6 +478,9 @@ class ProfileReport:
             f"  matmul TFLOP/s per rank: {rates}" + (f"  [{self.threads} thread(s) per rank]" if d.kind == "cpu" else ""),
             f"  memory (copy) {d.memory_bandwidth_gbps:.3g} GB/s per rank, {d.memory_bytes / GiB:.1f} GiB",
         ]
+        if d.contention is not None:
+            memory = f", memory-bound {d.memory_contention:.3g}x" if d.memory_contention is not None else ""
+            lines.append(f"  contention (all ranks at once vs one alone, slowest rank): compute {d.contention:.3g}x{memory}")
         if self.all_reduce:
             link = c.intra_node
             span = f"{format_bytes(self.all_reduce[0][0])}..{format_bytes(self.all_reduce[-1][0])}"

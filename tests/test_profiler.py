@@ -76,6 +76,7 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     assert link.latency_s >= 0 and link.bandwidth_gbps > 0
     assert [s for s, _ in report.all_reduce] == [4096, 65536, 2**20, 4 * 2**20]
     assert "alpha" in report.summary() and "beta" in report.summary()
+    assert f"contention (all ranks at once vs one alone, slowest rank): compute {c.device.contention:.3g}x" in report.summary()
 
     # The link is the ring fit of the slowest rank's ladder, exactly (how well it predicts sizes
     # it did not measure depends on the machine's load: bench/fidelity.py measures that).
