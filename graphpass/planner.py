@@ -226,8 +226,9 @@ class _BackwardWindows(_SavedTensors):
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, owner: Mapping[fx.Node, int],
                  on_leave: Callable[[int], None]):
         super().__init__(gm, mode, flash_attention=False)
-        # node -> the latest block that reads it (gradients flow back from there)
-        self.crossing = {n: max(owner[u] for u in n.users if u in owner)
+        # node -> the earliest later block that reads it: its gradient is complete once backward
+        # has left that block (the last of its readers that backward reaches)
+        self.crossing = {n: min(owner[u] for u in n.users if owner.get(u, -1) > owner[n])
                          for n in owner if any(owner.get(u, -1) > owner[n] for u in n.users)}
         self.on_leave = on_leave
         self.kept: list[torch.Tensor] = []

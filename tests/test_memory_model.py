@@ -69,10 +69,11 @@ def test_predicted_peak_is_the_runtimes_peak(rank_pool, world_size):
     for kwargs in CASES[world_size]:
         predicted = planner.price(gp.Strategy(**kwargs)).predicted_peak_memory_bytes
         measured = rank_pool(world_size).run(_measured_peak, kwargs)
-        # Every rank holds the same shapes. What the planner does not see: the loss scalars,
-        # index tensors and collectives' small buffers (kilobytes of ~10 MiB): 1%.
-        assert len(set(measured)) == 1, (kwargs, measured)
-        assert predicted == pytest.approx(measured[0], rel=0.01), (kwargs, predicted / 2**20, measured[0] / 2**20)
+        # Every rank holds the same shapes; what differs between them, and what the planner does
+        # not see, are kilobytes of ~10 MiB: loss scalars, index tensors, collectives' small
+        # buffers (some freed on gloo's threads, a little earlier or later): 1%.
+        for peak in measured:
+            assert predicted == pytest.approx(peak, rel=0.01), (kwargs, predicted / 2**20, [m / 2**20 for m in measured])
 
 
 def test_the_losss_backward_working_set_is_its_two_logit_sized_gradients():
