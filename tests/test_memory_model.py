@@ -108,3 +108,18 @@ def test_zoo_gpt_peak_matches_on_one_rank():
     with MemoryProbe(baseline=params + optimizer_state_tensors(opt) + dmodel.resident_buffers() + list(data[2])) as probe:
         dmodel.train_step(*data[2])
     assert predicted == pytest.approx(probe.peak_bytes, rel=0.01)
+
+
+def test_a_backward_that_cannot_be_simulated_is_said_and_planning_goes_on(monkeypatch, caplog):
+    from graphpass import planner as planner_module
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("an op with no fake backward")
+
+    monkeypatch.setattr(planner_module, "_backward_bytes_by_block", fails)
+    with caplog.at_level("WARNING", logger="graphpass.planner"):
+        planner = Planner(_model(), gp.Cluster.local(2), _batches(1)[0], optimizer_states=2)
+    assert set(planner.profile.backward_bytes.values()) == {0.0}
+    assert planner.price(gp.Strategy(dp=2)).predicted_peak_memory_bytes > 0
+    assert any("could not be simulated" in r.getMessage() and "no fake backward" in r.getMessage()
+               for r in caplog.records)
