@@ -30,7 +30,9 @@ batch as the probe's baseline, as tests/test_zero.py ``_peak_bytes`` does. Colum
   stages 1/2 live only during the step, so they appear in ``fwd+bwd``.
 * ``peak rN``: the probe's peak on rank N: model state plus whatever else was alive at the worst
   moment (activations saved for backward, gathered weights, gradient buckets, collective
-  buffers, AdamW's temporaries).
+  buffers, AdamW's temporaries). graphpass's data-parallel gradient buckets stay allocated
+  between steps (as DDP's do; ``dmodel.resident_buffers()``) and count from the start; FSDP2
+  keeps none.
 * ``fwd+bwd`` and ``opt``: the activation / transient part, max over ranks of (peak during
   ``train_step`` − state) and of (peak during ``opt.step()`` − state): saved activations,
   gathered weights and gradient buffers in the first; AdamW's foreach temporaries in the second.
@@ -137,18 +139,21 @@ def graphpass_strategy(world: int, kwargs: dict) -> tuple[gp.Strategy | None, st
     return strategy, ""
 
 
-def _measure(step, params, opt, warm_batch, batch, forward_module: nn.Module | None = None) -> dict:
+def _measure(step, params, opt, warm_batch, batch, forward_module: nn.Module | None = None,
+             resident=lambda: []) -> dict:
     """Peak of one train step + optimizer step after a warm-up step, and the model state.
 
     With ``forward_module`` (the compiled graph, run once per microbatch), also ``"saved"``:
     the most bytes any one forward left alive for its backward (activations saved, gathered
-    weights kept), measured as live bytes after the forward minus before it.
+    weights kept), measured as live bytes after the forward minus before it. ``resident()``
+    gives what the runtime keeps between steps (graphpass's gradient buckets), counted from the
+    start like the state.
     """
     step(*warm_batch)
     opt.step()
     opt.zero_grad()
     gc.collect()
-    state = list(params) + optimizer_state_tensors(opt)
+    state = list(params) + optimizer_state_tensors(opt) + list(resident())
     saved: list[int] = []
     with MemoryProbe(baseline=state + list(batch)) as probe:
         hooks = []
@@ -177,7 +182,8 @@ def _graphpass_row(args, world, strategy, data) -> dict:
     del model
     params = list(dmodel.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
-    return _measure(dmodel.train_step, params, opt, data[0], data[1], forward_module=dmodel.graph_module)
+    return _measure(dmodel.train_step, params, opt, data[0], data[1], forward_module=dmodel.graph_module,
+                    resident=dmodel.resident_buffers)
 
 
 def _fsdp2_row(args, world, data) -> dict:
