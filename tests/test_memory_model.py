@@ -38,12 +38,11 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(CONFIG["vocab_size"], shape, generator=g)) for _ in range(n)]
 
 
-def _measured_peak(kwargs: dict) -> int:
-    """One rank's peak live bytes during a train_step, after two AdamW steps (so its state
-    exists), counting parameters, optimizer state, the runtime's resident gradient buckets and
-    the batch from the start."""
-    data = _batches(3)
-    dmodel = gp.compile(_model(), gp.Cluster.local(), example_inputs=data[0], strategy=gp.Strategy(**kwargs))
+def _step_peak(model: torch.nn.Module, data, strategy: gp.Strategy) -> int:
+    """Peak live bytes of one train_step of ``model`` compiled with ``strategy``, after two AdamW
+    steps on ``data[:2]`` (so its state exists), counting parameters, optimizer state, the
+    runtime's resident gradient buckets and the batch ``data[2]`` from the start."""
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
     params = list(dmodel.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
     for batch in data[:2]:
@@ -53,6 +52,11 @@ def _measured_peak(kwargs: dict) -> int:
     with MemoryProbe(baseline=params + optimizer_state_tensors(opt) + dmodel.resident_buffers() + list(data[2])) as probe:
         dmodel.train_step(*data[2])
     return probe.peak_bytes
+
+
+def _measured_peak(kwargs: dict) -> int:
+    """This rank's `_step_peak` of the test GPT under ``Strategy(**kwargs)``."""
+    return _step_peak(_model(), _batches(3), gp.Strategy(**kwargs))
 
 
 CASES = {
@@ -98,16 +102,7 @@ def test_zoo_gpt_peak_matches_on_one_rank():
     data = zoo.batches("gpt", 3)
     planner = Planner(zoo.build("gpt"), gp.Cluster.local(1), data[0], optimizer_states=2)
     predicted = planner.price(gp.Strategy()).predicted_peak_memory_bytes
-    dmodel = gp.compile(zoo.build("gpt"), gp.Cluster.local(1), example_inputs=data[0], strategy=gp.Strategy())
-    params = list(dmodel.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    for batch in data[:2]:
-        dmodel.train_step(*batch)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    with MemoryProbe(baseline=params + optimizer_state_tensors(opt) + dmodel.resident_buffers() + list(data[2])) as probe:
-        dmodel.train_step(*data[2])
-    assert predicted == pytest.approx(probe.peak_bytes, rel=0.01)
+    assert predicted == pytest.approx(_step_peak(zoo.build("gpt"), data, gp.Strategy()), rel=0.01)
 
 
 def test_a_backward_that_cannot_be_simulated_is_said_and_planning_goes_on(monkeypatch, caplog):
