@@ -104,6 +104,7 @@ __all__ = [
     "node_times",
     "op_cache_path",
     "op_key",
+    "optimizer_step_times",
     "profile",
     "profile_path",
     "run_profile",
@@ -348,21 +349,47 @@ def _layer_work(rows: int, width: int) -> Callable[[], None]:
     return run
 
 
-def _optimizer_work(elements: int) -> Callable[[], None]:
-    """One AdamW step over ``elements`` parameters in 4 tensors: memory-bound streaming."""
-    params = [torch.nn.Parameter(torch.randn(elements // 4)) for _ in range(4)]
+def _optimizer_step(sizes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32, states: int = 2,
+                    device: str = "cpu") -> Callable[[], Any]:
+    """One optimizer step over random parameters of ``sizes`` with random gradients: AdamW
+    (foreach, the default implementation) for 2 states, SGD with momentum for 1, plain SGD for 0."""
+    params = [torch.nn.Parameter(torch.randn(size, dtype=dtype, device=device)) for size in sizes]
     for param in params:
         param.grad = torch.randn_like(param)
-    return torch.optim.AdamW(params, lr=1e-4).step
+    if states >= 2:
+        return torch.optim.AdamW(params, lr=1e-4).step
+    return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if states == 1 else 0.0).step
+
+
+def optimizer_step_times(shapes: Sequence[torch.Size], dtype: torch.dtype, states: int, device: str = "cpu",
+                         max_elements: int = 2**23) -> tuple[float, float]:
+    """(seconds per parameter element, seconds per parameter tensor) of one optimizer step on
+    this machine (`_optimizer_step`) over tensors of a model's parameter ``shapes`` (the first
+    ones up to ``max_elements``), and again over the same tensors a quarter the size (dim 0 cut,
+    as ZeRO's shards are): the difference is the per-element part, the rest per tensor."""
+    chosen, total = [], 0
+    for shape in shapes:
+        if chosen and total + math.prod(shape) > max_elements:
+            break
+        chosen.append(tuple(shape) or (1,))
+        total += math.prod(chosen[-1])
+    quarter = [(max(1, size[0] // 4), *size[1:]) for size in chosen]
+    whole_s, quarter_s = (_median_s(_optimizer_step(sizes, dtype, states, device), device, warmup=2, repeats=5)
+                          for sizes in (chosen, quarter))
+    fewer = total - sum(math.prod(size) for size in quarter)
+    per_element = max(0.0, whole_s - quarter_s) / fewer if fewer > 0 else whole_s / max(total, 1)
+    per_tensor = max(0.0, whole_s - per_element * total) / len(chosen)
+    return per_element, per_tensor
 
 
 def _measure_contention(quick: bool) -> dict[str, tuple[float, list[float]]]:
-    """Per kind of work (``"compute"``: `_layer_work`, ``"memory"``: `_optimizer_work`), this
+    """Per kind of work (``"compute"``: `_layer_work`, ``"memory"``: an AdamW step over 4M
+    parameters, `_optimizer_step`), this
     rank's median time while the other ranks wait, and its time of each repeat while every rank
     runs it at once (CPU ranks share cores, caches and DRAM), the repeats started together by a
     barrier as a synchronous step's are."""
     repeats = 5 if quick else 15
-    works = {"compute": _layer_work(512 if quick else 2048, 256), "memory": _optimizer_work(2**20 if quick else 2**22)}
+    works = {"compute": _layer_work(512 if quick else 2048, 256), "memory": _optimizer_step([(2**18 if quick else 2**20,)] * 4)}
     out = {}
     for kind, work in works.items():
         alone = 0.0

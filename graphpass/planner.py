@@ -35,7 +35,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -517,10 +517,10 @@ class GraphProfile:
             # A backward's working set is the size of the activations it differentiates: sharded
             # as what they save is under this layout (the post block: its loss, whose input is
             # the logits; the vocab-parallel loss shards it by tp).
-            measured = [n for n in block.nodes if _is_scalar(n)] if block is self.blocks[-1] else []
-            measured = [n for n in measured if self.saved.get(n.name)] or block.nodes
-            whole = sum(self.saved.get(n.name, 0.0) for n in measured)
-            share = sum(saved_share(n) for n in measured)
+            losses = [n for n in block.nodes if _is_scalar(n) and self.saved.get(n.name)] if block is self.blocks[-1] else []
+            differentiated = losses or block.nodes
+            whole = sum(self.saved.get(n.name, 0.0) for n in differentiated)
+            share = sum(saved_share(n) for n in differentiated)
             working = self.backward_bytes.get(block.name, 0.0) * (share / whole if whole > 0 else 1.0)
             out.append(S.BlockCost(
                 name=block.name, kind=block.kind, signature=block.signature, layer=block.layer,
@@ -566,46 +566,6 @@ def _contention(cluster: Cluster, memory_bound: bool = False) -> float:
     return max(1.0, cluster.world_size * threads / cores)
 
 
-def _measure_optimizer(shapes: Sequence[torch.Size], dtype: torch.dtype, states: int, device: str = "cpu",
-                       max_elements: int = 2**23) -> tuple[float, float]:
-    """(seconds per parameter element, seconds per parameter tensor) of one optimizer step on
-    this machine: AdamW (foreach, the default implementation) for 2 states, SGD with momentum
-    for 1, plain SGD for 0, over tensors of the model's parameter ``shapes`` (the first ones up
-    to ``max_elements``), and again over the same tensors a quarter the size (dim 0 cut, as
-    ZeRO's shards are): the difference is the per-element part, the rest per tensor."""
-    chosen, total = [], 0
-    for shape in shapes:
-        if chosen and total + math.prod(shape) > max_elements:
-            break
-        chosen.append(tuple(shape) or (1,))
-        total += math.prod(chosen[-1])
-
-    def step_s(sizes: Sequence[tuple[int, ...]]) -> float:
-        params = [torch.nn.Parameter(torch.randn(size, dtype=dtype, device=device)) for size in sizes]
-        for param in params:
-            param.grad = torch.randn_like(param)
-        if states >= 2:
-            opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-4)
-        else:
-            opt = torch.optim.SGD(params, lr=1e-4, momentum=0.9 if states == 1 else 0.0)
-        times = []
-        for i in range(7):
-            start = time.perf_counter()
-            opt.step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    quarter = [(max(1, size[0] // 4), *size[1:]) for size in chosen]
-    whole_s, quarter_s = step_s(chosen), step_s(quarter)
-    fewer = total - sum(math.prod(size) for size in quarter)
-    per_element = max(0.0, whole_s - quarter_s) / fewer if fewer > 0 else whole_s / max(total, 1)
-    per_tensor = max(0.0, whole_s - per_element * total) / len(chosen)
-    return per_element, per_tensor
-
-
 def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float, optimizer_states: int,
              executable_only: bool, measure: bool = False) -> S.Costing:
     param_bytes = torch.finfo(profile.param_dtype).bits // 8
@@ -615,10 +575,12 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
     master = 4 if param_bytes < 4 else 0
     per_element, per_tensor = None, 0.0
     if measure and cluster.name.startswith("local"):
+        from graphpass.cost import profiler
+
         shapes = [profile.tensors[n.name].shape for n in profile.param_nodes if profile.tensors[n.name].requires_grad]
         per_element, per_tensor = (
-            t * _contention(cluster, memory_bound=True) for t in _measure_optimizer(shapes, profile.param_dtype, optimizer_states,
-                                                                 cluster.device.kind))
+            t * _contention(cluster, memory_bound=True)
+            for t in profiler.optimizer_step_times(shapes, profile.param_dtype, optimizer_states, cluster.device.kind))
     return S.Costing(
         cluster=cluster,
         batch=batch,

@@ -435,29 +435,3 @@ def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatc
     # Without measure_ops nothing is measured again: the captured batch's times scale linearly.
     flat = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch)
     assert flat.profile._measured_for(8) == {}
-
-
-def test_the_optimizer_is_measured_on_the_models_own_parameter_shapes(monkeypatch):
-    """The step is timed over the model's parameter shapes (the first ones up to a cap), and
-    over the same tensors cut to a quarter along dim 0: the difference is per element, the
-    rest per tensor."""
-    from graphpass import planner as planner_module
-
-    stepped = []
-
-    class Recorder(torch.optim.AdamW):
-        def step(self, closure=None):
-            stepped.append([tuple(p.shape) for p in self.param_groups[0]["params"]])
-
-    monkeypatch.setattr(planner_module.torch.optim, "AdamW", Recorder)
-    clock = iter(range(100))
-    # Each step call takes 1 s on the full shapes' measurement, 0.5 s on the quarter's.
-    monkeypatch.setattr(planner_module.time, "perf_counter", lambda: next(clock) * (1.0 if len(stepped) <= 7 else 0.5))
-    shapes = [torch.Size([400, 10]), torch.Size([40]), torch.Size([10**6, 10])]
-    per_element, per_tensor = planner_module._measure_optimizer(shapes, torch.float32, 2, max_elements=10_000)
-    assert stepped[0] == [(400, 10), (40,)]  # the third would pass the cap
-    assert stepped[-1] == [(100, 10), (10,)]
-    # whole 1 s over 4040 elements, quarter 0.5 s over 1010: 0.5 s / 3030 per element, the rest
-    # (1 - 4040 * that) over 2 tensors.
-    assert per_element == pytest.approx(0.5 / 3030)
-    assert per_tensor == pytest.approx((1.0 - 4040 * 0.5 / 3030) / 2)

@@ -332,3 +332,27 @@ def test_isolation_factor_leaves_times_alone_when_the_graph_cannot_run(monkeypat
     assert profiler.isolation_factor(gm, meta_inputs, times) == 1.0
     partial = dict(list(times.items())[1:])  # one op left to the roofline: no op sum to compare
     assert profiler.isolation_factor(gm, (torch.randn(64, 16), torch.randn(64, 16)), partial) == 1.0
+
+
+def test_the_optimizer_is_measured_on_the_models_own_parameter_shapes(monkeypatch):
+    """The step is timed over the model's parameter shapes (the first ones up to a cap), and
+    over the same tensors cut to a quarter along dim 0: the difference is per element, the
+    rest per tensor."""
+    stepped = []
+
+    class Recorder(torch.optim.AdamW):
+        def step(self, closure=None):
+            stepped.append([tuple(p.shape) for p in self.param_groups[0]["params"]])
+
+    monkeypatch.setattr(profiler.torch.optim, "AdamW", Recorder)
+    clock = iter(range(100))
+    # Each step call takes 1 s on the full shapes' measurement, 0.5 s on the quarter's.
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(clock) * (1.0 if len(stepped) <= 7 else 0.5))
+    shapes = [torch.Size([400, 10]), torch.Size([40]), torch.Size([10**6, 10])]
+    per_element, per_tensor = profiler.optimizer_step_times(shapes, torch.float32, 2, max_elements=10_000)
+    assert stepped[0] == [(400, 10), (40,)]  # the third would pass the cap
+    assert stepped[-1] == [(100, 10), (10,)]
+    # whole 1 s over 4040 elements, quarter 0.5 s over 1010: 0.5 s / 3030 per element, the rest
+    # (1 - 4040 * that) over 2 tensors.
+    assert per_element == pytest.approx(0.5 / 3030)
+    assert per_tensor == pytest.approx((1.0 - 4040 * 0.5 / 3030) / 2)
