@@ -43,6 +43,14 @@ rank of every other node, and all-gather inside the node::
 Only ``S / k`` crosses the slow link, and ``m`` rings run side by side, one per local rank, each on
 its own NIC. ``collective_time(..., algorithm="auto")`` takes the cheaper of this and the flat ring.
 
+**Blocking collectives.** A collective the step waits for where it is issued (a tensor-parallel
+all-reduce, ZeRO-3's backward re-gather) is a synchronisation point: ranks reach it from
+compute at slightly different times, and the collective's threads wake from idle. That costs
+more than the same collective run back to back, where the formulas above are fitted; the
+difference, measured by `graphpass.cost.profiler.profile`, is ``LinkSpec.sync_s`` and
+`sync_time` charges it once per blocking collective. Which collectives block is the transition
+table's (``Movement.blocking``).
+
 **Graph ops.** What each op the emitter inserts communicates (kind, bytes, forward or backward,
 per microbatch or per step) is not written here: it is the transition table,
 `graphpass.transitions`, which the emitter emits from and the planner prices with these
@@ -71,6 +79,7 @@ __all__ = [
     "reduce_scatter_time",
     "ring_volume_bytes",
     "send_recv_time",
+    "sync_time",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,6 +103,8 @@ class Link:
     latency_s: float
     #: measured slowdown of each collective kind against the ring formula (``LinkSpec.kind_factors``)
     kind_factors: tuple[tuple[str, float], ...] = ()
+    #: extra time of a blocking collective issued from inside compute (``LinkSpec.sync_s``)
+    sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_per_s > 0 or not math.isfinite(self.bandwidth_bytes_per_s):
@@ -105,7 +116,7 @@ class Link:
     def from_spec(cls, spec: LinkSpec) -> Link:
         """Converts a `LinkSpec` (GB/s = 1e9 bytes/s) to a `Link`."""
         return cls(bandwidth_bytes_per_s=spec.bandwidth_gbps * 1e9, latency_s=spec.latency_s,
-                   kind_factors=tuple(sorted(spec.kind_factors.items())))
+                   kind_factors=tuple(sorted(spec.kind_factors.items())), sync_s=spec.sync_s)
 
     def factor(self, kind: str) -> float:
         """The measured multiplier for ``kind`` (1 when not measured)."""
@@ -261,6 +272,15 @@ def hierarchical_all_reduce_time(
         + all_reduce_time(size / ranks_per_node, num_nodes, inter)
         + all_gather_time(size, ranks_per_node, intra)
     )
+
+
+def sync_time(group_ranks: Sequence[int], cluster: Cluster) -> float:
+    """Extra seconds of one blocking collective over ``group_ranks`` (issued from inside compute,
+    waited for right there): the group's link's measured ``sync_s``; 0 for one rank."""
+    if len(group_ranks) == 1:
+        _nodes_of(cluster, group_ranks)
+        return 0.0
+    return link_for_group(cluster, group_ranks).sync_s
 
 
 def collective_time(

@@ -26,7 +26,10 @@ spec-sheet or guessed figures; this module replaces them with measurements, all 
       t(S) = 2(n-1) * alpha + 2(n-1)/n * S / B
 
   is fitted by least squares on relative error (each point weighted by ``1/t``, so 4 KiB and
-  16 MiB count alike) with ``alpha >= 0``, giving ``LinkSpec(B, alpha, "measured")``. One machine
+  16 MiB count alike) with ``alpha >= 0``, giving ``LinkSpec(B, alpha, "measured")``. On CPU,
+  compute segments with and without a small blocking all-reduce between them give
+  ``LinkSpec.sync_s``, what a collective the step waits for costs beyond the fit (the ranks
+  arrive apart, gloo's threads wake; `_measure_sync`). One machine
   is one node: the measured link is both ``intra_node`` and ``inter_node``. The cluster goes to
   `graphpass.cluster.profile_path` (``clusters/<device>-<world_size>.json``), where
   `Cluster.local` picks it up.
@@ -407,6 +410,44 @@ def _measure_contention(quick: bool) -> dict[str, tuple[float, list[float]]]:
     return out
 
 
+#: Bytes of the collective `_measure_sync` issues between compute segments: small, so its own
+#: time (the alpha the ladder fits) is a small part of what is measured.
+_SYNC_PROBE_BYTES = 4 * KiB
+
+
+def _measure_sync(quick: bool) -> list[float]:
+    """Per round, the extra seconds one blocking collective costs when it is issued between
+    compute segments, over the same collective issued back to back (``LinkSpec.sync_s``).
+
+    A round times, between barriers, ``k`` segments of `_layer_work` (about 10 ms each here),
+    then ``k`` segments each followed by a small blocking all-reduce, then ``k`` of those
+    all-reduces alone; the round's figure is ``(with - segments - alone) / k``. Ranks drift
+    apart while they compute, so the first to arrive waits for the last, and the collective's
+    threads wake from idle: neither shows when collectives run back to back, as the ladder times
+    them. Rounds alternate the three, so a slow spell of the machine spreads over all of them.
+    """
+    work = _layer_work(128 if quick else 512, 256)
+    probe = torch.ones(_SYNC_PROBE_BYTES // 4)
+    k, rounds = (4, 3) if quick else (8, 12)
+    for _ in range(2):
+        work()
+        dist.all_reduce(probe)
+
+    def timed(fn: Callable[[], None]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(k):
+            fn()
+        dist.barrier()
+        return (time.perf_counter() - start) / k
+
+    def synced() -> None:
+        work()
+        dist.all_reduce(probe)
+
+    return [timed(synced) - timed(work) - timed(lambda: dist.all_reduce(probe)) for _ in range(rounds)]
+
+
 def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, Any]:
     """Runs on every rank (module-level for `launch`): the device, then the collectives."""
     if kind == "cuda":
@@ -416,7 +457,10 @@ def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, 
     # GPUs do not share compute with each other; CPU ranks of one host do.
     device["contention"] = _measure_contention(quick) if kind == "cpu" else None
     dist.barrier()
-    return {"device": device, "collectives": _measure_collectives(kind, quick)}
+    collectives = _measure_collectives(kind, quick)
+    # On GPU the ranks' compute is queued on streams; their drift is not measured yet.
+    collectives["sync"] = _measure_sync(quick) if kind == "cpu" else None
+    return {"device": device, "collectives": collectives}
 
 
 def fit_ring_all_reduce(
@@ -516,6 +560,9 @@ class ProfileReport:
                 f"{link.latency_s * 1e6:.1f} us, beta {link.bandwidth_gbps:.3g} GB/s, "
                 f"rms relative residual {self.fit_residual:.0%}"
             )
+            if link.sync_s:
+                lines.append(f"  blocking collective issued from compute: {link.sync_s * 1e3:.2f} ms more "
+                             "(ranks arrive apart, threads wake)")
             model = Link.from_spec(link)
             predict = {"all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time}
             for name, (size, seconds) in self.others.items():
@@ -662,7 +709,8 @@ def run_profile(
             size, _ = results[0]["collectives"][name]
             times = [r["collectives"][name][1] for r in results]
             others[name] = (size, None if None in times else max(times))
-        link = dataclasses.replace(link, kind_factors=_kind_factors(link, others, world_size))
+        link = dataclasses.replace(link, kind_factors=_kind_factors(link, others, world_size),
+                                   sync_s=_sync_s(results))
         intra = inter = link  # one machine is one node
     peaks, filled = _fill_dtypes(device_result["tflops"])
     if filled:
@@ -714,6 +762,15 @@ def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
     alone = statistics.fmean(m[kind][0] for m in measured)
     slowest = statistics.median(max(times) for times in zip(*(m[kind][1] for m in measured)))
     return round(max(1.0, slowest / alone), 3)
+
+
+def _sync_s(results: Sequence[dict[str, Any]]) -> float:
+    """``LinkSpec.sync_s`` from every rank's `_measure_sync` rounds: the median over ranks and
+    rounds (every rank times the same barrier-to-barrier spans), at least 0; 0 off CPU."""
+    rounds = [r["collectives"].get("sync") for r in results]
+    if any(x is None for x in rounds):
+        return 0.0
+    return max(0.0, statistics.median(t for rank in rounds for t in rank))
 
 
 #: Measured kind factors are clamped to this range: a single timing far outside it is noise.

@@ -79,7 +79,7 @@ from graphpass.mesh import Mesh
 from graphpass.plan import Choice
 from graphpass.transitions import PER_MICROBATCH, Transition, transition
 from graphpass.cost.memory import format_bytes
-from graphpass.cost.collectives import collective_time
+from graphpass.cost.collectives import collective_time, sync_time
 from graphpass.cost.memory import in_flight_microbatches
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,8 @@ class BlockCost:
         saved_bytes: activations saved for backward at the reference batch.
         input_bytes: the block's input activation at the reference batch (what recomputation keeps).
         output_bytes: the activation the block hands to the next (a pipeline send).
-        tp_traffic: ``(phase, kind, bytes)`` of each tensor-parallel collective at the reference
-            batch, phase ``"forward"`` or ``"backward"``.
+        tp_traffic: ``(phase, kind, bytes, blocking)`` of each tensor-parallel collective at the
+            reference batch, phase ``"forward"`` or ``"backward"`` (``Movement.blocking``).
         backward_bytes: the most the block's backward allocates beyond what was alive when
             backward reached it, at the reference batch. The last block's (the post block's:
             the loss's gradients, the logits' and the loss's own) meets every activation at the
@@ -163,7 +163,7 @@ class BlockCost:
     saved_bytes: float
     input_bytes: float
     output_bytes: float
-    tp_traffic: tuple[tuple[str, str, float], ...] = ()
+    tp_traffic: tuple[tuple[str, str, float, bool], ...] = ()
     backward_bytes: float = 0.0
     tensors: int = 0
     backward_starts_here: bool = False
@@ -341,14 +341,23 @@ class _Collectives:
         """The size-independent part of one collective (its time for one byte)."""
         return self.time(axis, kind, 1.0)
 
-    def time(self, axis: str, kind: str, size: float) -> float:
-        group = {"dp": self.dp, "tp": self.tp, "pp": self.pp}[axis]
+    def time(self, axis: str, kind: str, size: float, blocking: bool = False) -> float:
+        """One ``kind`` collective of ``size`` bytes over ``axis``; a ``blocking`` one (the step
+        waits for it where it runs) also pays the link's synchronisation cost."""
+        group = self._group(axis)
         if len(group) == 1 or size <= 0:
             return 0.0
         key = (axis, kind, size)
         if key not in self.memo:
             self.memo[key] = collective_time(kind, size, group, self.cluster)
-        return self.memo[key]
+        return self.memo[key] + (self.sync(axis) if blocking else 0.0)
+
+    def sync(self, axis: str) -> float:
+        """The synchronisation cost of one blocking collective over ``axis`` (``sync_time``)."""
+        return sync_time(self._group(axis), self.cluster)
+
+    def _group(self, axis: str) -> Sequence[int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}[axis]
 
 
 def choices_for(block: BlockCost, layout: Layout, costing: Costing) -> list[Choice]:
@@ -372,7 +381,7 @@ def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, 
     total = 0.0
     for move in entry.collectives:
         size = (weight_bytes if move.kind == "all_gather" else grad_bytes) * move.factor
-        total += (m if move.per == PER_MICROBATCH else 1) * comms.time("dp", move.kind, size)
+        total += (m if move.per == PER_MICROBATCH else 1) * comms.time("dp", move.kind, size, move.blocking)
     return total
 
 
@@ -383,8 +392,10 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     forward_s, backward_s = block.times[b]
     dp, m = layout.mesh.dp, layout.microbatches
 
-    tp_forward = sum(comms.time("tp", kind, size * scale) for phase, kind, size in block.tp_traffic if phase == "forward")
-    tp_backward = sum(comms.time("tp", kind, size * scale) for phase, kind, size in block.tp_traffic if phase != "forward")
+    tp_forward = sum(comms.time("tp", kind, size * scale, blocking)
+                     for phase, kind, size, blocking in block.tp_traffic if phase == "forward")
+    tp_backward = sum(comms.time("tp", kind, size * scale, blocking)
+                      for phase, kind, size, blocking in block.tp_traffic if phase != "forward")
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 
@@ -603,8 +614,9 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
         t = sum(priced[i].time_s for i in indices)
         if s + 1 < len(stages):  # activation forward, its gradient back
             t += 2 * comms.time("pp", "send_recv", blocks[indices[-1]].output_bytes * scale)
+        # The end of backward waits for every asynchronous data-parallel collective at once.
         comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
-            blocks, indices, choices, layout, costing, comms)
+            blocks, indices, choices, layout, costing, comms) + comms.sync("dp")
         tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
         exposed.append(max(0.0, comm))
         stage_times.append(t)

@@ -453,7 +453,7 @@ class GraphProfile:
             TensorParallelError: the model cannot take this tp.
         """
         placements: Mapping[str, Any] = {}
-        traffic: dict[str, list[tuple[str, str, float]]] = defaultdict(list)
+        traffic: dict[str, list[tuple[str, str, float, bool]]] = defaultdict(list)
         gathered: set[str] = set()
         if tp > 1:
             lay = tp_layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
@@ -464,8 +464,8 @@ class GraphProfile:
             gathered = {c.anchor for c in lay.collectives if c.op == "tp_all_gather" and c.grad != "reduce_scatter"}
             for c in lay.collectives:
                 block = self.owner.get(c.anchor, self.blocks[0])
-                for phase, kind, size, _ in transition(c.op, grad=c.grad).bytes(c.nbytes):
-                    traffic[block.name].append((phase, kind, float(size)))
+                for move in transition(c.op, grad=c.grad).collectives:
+                    traffic[block.name].append((move.phase, move.kind, float(move.factor * c.nbytes), move.blocking))
 
         def placed(node: fx.Node, kinds: tuple[type, ...]) -> bool:
             p = placements.get(node.name)

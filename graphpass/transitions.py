@@ -11,7 +11,10 @@ and weight movements (a bucket's ``Partial → Replicate`` gradients, a ZeRO gro
   one collective *kind* on ``factor × S`` bytes, where ``S`` is the op's *full* tensor (the
   gathered weights, the partial sum, the bucket of gradients — see ``size``; for ZeRO groups an
   all-gather moves the weights and a reduction their gradients) and how often it runs in a step
-  (``per``: every microbatch, or once per step);
+  (``per``: every microbatch, or once per step), and whether it is *blocking* (the step waits
+  for it right where it runs: a synchronisation point of the ranks, which costs more than the
+  collective itself, ``LinkSpec.sync_s``) or asynchronous (launched, then waited for with
+  the others at the end of backward, or prefetched one group ahead in forward);
 - its memory effect, as multiples of ``S``: ``step`` alive from the step's first forward to its
   last backward (ZeRO-1/2's gathered weights), ``transient`` alive only while the op's layer
   runs (ZeRO-3's gathered weights, then their full gradient). Gradients held back between a
@@ -40,12 +43,14 @@ PER_MICROBATCH, PER_STEP = "microbatch", "step"
 
 @dataclass(frozen=True)
 class Movement:
-    """One collective an op runs: ``kind`` on ``factor × S`` bytes, in ``phase``, ``per``."""
+    """One collective an op runs: ``kind`` on ``factor × S`` bytes, in ``phase``, ``per``;
+    ``blocking``: the step waits for it where it runs (see the module docstring)."""
 
     phase: str
     kind: str
     factor: float = 1.0
     per: str = PER_MICROBATCH
+    blocking: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,29 +93,34 @@ def _entries(*entries: Transition) -> dict[str, Transition]:
 
 
 _F, _B, _MB, _STEP = FORWARD, BACKWARD, PER_MICROBATCH, PER_STEP
+_ASYNC = False  # ``Movement.blocking``: launched and waited for later (the runtime's GradSync, a prefetch)
 
 #: Every collective graphpass emits, by name.
 TABLE: Mapping[str, Transition] = _entries(
     # ---- data parallel (insert_collectives, shard_parameters) ----
     Transition("dp gradient bucket", "all_reduce_grads", "dp", "Partial()", "Replicate()",
-               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP),),
+               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC),),
                # the bucket's flat buffer stays between steps (as DDP's); filling it from
                # autograd's gradients holds them twice for a moment
                step=1.0, transient=1.0),
     Transition("dp reported loss", "all_reduce", "dp", "Partial(avg)", "Replicate()",
-               "the loss (detached)", (Movement(_F, "all_reduce"),)),
+               "the loss (detached)", (Movement(_F, "all_reduce", blocking=_ASYNC),)),
     Transition("dp step", "grad_sync_begin", "dp", "-", "-", "nothing (waits for the buckets)", ()),
     Transition("zero1 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
-               (Movement(_F, "all_gather", per=_STEP), Movement(_B, "all_reduce", per=_STEP)),
+               (Movement(_F, "all_gather", per=_STEP, blocking=_ASYNC),
+                Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC)),
                step=1.0),
     Transition("zero2 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
-               (Movement(_F, "all_gather", per=_STEP), Movement(_B, "reduce_scatter")),
+               (Movement(_F, "all_gather", per=_STEP, blocking=_ASYNC), Movement(_B, "reduce_scatter", blocking=_ASYNC)),
                step=1.0),
     Transition("zero3 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
-               (Movement(_F, "all_gather"), Movement(_B, "all_gather"), Movement(_B, "reduce_scatter")),
+               # forward's gathers are prefetched one group ahead; backward re-gathers each group
+               # when it first needs it
+               (Movement(_F, "all_gather", blocking=_ASYNC), Movement(_B, "all_gather"),
+                Movement(_B, "reduce_scatter", blocking=_ASYNC)),
                # gathered weights until the layer is done (re-gathered in backward), then the
                # full gradient until it is reduce-scattered
                transient=2.0),

@@ -93,11 +93,12 @@ def test_tensor_parallel_traffic_is_what_the_pass_emits(small_planner):
     the s·b·h activation; with SP the same volume as all-gather / reduce-scatter pairs."""
     act = BATCH * SMALL.block_size * SMALL.n_embd * 2
     layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2)) if x.kind == "layer")
+    # Every tensor-parallel collective is blocking: the next op waits for it.
     assert sorted(layer.tp_traffic) == sorted(
-        [("forward", "all_reduce", act)] * 2 + [("backward", "all_reduce", act)] * 2
+        [("forward", "all_reduce", act, True)] * 2 + [("backward", "all_reduce", act, True)] * 2
     )
     layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2, 1, True)) if x.kind == "layer")
-    kinds = sorted((p, k) for p, k, _ in layer.tp_traffic)
+    kinds = sorted((p, k) for p, k, _, _ in layer.tp_traffic)
     # Sequence parallel: each column-linear input is gathered, re-gathered in backward and its
     # gradient reduce-scattered; each partial sum is reduce-scattered (all-gathered in backward).
     assert kinds == sorted([("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")] * 2
@@ -435,3 +436,25 @@ def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatc
     # Without measure_ops nothing is measured again: the captured batch's times scale linearly.
     flat = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch)
     assert flat.profile._measured_for(8) == {}
+
+
+def test_each_blocking_collective_pays_the_links_measured_synchronisation_cost():
+    """``LinkSpec.sync_s`` is charged once per collective the step waits for where it runs (the
+    transition table's ``blocking``): every tensor-parallel collective, each ZeRO-3 group's
+    backward re-gather, and the end of backward's wait for the asynchronous gradient reductions;
+    never for the asynchronous ones themselves (buckets, reduce-scatters, forward prefetches)."""
+    sync = 2e-3
+    slow = dataclasses.replace(GLOO_4, intra_node=dataclasses.replace(GLOO_4.intra_node, sync_s=sync),
+                               inter_node=dataclasses.replace(GLOO_4.inter_node, sync_s=sync))
+    batch = zoo.batches("gpt", 1, 8)[0]
+    plain, synced = (Planner(zoo.build("gpt"), cluster, batch) for cluster in (GLOO_4, slow))
+    for strategy in (gp.Strategy(dp=4), gp.Strategy(dp=4, zero=3), gp.Strategy(dp=2, tp=2), gp.Strategy(tp=4)):
+        blocks = plain.blocks(Layout(strategy.mesh, strategy.microbatches, False))
+        blocking = sum(1 for b in blocks for *_, waits in b.tp_traffic if waits)
+        if strategy.zero == 3:
+            blocking += sum(1 for b in blocks if b.params)  # one re-gather per gather group
+        if strategy.mesh.get("dp", 1) > 1:
+            blocking += 1  # the end of backward
+        extra = synced.price(strategy).predicted_step_time_s - plain.price(strategy).predicted_step_time_s
+        assert blocking > 0
+        assert extra == pytest.approx(blocking * sync, rel=1e-6), strategy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 import zoo
 from graphpass import cluster as cluster_module
 from graphpass.capture import capture
-from graphpass.cluster import Cluster, DeviceSpec, profile_path
+from graphpass.cluster import Cluster, DeviceSpec, LinkSpec, profile_path
 from graphpass.cost import profiler
 from graphpass.cost.collectives import Link, all_reduce_time
 from graphpass.cost.compute import graph_compute
@@ -83,6 +84,31 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     fitted, residual = fit_ring_all_reduce([s for s, _ in report.all_reduce], [t for _, t in report.all_reduce], 2)
     assert (fitted.bandwidth_gbps, fitted.latency_s) == (link.bandwidth_gbps, link.latency_s)
     assert residual == report.fit_residual and all(t > 0 for _, t in report.all_reduce)
+    # What a blocking collective costs beyond the fit: measured (a machine-dependent figure, so
+    # only its kind is checked here; bench/fidelity.py shows what it predicts).
+    assert 0.0 <= link.sync_s < 0.1 and math.isfinite(link.sync_s)
+
+
+def test_sync_cost_is_the_median_over_ranks_and_rounds_and_never_negative():
+    from graphpass.cost.profiler import _sync_s
+
+    def results(*per_rank):
+        return [{"collectives": {"sync": list(rounds)}} for rounds in per_rank]
+
+    assert _sync_s(results([1e-3, 3e-3, 2e-3], [4e-3, 0.5e-3, 2.5e-3])) == pytest.approx(2.25e-3)
+    assert _sync_s(results([-1e-3, -2e-3], [-1e-3, 0.0])) == 0.0  # noise around nothing
+    assert _sync_s([{"collectives": {"sync": None}}] * 2) == 0.0  # GPU: not measured
+
+
+def test_link_sync_cost_round_trips_defaults_to_zero_and_is_validated():
+    link = LinkSpec(0.9, 2e-4, "measured", {"all_gather": 1.5}, sync_s=1e-3)
+    assert LinkSpec.from_dict(json.loads(json.dumps(link.to_dict()))) == link
+    assert hash(link) != hash(dataclasses.replace(link, sync_s=0.0))
+    old = link.to_dict()
+    del old["sync_s"]
+    assert LinkSpec.from_dict(old).sync_s == 0.0  # a profile written before it existed
+    with pytest.raises(ValueError, match="LinkSpec.sync_s"):
+        dataclasses.replace(link, sync_s=-1e-3)
 
 
 def test_profile_one_rank_keeps_the_default_link_and_writes_the_default_path(cache_dir):

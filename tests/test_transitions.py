@@ -2,7 +2,8 @@
 prices: every entry, emitted through ``graphpass.passes.collectives`` on a small graph and run
 on 2 and 4 gloo ranks for a step of 2 microbatches, moves exactly the collectives and bytes
 the entry says (counted at the ``torch.distributed`` calls the runtime makes), as often as it
-says (per microbatch or per step).
+says (per microbatch or per step), blocking or asynchronous as it says (the planner charges
+each blocking one the link's synchronisation cost).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from graphpass import meta
 from graphpass.passes import collectives as emit
 from graphpass.runtime import collectives as ops
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import step as step_program
 from graphpass.runtime import tensor_parallel as tp_runtime
 from graphpass.runtime import zero as zero_runtime
 from graphpass.runtime.grad_sync import Accumulation, accumulating
@@ -69,21 +71,21 @@ def test_no_collective_traffic_is_written_outside_the_table():
 
 @contextlib.contextmanager
 def _counting(log: list, phase: list):
-    """Record (phase, kind, bytes of S) of every collective the runtime launches."""
+    """Record (phase, kind, bytes of S, blocking) of every collective the runtime launches."""
     saved = (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
              tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat)
     real_ar, real_ag, real_rs = dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat
 
     def all_reduce(tensor, *args, **kwargs):
-        log.append((phase[0], "all_reduce", tensor.numel() * tensor.element_size()))
+        log.append((phase[0], "all_reduce", tensor.numel() * tensor.element_size(), not kwargs.get("async_op")))
         return real_ar(tensor, *args, **kwargs)
 
     def all_gather(out, inp, *args, **kwargs):
-        log.append((phase[0], "all_gather", out.numel() * out.element_size()))
+        log.append((phase[0], "all_gather", out.numel() * out.element_size(), not kwargs.get("async_op")))
         return real_ag(out, inp, *args, **kwargs)
 
     def reduce_scatter(out, inp, *args, **kwargs):
-        log.append((phase[0], "reduce_scatter", inp.numel() * inp.element_size()))
+        log.append((phase[0], "reduce_scatter", inp.numel() * inp.element_size(), not kwargs.get("async_op")))
         return real_rs(out, inp, *args, **kwargs)
 
     dist.all_reduce = all_reduce
@@ -178,7 +180,8 @@ def _run_entry(name: str) -> list:
     gm.recompile()
     log, phase = [], ["forward"]
     accumulation = Accumulation(2)
-    with mesh_lib.active(mesh), _counting(log, phase):
+    # As in train_step: reported values are all-reduced asynchronously, finished at the step's end.
+    with mesh_lib.active(mesh), _counting(log, phase), step_program._deferring_reports():
         for i in range(2):
             accumulation.last_backward = False
             phase[0] = "forward"
@@ -188,9 +191,9 @@ def _run_entry(name: str) -> list:
             phase[0] = "backward"
             outputs[0].backward()
     expected = []
-    for move_phase, kind, nbytes, per in TABLE[name].bytes(size):
-        expected += [(move_phase, kind, nbytes)] * (1 if per == PER_STEP else 2)
-    return sorted(expected), sorted((p, k, float(b)) for p, k, b in log)
+    for move in TABLE[name].collectives:
+        expected += [(move.phase, move.kind, move.factor * size, move.blocking)] * (1 if move.per == PER_STEP else 2)
+    return sorted(expected), sorted((p, k, float(b), w) for p, k, b, w in log)
 
 
 def _run_vocab(mesh, n: int) -> tuple[list, list]:
@@ -202,8 +205,9 @@ def _run_vocab(mesh, n: int) -> tuple[list, list]:
         loss = ops.vocab_parallel_cross_entropy(logits, target, "tp", n, 5 * dist.get_rank())
         phase[0] = "backward"
         loss.backward()
-    expected = [(p, k, b) for p, k, b, _ in TABLE["tp vocabulary-parallel loss"].bytes(4.0 * tokens)]
-    return sorted(expected), sorted((p, k, float(b)) for p, k, b in log)
+    expected = [(m.phase, m.kind, m.factor * 4.0 * tokens, m.blocking)
+                for m in TABLE["tp vocabulary-parallel loss"].collectives]
+    return sorted(expected), sorted((p, k, float(b), w) for p, k, b, w in log)
 
 
 def _run_all() -> dict:
