@@ -17,9 +17,11 @@ at least six uniform strategies per world size:
 * **measured**: on ``W`` ranks, the same GPT (``examples/gpt.py``, fp32, dropout 0, same seed)
   compiled with ``gp.compile(model, gp.Cluster.local(), strategy=...)``, ``AdamW`` over
   ``dmodel.parameters()``. A *step* is ``train_step`` + ``opt.step()`` +
-  ``opt.zero_grad(set_to_none=True)``, the scope the planner prices. After ``--warmup`` steps,
-  ``--steps`` steps are timed, each started by a barrier; the step time is the median over steps
-  of the slowest rank's time. Then one more step runs under
+  ``opt.zero_grad(set_to_none=True)``, the scope the planner prices. Every strategy is compiled
+  side by side; after ``--warmup`` steps of each, ``--steps`` steps are timed round-robin (step
+  ``i`` of every strategy before step ``i + 1`` of any, each started by a barrier), so a slow
+  spell of the machine falls on every strategy alike; the step time is the median over steps
+  of the slowest rank's time. Then one more step of each runs under
   :class:`graphpass.runtime.memory.MemoryProbe`, as ``bench/memory.py`` does: the baseline is the
   parameters, the AdamW state (it exists after the first step), the runtime's resident gradient
   buckets (``dmodel.resident_buffers()``) and the batch, so the probe's peak
@@ -178,52 +180,56 @@ def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> tuple[
 
 # ---------------------------------------------------------------------------- measured
 
-def _measure_strategy(args, strategy: gp.Strategy, data) -> dict:
-    torch.manual_seed(args.seed)
-    model = GPT(gpt_config(args))
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
-    del model  # compile keeps only this rank's shards
-    params = list(dmodel.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr)
+class _Run:
+    """One strategy compiled on this rank, with its AdamW, and the step times measured so far."""
 
-    def step(batch) -> tuple[float, float]:
+    def __init__(self, args, strategy: gp.Strategy, data):
+        torch.manual_seed(args.seed)
+        model = GPT(gpt_config(args))
+        self.dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+        del model  # compile keeps only this rank's shards
+        self.params = list(self.dmodel.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=args.lr)
+        self.times: list[tuple[float, float]] = []
+
+    def step(self, batch) -> tuple[float, float]:
         t0 = time.perf_counter()
-        dmodel.train_step(*batch)
+        self.dmodel.train_step(*batch)
         t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return t1 - t0, time.perf_counter() - t1
 
-    for i in range(args.warmup):
-        step(data[i])
-    times = []
-    for i in range(args.warmup, args.warmup + args.steps):
-        dist.barrier()
-        times.append(step(data[i]))
-
-    gc.collect()
-    batch = data[args.warmup + args.steps]
-    state = params + optimizer_state_tensors(opt) + dmodel.resident_buffers()
-    with MemoryProbe(baseline=state + list(batch)) as probe:
-        dmodel.train_step(*batch)
-        train_peak = probe.peak_bytes
-        probe.reset_peak()
-        opt.step()
-        opt_peak = probe.peak_bytes
-    model_state = tensor_bytes(state + [p.grad for p in params if p.grad is not None])
-    opt.zero_grad(set_to_none=True)
-    return {"times": times, "peak": max(train_peak, opt_peak), "train_peak": train_peak,
-            "opt_peak": opt_peak, "state": model_state}
+    def memory(self, batch) -> dict:
+        gc.collect()
+        state = self.params + optimizer_state_tensors(self.opt) + self.dmodel.resident_buffers()
+        with MemoryProbe(baseline=state + list(batch)) as probe:
+            self.dmodel.train_step(*batch)
+            train_peak = probe.peak_bytes
+            probe.reset_peak()
+            self.opt.step()
+            opt_peak = probe.peak_bytes
+        model_state = tensor_bytes(state + [p.grad for p in self.params if p.grad is not None])
+        self.opt.zero_grad(set_to_none=True)
+        return {"times": self.times, "peak": max(train_peak, opt_peak), "train_peak": train_peak,
+                "opt_peak": opt_peak, "state": model_state}
 
 
 def _run_rank(args: argparse.Namespace, rows) -> dict:
+    """Every strategy compiled side by side, then timed round-robin: step ``i`` of every
+    strategy before step ``i + 1`` of any, each started by a barrier, so a slow spell of this
+    shared machine falls on all strategies alike instead of on the one that happens to run then."""
     torch.set_num_threads(_threads(dist.get_world_size()))
     data = gpt_batches(args, args.warmup + args.steps + 1)
-    out = {}
-    for name, kwargs in rows:
-        out[name] = _measure_strategy(args, gp.Strategy(**kwargs), data)
-        gc.collect()
-    return out
+    runs = {name: _Run(args, gp.Strategy(**kwargs), data) for name, kwargs in rows}
+    for i in range(args.warmup):
+        for run in runs.values():
+            run.step(data[i])
+    for i in range(args.warmup, args.warmup + args.steps):
+        for run in runs.values():
+            dist.barrier()
+            run.times.append(run.step(data[i]))
+    return {name: run.memory(data[args.warmup + args.steps]) for name, run in runs.items()}
 
 
 def measure(args: argparse.Namespace, world: int) -> dict[str, dict]:

@@ -18,18 +18,17 @@ spec-sheet or guessed figures; this module replaces them with measurements, all 
 * **Links** (`profile`, ``world_size > 1``): ``world_size`` local ranks
   (`graphpass.runtime.launch.launch`, gloo on CPU, nccl on GPU) time ``all_reduce`` over a ladder
   of sizes: median of repeats after warmup on each rank, the slowest rank's median per size. On
-  CPU each operand comes fresh out of a matmul with no barrier before the call, as in a step
-  (gloo shares the cores with compute; buffers are cold, ranks arrive apart); on GPU the ranks
-  start together after a barrier. The
+  CPU each operand comes fresh out of a matmul, as in a step (gloo shares the cores with
+  compute; buffers are cold); the ranks start each call together after a barrier. The
   ring model of `graphpass.cost.collectives` (``all_reduce_time``)::
 
       t(S) = 2(n-1) * alpha + 2(n-1)/n * S / B
 
   is fitted by least squares on relative error (each point weighted by ``1/t``, so 4 KiB and
   16 MiB count alike) with ``alpha >= 0``, giving ``LinkSpec(B, alpha, "measured")``. On CPU,
-  compute segments with and without a small blocking all-reduce between them give
-  ``LinkSpec.sync_s``, what a collective the step waits for costs beyond the fit (the ranks
-  arrive apart, gloo's threads wake; `_measure_sync`). One machine
+  compute segments with a small blocking all-reduce after each give ``LinkSpec.sync_s``,
+  what a collective the step waits for costs beyond the fit (the ranks arrive apart, gloo's
+  threads wake; `_measure_sync`). One machine
   is one node: the measured link is both ``intra_node`` and ``inter_node``. The cluster goes to
   `graphpass.cluster.profile_path` (``clusters/<device>-<world_size>.json``), where
   `Cluster.local` picks it up.
@@ -272,11 +271,11 @@ _PRODUCER_WIDTH = 256
 def _operand(like: torch.Tensor, kind: str) -> torch.Tensor:
     """The tensor a timed collective sends, shaped like ``like``.
 
-    On GPU, ``like`` itself after a barrier: NCCL runs on its own stream and the ranks start
-    together. On CPU, gloo's collectives run on the cores that compute, so the operand is made
-    the way training makes it: fresh out of a matmul, outside the cache, with no barrier, each
-    rank arriving when its compute ends (the time includes the wait for the slower rank, as in a
-    step)."""
+    On GPU, ``like`` itself: NCCL runs on its own stream. On CPU, gloo's collectives run on the
+    cores that compute, so the operand is made the way training makes it: fresh out of a matmul,
+    outside the cache. Either way a barrier follows, so the ranks start together: what arriving
+    apart from compute costs is measured on its own (`_measure_sync`, ``LinkSpec.sync_s``) and
+    charged to the collectives the step waits for, not folded into every collective's fit."""
     if kind != "cpu":
         dist.barrier()
         return like
@@ -284,7 +283,9 @@ def _operand(like: torch.Tensor, kind: str) -> torch.Tensor:
     rows = -(-n // _PRODUCER_WIDTH)
     weight = _producer_weight()
     x = torch.randn(rows, _PRODUCER_WIDTH, dtype=like.dtype)
-    return (x @ weight).view(-1)[:n]
+    operand = (x @ weight).view(-1)[:n]
+    dist.barrier()
+    return operand
 
 
 @functools.lru_cache(maxsize=1)
@@ -415,23 +416,27 @@ def _measure_contention(quick: bool) -> dict[str, tuple[float, list[float]]]:
 _SYNC_PROBE_BYTES = 4 * KiB
 
 
-def _measure_sync(quick: bool) -> list[float]:
-    """Per round, the extra seconds one blocking collective costs when it is issued between
-    compute segments, over the same collective issued back to back (``LinkSpec.sync_s``).
+def _measure_sync(quick: bool) -> list[tuple[float, float]]:
+    """Per round, what one blocking collective costs when it is issued between compute segments
+    beyond the same collective issued back to back (``LinkSpec.sync_s``), two ways:
+    ``(waited, wall)``.
 
-    A round times, between barriers, ``k`` segments of `_layer_work` (about 10 ms each here),
-    then ``k`` segments each followed by a small blocking all-reduce, then ``k`` of those
-    all-reduces alone; the round's figure is ``(with - segments - alone) / k``. Ranks drift
-    apart while they compute, so the first to arrive waits for the last, and the collective's
-    threads wake from idle: neither shows when collectives run back to back, as the ladder times
-    them. Rounds alternate the three, so a slow spell of the machine spreads over all of them.
+    A round times ``k`` segments of `_layer_work` (about 10 ms each here) each followed by a
+    small blocking all-reduce, then ``k`` of those all-reduces alone, then ``k`` segments alone,
+    each run between barriers. Ranks drift apart while they compute, so the first to arrive
+    waits for the last, and the collective's threads wake from idle; neither shows when
+    collectives run back to back, as the ladder times them. ``waited`` is this rank's mean time
+    inside the all-reduces after compute, less the back-to-back time; ``wall`` is the round's
+    whole extra time per segment, ``(with - alone - segments) / k``. Rounds alternate the
+    three, so a slow spell of the machine spreads over all of them.
     """
     work = _layer_work(128 if quick else 512, 256)
     probe = torch.ones(_SYNC_PROBE_BYTES // 4)
-    k, rounds = (4, 3) if quick else (8, 12)
+    k, rounds = (4, 3) if quick else (8, 10)
     for _ in range(2):
         work()
         dist.all_reduce(probe)
+    waits: list[float] = []
 
     def timed(fn: Callable[[], None]) -> float:
         dist.barrier()
@@ -443,9 +448,18 @@ def _measure_sync(quick: bool) -> list[float]:
 
     def synced() -> None:
         work()
+        start = time.perf_counter()
         dist.all_reduce(probe)
+        waits.append(time.perf_counter() - start)
 
-    return [timed(synced) - timed(work) - timed(lambda: dist.all_reduce(probe)) for _ in range(rounds)]
+    out = []
+    for _ in range(rounds):
+        waits.clear()
+        with_sync = timed(synced)
+        waited = statistics.fmean(waits)
+        alone = timed(lambda: dist.all_reduce(probe))
+        out.append((waited - alone, with_sync - alone - timed(work)))
+    return out
 
 
 def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, Any]:
@@ -710,7 +724,7 @@ def run_profile(
             times = [r["collectives"][name][1] for r in results]
             others[name] = (size, None if None in times else max(times))
         link = dataclasses.replace(link, kind_factors=_kind_factors(link, others, world_size),
-                                   sync_s=_sync_s(results))
+                                   sync_s=_sync_s(results, oversubscribed=world_size > (os.cpu_count() or 1)))
         intra = inter = link  # one machine is one node
     peaks, filled = _fill_dtypes(device_result["tflops"])
     if filled:
@@ -764,13 +778,17 @@ def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
     return round(max(1.0, slowest / alone), 3)
 
 
-def _sync_s(results: Sequence[dict[str, Any]]) -> float:
-    """``LinkSpec.sync_s`` from every rank's `_measure_sync` rounds: the median over ranks and
-    rounds (every rank times the same barrier-to-barrier spans), at least 0; 0 off CPU."""
+def _sync_s(results: Sequence[dict[str, Any]], oversubscribed: bool) -> float:
+    """``LinkSpec.sync_s`` from every rank's `_measure_sync` rounds (median over ranks and
+    rounds, at least 0; 0 off CPU). While every rank has a core of its own, a rank waiting for
+    the others leaves its core idle, so the time waited is what the step loses: the ranks' mean
+    wait, the steadier figure. On oversubscribed cores the waiting ranks' cores serve the others
+    meanwhile, so only the wall-time difference counts."""
     rounds = [r["collectives"].get("sync") for r in results]
     if any(x is None for x in rounds):
         return 0.0
-    return max(0.0, statistics.median(t for rank in rounds for t in rank))
+    which = 1 if oversubscribed else 0
+    return max(0.0, statistics.median(figures[which] for rank in rounds for figures in rank))
 
 
 #: Measured kind factors are clamped to this range: a single timing far outside it is noise.

@@ -90,14 +90,17 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
 
 
 def test_sync_cost_is_the_median_over_ranks_and_rounds_and_never_negative():
+    """The time waited counts while every rank has a core; oversubscribed, the wall time."""
     from graphpass.cost.profiler import _sync_s
 
     def results(*per_rank):
-        return [{"collectives": {"sync": list(rounds)}} for rounds in per_rank]
+        return [{"collectives": {"sync": [(w, w / 2) for w in rounds]}} for rounds in per_rank]
 
-    assert _sync_s(results([1e-3, 3e-3, 2e-3], [4e-3, 0.5e-3, 2.5e-3])) == pytest.approx(2.25e-3)
-    assert _sync_s(results([-1e-3, -2e-3], [-1e-3, 0.0])) == 0.0  # noise around nothing
-    assert _sync_s([{"collectives": {"sync": None}}] * 2) == 0.0  # GPU: not measured
+    measured = results([1e-3, 3e-3, 2e-3], [4e-3, 0.5e-3, 2.5e-3])
+    assert _sync_s(measured, oversubscribed=False) == pytest.approx(2.25e-3)
+    assert _sync_s(measured, oversubscribed=True) == pytest.approx(2.25e-3 / 2)
+    assert _sync_s(results([-1e-3, -2e-3], [-1e-3, 0.0]), oversubscribed=False) == 0.0  # noise around nothing
+    assert _sync_s([{"collectives": {"sync": None}}] * 2, oversubscribed=False) == 0.0  # GPU: not measured
 
 
 def test_link_sync_cost_round_trips_defaults_to_zero_and_is_validated():
