@@ -416,19 +416,18 @@ def _measure_contention(quick: bool) -> dict[str, tuple[float, list[float]]]:
 _SYNC_PROBE_BYTES = 4 * KiB
 
 
-def _measure_sync(quick: bool) -> list[tuple[float, float]]:
-    """Per round, what one blocking collective costs when it is issued between compute segments
-    beyond the same collective issued back to back (``LinkSpec.sync_s``), two ways:
-    ``(waited, wall)``.
+def _measure_sync(quick: bool) -> dict[str, list[float]]:
+    """What one blocking collective costs when it is issued between compute segments beyond the
+    same collective issued back to back (``LinkSpec.sync_s``), as raw samples.
 
     A round times ``k`` segments of `_layer_work` (about 10 ms each here) each followed by a
-    small blocking all-reduce, then ``k`` of those all-reduces alone, then ``k`` segments alone,
-    each run between barriers. Ranks drift apart while they compute, so the first to arrive
-    waits for the last, and the collective's threads wake from idle; neither shows when
-    collectives run back to back, as the ladder times them. ``waited`` is this rank's mean time
-    inside the all-reduces after compute, less the back-to-back time; ``wall`` is the round's
-    whole extra time per segment, ``(with - alone - segments) / k``. Rounds alternate the
-    three, so a slow spell of the machine spreads over all of them.
+    small blocking all-reduce, then ``k`` of those all-reduces back to back, then ``k`` segments
+    alone, each run between barriers. Ranks drift apart while they compute, so the first to
+    arrive waits for the last, and the collective's threads wake from idle; neither shows when
+    collectives run back to back, as the ladder times them. Returns this rank's time inside
+    each all-reduce after compute (``"waits"``), each back-to-back all-reduce (``"alone"``) and,
+    per round, the whole extra time per segment, ``(with - alone - segments) / k``
+    (``"wall"``). Rounds alternate the three, so a slow spell of the machine spreads over all.
     """
     work = _layer_work(128 if quick else 512, 256)
     probe = torch.ones(_SYNC_PROBE_BYTES // 4)
@@ -436,7 +435,7 @@ def _measure_sync(quick: bool) -> list[tuple[float, float]]:
     for _ in range(2):
         work()
         dist.all_reduce(probe)
-    waits: list[float] = []
+    out: dict[str, list[float]] = {"waits": [], "alone": [], "wall": []}
 
     def timed(fn: Callable[[], None]) -> float:
         dist.barrier()
@@ -446,19 +445,15 @@ def _measure_sync(quick: bool) -> list[tuple[float, float]]:
         dist.barrier()
         return (time.perf_counter() - start) / k
 
-    def synced() -> None:
-        work()
+    def all_reduce(samples: list[float]) -> None:
         start = time.perf_counter()
         dist.all_reduce(probe)
-        waits.append(time.perf_counter() - start)
+        samples.append(time.perf_counter() - start)
 
-    out = []
     for _ in range(rounds):
-        waits.clear()
-        with_sync = timed(synced)
-        waited = statistics.fmean(waits)
-        alone = timed(lambda: dist.all_reduce(probe))
-        out.append((waited - alone, with_sync - alone - timed(work)))
+        with_sync = timed(lambda: (work(), all_reduce(out["waits"])))
+        alone = timed(lambda: all_reduce(out["alone"]))
+        out["wall"].append(with_sync - alone - timed(work))
     return out
 
 
@@ -779,16 +774,20 @@ def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
 
 
 def _sync_s(results: Sequence[dict[str, Any]], oversubscribed: bool) -> float:
-    """``LinkSpec.sync_s`` from every rank's `_measure_sync` rounds (median over ranks and
-    rounds, at least 0; 0 off CPU). While every rank has a core of its own, a rank waiting for
-    the others leaves its core idle, so the time waited is what the step loses: the ranks' mean
-    wait, the steadier figure. On oversubscribed cores the waiting ranks' cores serve the others
-    meanwhile, so only the wall-time difference counts."""
-    rounds = [r["collectives"].get("sync") for r in results]
-    if any(x is None for x in rounds):
+    """``LinkSpec.sync_s`` from every rank's `_measure_sync` samples (the median over ranks, at
+    least 0; 0 off CPU). While every rank has a core of its own, a rank waiting for the others
+    leaves its core idle, so the time waited is what the step loses: the mean wait (the expected
+    cost, slow spells included, over every sample) less the typical back-to-back all-reduce
+    (the median, as the ladder's). On oversubscribed cores the waiting ranks' cores serve the
+    others meanwhile, so only the wall-time difference counts (the median over rounds)."""
+    samples = [r["collectives"].get("sync") for r in results]
+    if any(x is None for x in samples):
         return 0.0
-    which = 1 if oversubscribed else 0
-    return max(0.0, statistics.median(figures[which] for rank in rounds for figures in rank))
+    if oversubscribed:
+        per_rank = [statistics.median(x["wall"]) for x in samples]
+    else:
+        per_rank = [statistics.fmean(x["waits"]) - statistics.median(x["alone"]) for x in samples]
+    return max(0.0, statistics.median(per_rank))
 
 
 #: Measured kind factors are clamped to this range: a single timing far outside it is noise.

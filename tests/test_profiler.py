@@ -89,17 +89,19 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     assert 0.0 <= link.sync_s < 0.1 and math.isfinite(link.sync_s)
 
 
-def test_sync_cost_is_the_median_over_ranks_and_rounds_and_never_negative():
-    """The time waited counts while every rank has a core; oversubscribed, the wall time."""
+def test_sync_cost_is_the_mean_wait_less_the_typical_collective_or_oversubscribed_the_wall_time():
+    """With a core per rank, the time waited after compute counts; oversubscribed, the wall time."""
     from graphpass.cost.profiler import _sync_s
 
-    def results(*per_rank):
-        return [{"collectives": {"sync": [(w, w / 2) for w in rounds]}} for rounds in per_rank]
-
-    measured = results([1e-3, 3e-3, 2e-3], [4e-3, 0.5e-3, 2.5e-3])
-    assert _sync_s(measured, oversubscribed=False) == pytest.approx(2.25e-3)
-    assert _sync_s(measured, oversubscribed=True) == pytest.approx(2.25e-3 / 2)
-    assert _sync_s(results([-1e-3, -2e-3], [-1e-3, 0.0]), oversubscribed=False) == 0.0  # noise around nothing
+    ranks = [{"collectives": {"sync": {"waits": [1e-3, 2e-3, 6e-3], "alone": [0.5e-3, 1e-3, 9e-3],
+                                       "wall": [1e-3, 3e-3, 2e-3]}}},
+             {"collectives": {"sync": {"waits": [2e-3, 2e-3, 2e-3], "alone": [1e-3, 1e-3, 1e-3],
+                                       "wall": [4e-3, 0.5e-3, 2.5e-3]}}}]
+    # mean wait - median alone: 3 - 1 and 2 - 1 ms; the median over ranks
+    assert _sync_s(ranks, oversubscribed=False) == pytest.approx(1.5e-3)
+    assert _sync_s(ranks, oversubscribed=True) == pytest.approx(2.25e-3)  # medians 2 and 2.5 ms
+    idle = [{"collectives": {"sync": {"waits": [1e-3], "alone": [2e-3], "wall": [-1e-3]}}}] * 2
+    assert _sync_s(idle, oversubscribed=False) == _sync_s(idle, oversubscribed=True) == 0.0  # noise around nothing
     assert _sync_s([{"collectives": {"sync": None}}] * 2, oversubscribed=False) == 0.0  # GPU: not measured
 
 
