@@ -1080,6 +1080,7 @@ def node_times(
     *,
     measure: bool = False,
     cache_path: str | os.PathLike | None = None,
+    skip: Callable[[fx.Node], bool] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Profiled ``(forward_s, backward_s)`` per ``call_function`` node, for `graph_compute(measured=)`.
 
@@ -1093,6 +1094,8 @@ def node_times(
         device: The device the times are for (its name keys the cache).
         measure: Run the ops missing from the cache on this machine.
         cache_path: The JSON cache; default `op_cache_path(device)`.
+        skip: Nodes neither timed nor reported (a rank program's collectives, which the
+            transition table prices).
 
     Returns:
         ``{node name: (forward_s, backward_s)}`` for the nodes with a profiled (or view) time.
@@ -1100,7 +1103,7 @@ def node_times(
     path = pathlib.Path(cache_path) if cache_path is not None else op_cache_path(device)
     cache = _read_cache(path)
     grad_nodes = grad_requiring_nodes(gm)
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not (skip and skip(n))]
     times: dict[str, tuple[float, float]] = {}
     pending: dict[str, list[fx.Node]] = {}
     for node in nodes:

@@ -26,6 +26,7 @@ searching (the baselines a user would otherwise pick).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -45,10 +46,11 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpass import meta
-from graphpass.capture import capture, check_example_inputs
+from graphpass.capture import capture, check_example_inputs, propagate_fake
 from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
 from graphpass.cost.compute import grad_requiring_nodes, node_bytes, node_flops
+from graphpass.passes.collectives import is_collective
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout
 from graphpass.ops import op_base
@@ -311,16 +313,22 @@ class GraphProfile:
         measure_at: profiled times of the same nodes at another number of samples (the local
             batch a layout runs; ``{}`` where it cannot tell), or None: times at other batches
             are then ``measured`` scaled linearly.
+        measure_program: profiled times of the program the tensor-parallel pass emits for
+            ``(tp, sequence_parallel, batch)`` (`ProgramTimes`), or None: tensor-parallel compute
+            is then the original nodes' times, each sharded node's split ``tp`` ways.
     """
 
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor], batch: int, cluster: Cluster,
                  measured: Mapping[str, tuple[float, float]] | None = None,
-                 measure_at: Callable[[int], Mapping[str, tuple[float, float]]] | None = None):
+                 measure_at: Callable[[int], Mapping[str, tuple[float, float]]] | None = None,
+                 measure_program: Callable[[int, bool, int], ProgramTimes] | None = None):
         self.gm, self.batch, self.cluster = gm, batch, cluster
         self.device: DeviceSpec = cluster.device
         self.measured = dict(measured or {})
         self._measure_at = measure_at
         self._measured_at: dict[int, dict[str, tuple[float, float]]] = {batch: self.measured}
+        self._measure_program = measure_program
+        self._programs: dict[tuple[int, bool, int], ProgramTimes] = {}
         self.param_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND, None) == "parameter"]
         self.tensors = {n.name: self._attr(n.target) for n in self.param_nodes}
         trainable = [n for n in self.param_nodes if self.tensors[n.name].requires_grad]
@@ -424,6 +432,12 @@ class GraphProfile:
             self._measured_at[batch] = dict(self._measure_at(batch)) if self._measure_at else {}
         return self._measured_at[batch]
 
+    def _program_times(self, tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
+        key = (tp, sequence_parallel, batch)
+        if key not in self._programs:
+            self._programs[key] = self._measure_program(*key) if self._measure_program else ProgramTimes()
+        return self._programs[key]
+
     def _time(self, name: str, batch: int, divide: float) -> tuple[float, float]:
         """(forward_s, backward_s) of one node at ``batch`` samples, its compute split ``divide``
         ways: measured at that batch where it was, else the captured batch's time scaled."""
@@ -478,14 +492,24 @@ class GraphProfile:
 
         if tp > 1:
             self._check_tp_shares_compute(tp, runs_sharded)
+        # Measured where the emitted program could be timed (its nodes at their local shapes, the
+        # ops the pass adds charged to the block of the original node they come from); else, or
+        # for a node the program does not keep, the original node's time split tp ways if sharded.
+        programs = {b: self._program_times(tp, sequence_parallel, b) if tp > 1 else ProgramTimes() for b in batches}
+        added = {b: defaultdict(lambda: (0.0, 0.0)) for b in batches}
+        for b, program in programs.items():
+            for anchor, (f, bw) in program.added.items():
+                name = self.owner.get(anchor, self.blocks[0]).name
+                added[b][name] = (added[b][name][0] + f, added[b][name][1] + bw)
         out = []
         for block in self.blocks:
             times = {}
             split_nodes = {n.name: (tp if runs_sharded(n) else 1) for n in block.nodes}
             for b in batches:
-                fwd = bwd = 0.0
+                fwd, bwd = added[b][block.name]
                 for node in block.nodes:
-                    f, bw = self._time(node.name, b, split_nodes[node.name])
+                    own = programs[b].own.get(node.name)
+                    f, bw = own if own is not None else self._time(node.name, b, split_nodes[node.name])
                     fwd += f
                     bwd += bw
                 times[b] = (fwd, bwd)
@@ -639,8 +663,11 @@ class Planner:
         captured = capture(model, inputs)
         measure_at = (functools.partial(_measured_at_batch, model, inputs, captured.gm, self.cluster)
                       if measure_ops else None)
+        measure_program = (functools.partial(_measured_program, model, inputs, captured.gm, self.cluster)
+                           if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster,
-                                    _measured_times(captured.gm, self.cluster, measure_ops, inputs), measure_at)
+                                    _measured_times(captured.gm, self.cluster, measure_ops, inputs), measure_at,
+                                    measure_program)
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
                                 measure_ops)
         self.executable_only = executable_only
@@ -777,6 +804,61 @@ def _check_degrees(strategy: Strategy, cluster: Cluster) -> None:
             f"Strategy dp={strategy.dp} x tp={strategy.tp} x pp={strategy.pp} = {strategy.degree} devices, "
             f"but the cluster has {cluster.world_size}"
         )
+
+
+@dataclass(frozen=True)
+class ProgramTimes:
+    """Profiled times of a tensor-parallel rank program (`_measured_program`), scaled as
+    `_measured_times` scales op times: ``own`` per original node the program keeps (at its
+    local shapes), ``added`` per original node for the ops the pass added after it (a row
+    linear's bias add after its all-reduce). Collectives are left out: the transition table
+    prices them. Empty where the program could not be timed."""
+
+    own: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    added: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+
+def _measured_program(model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.GraphModule, cluster: Cluster,
+                      tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
+    """`ProgramTimes` of the program the tensor-parallel pass emits for ``model`` at ``batch``
+    samples: the pass dry-run on the graph captured at that batch (`tp_layout`), its fake values
+    re-derived at the local shapes, its non-collective ops timed on this machine
+    (`graphpass.cost.profiler.node_times`) and scaled by the contention and by the original
+    graph's whole-run factor at that batch. Empty (logged) where it cannot be done."""
+    if not cluster.name.startswith("local"):
+        return ProgramTimes()
+    from graphpass.cost import profiler
+
+    full = int(inputs[0].shape[0])
+    sliced = [t[:batch] if t.dim() and t.shape[0] == full else t for t in inputs]
+    try:
+        other = gm if batch == full else capture(model, sliced).gm
+        if [(n.name, n.target) for n in other.graph.nodes] != [(n.name, n.target) for n in gm.graph.nodes]:
+            raise ValueError(f"the graph at batch {batch} differs from the batch-{full} one")
+        program = tp_layout(other, _tp_plan(other, tp, sequence_parallel)).program
+        propagate_fake(program, [t.to("meta") for t in sliced])  # the skeleton's parameters are meta
+    except Exception as exc:  # noqa: BLE001 - the per-node split stands in; said here
+        log.info("tp=%d program at batch %d not timed (%s: %s); its compute is the original ops split tp ways",
+                 tp, batch, type(exc).__name__, exc)
+        return ProgramTimes()
+    times = profiler.node_times(program, cluster.device, measure=True, skip=is_collective)
+    base = profiler.node_times(other, cluster.device, measure=True)
+    factor = _contention(cluster) * (profiler.isolation_factor(other, sliced, base)
+                                     if profiler.is_this_machine(cluster.device) else 1.0)
+    original = {n.name for n in other.graph.nodes}
+    own, added = {}, defaultdict(lambda: (0.0, 0.0))
+    for node in program.graph.nodes:
+        if node.name not in times:
+            continue
+        f, b = times[node.name]
+        if node.name in original:
+            own[node.name] = (f * factor, b * factor)
+            continue
+        anchor = node
+        while anchor.name not in original and anchor.all_input_nodes:
+            anchor = anchor.all_input_nodes[0]
+        added[anchor.name] = (added[anchor.name][0] + f * factor, added[anchor.name][1] + b * factor)
+    return ProgramTimes(own, dict(added))
 
 
 def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,

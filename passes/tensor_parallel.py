@@ -1064,11 +1064,14 @@ class EmittedCollective:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the pass would do for a plan: each original node's ``tp`` placement and the emitted
-    collectives, in graph order."""
+    """What the pass would do for a plan: each original node's ``tp`` placement, the emitted
+    collectives, in graph order, and the program itself (rank 0's rewritten graph on a meta
+    skeleton: sharded parameters, the pass's added ops and collectives; its fake values are
+    not yet re-derived; None for tp 1)."""
 
     placements: dict[str, Any]
     collectives: tuple[EmittedCollective, ...]
+    program: fx.GraphModule | None = None
 
 
 def _dtype_of(node: fx.Node) -> torch.dtype:
@@ -1115,4 +1118,4 @@ def layout(gm: fx.GraphModule, plan: Plan) -> Layout:
         ))
     placements = {n.name: Shard(p.dim) if isinstance(p, (PartsShard, MergedShard)) else p
                   for n, p in walker.place.items() if n.meta.get(meta.CREATED_BY) != NAME}
-    return Layout(placements, tuple(emitted))
+    return Layout(placements, tuple(emitted), skeleton)

@@ -458,3 +458,35 @@ def test_each_blocking_collective_pays_the_links_measured_synchronisation_cost()
         extra = synced.price(strategy).predicted_step_time_s - plain.price(strategy).predicted_step_time_s
         assert blocking > 0
         assert extra == pytest.approx(blocking * sync, rel=1e-6), strategy
+
+
+def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatch):
+    """With measure_ops the planner times the program the tensor-parallel pass emits, not the
+    original graph split tp ways: each op at its local shapes, plus the ops the pass adds (a row
+    linear's bias after its all-reduce), never the collectives (the transition table's)."""
+    from graphpass.cost import profiler
+    from graphpass.passes.collectives import is_collective
+    from graphpass.passes.tensor_parallel import layout as tp_layout
+    from graphpass import planner as planner_module
+
+    def one_ms_each(gm, device, *, measure=False, cache_path=None, skip=None):
+        return {n.name: (1e-3, 2e-3) for n in gm.graph.nodes
+                if n.op == "call_function" and not (skip and skip(n))}
+
+    monkeypatch.setattr(profiler, "node_times", one_ms_each)
+    monkeypatch.setattr(profiler, "isolation_factor", lambda gm, inputs, times: 1.0)
+    monkeypatch.setattr(planner_module, "_contention", lambda cluster, memory_bound=False: 1.0)
+    batch = zoo.batches("gpt", 1, 8)[0]
+    planner = Planner(zoo.build("gpt"), gp.Cluster.local(2), batch, measure_ops=True)
+    gm = planner.profile.gm
+    program = tp_layout(gm, planner_module._tp_plan(gm, 2, False)).program
+    original = {n.name for n in gm.graph.nodes}
+    kept = [n for n in program.graph.nodes if n.op == "call_function" and n.name in original and not is_collective(n)]
+    added = [n for n in program.graph.nodes if n.op == "call_function" and n.name not in original and not is_collective(n)]
+    erased = [n for n in gm.graph.nodes if n.op == "call_function" and n.name not in {m.name for m in program.graph.nodes}]
+    assert added, "the pass adds ops of its own (bias adds after row linears)"
+    blocks = planner.blocks(Layout(gp.Strategy(tp=2).mesh, 1, False))
+    forward = sum(b.times[8][0] for b in blocks)
+    # kept and added ops at 1 ms each (not halved); an op the program replaces by a runtime op
+    # (the vocab-parallel loss) keeps its original time split 2 ways
+    assert forward == pytest.approx(1e-3 * (len(kept) + len(added)) + 0.5e-3 * len(erased))
