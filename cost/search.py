@@ -141,8 +141,9 @@ class BlockCost:
         saved_bytes: activations saved for backward at the reference batch.
         input_bytes: the block's input activation at the reference batch (what recomputation keeps).
         output_bytes: the activation the block hands to the next (a pipeline send).
-        tp_traffic: ``(phase, kind, bytes, blocking)`` of each tensor-parallel collective at the
-            reference batch, phase ``"forward"`` or ``"backward"`` (``Movement.blocking``).
+        tp_traffic: ``(phase, kind, bytes, blocking, copies)`` of each tensor-parallel collective
+            at the reference batch, phase ``"forward"`` or ``"backward"`` (``Movement.blocking``,
+            ``Movement.copies``).
         backward_bytes: the most the block's backward allocates beyond what was alive when
             backward reached it, at the reference batch. The last block's (the post block's:
             the loss's gradients, the logits' and the loss's own) meets every activation at the
@@ -163,7 +164,7 @@ class BlockCost:
     saved_bytes: float
     input_bytes: float
     output_bytes: float
-    tp_traffic: tuple[tuple[str, str, float, bool], ...] = ()
+    tp_traffic: tuple[tuple[str, str, float, bool, float], ...] = ()
     backward_bytes: float = 0.0
     tensors: int = 0
     backward_starts_here: bool = False
@@ -385,6 +386,16 @@ def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, 
     return total
 
 
+def _copied_bytes(entry: Transition, weight_bytes: float, grad_bytes: float, m: int) -> float:
+    """Bytes read plus written by a data-parallel table entry's local copies in one step of
+    ``m`` microbatches (``Movement.copies``; sizes as in `_moved_s`)."""
+    total = 0.0
+    for move in entry.collectives:
+        size = weight_bytes if move.kind == "all_gather" else grad_bytes
+        total += (m if move.per == PER_MICROBATCH else 1) * 2 * move.copies * size
+    return total
+
+
 def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, comms: _Collectives) -> Priced:
     """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (see the module docstring)."""
     b = local_batch(layout, costing.batch)
@@ -393,9 +404,15 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     dp, m = layout.mesh.dp, layout.microbatches
 
     tp_forward = sum(comms.time("tp", kind, size * scale, blocking)
-                     for phase, kind, size, blocking in block.tp_traffic if phase == "forward")
+                     for phase, kind, size, blocking, _ in block.tp_traffic if phase == "forward")
     tp_backward = sum(comms.time("tp", kind, size * scale, blocking)
-                      for phase, kind, size, blocking in block.tp_traffic if phase != "forward")
+                      for phase, kind, size, blocking, _ in block.tp_traffic if phase != "forward")
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
+    if layout.mesh.tp > 1:  # the collectives' local copies (``Movement.copies``)
+        forward_s += sum(2 * copies * size * scale for phase, _, size, _, copies in block.tp_traffic
+                         if phase == "forward") / bandwidth
+        backward_s += sum(2 * copies * size * scale for phase, _, size, _, copies in block.tp_traffic
+                          if phase != "forward") / bandwidth
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 
@@ -446,17 +463,12 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
     # and writes weights and state, reads gradients).
     share = 1 / dp if zero >= 1 else 1.0
-    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
     if costing.optimizer_s_per_param is not None:
         optimizer_s = share * block.params * costing.optimizer_s_per_param + block.tensors * costing.optimizer_s_per_tensor
     else:
         optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
-    # Flat-buffer copies around the data-parallel collectives (bytes read + written): a gradient
-    # bucket is flattened and copied back (zero 0/1); a gather writes the flat buffer and the
-    # parameters are views into it after one unpacking copy; a reduce-scatter flattens its input.
-    copies = {0: 4 * g_bytes, 1: 2 * p_bytes + 4 * g_bytes, 2: 2 * p_bytes + 2 * g_bytes,
-              3: m * (4 * p_bytes + 2 * g_bytes)}[zero] if dp > 1 else 0.0
-    time_s += copies / bandwidth / m
+    # The data-parallel collectives' local copies (``Movement.copies``), per microbatch.
+    time_s += (_copied_bytes(entry, p_bytes, g_bytes, m) if dp > 1 else 0.0) / bandwidth / m
     return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
                   tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=grads, held_bytes=held,
                   bucket_bytes=bucket,

@@ -467,7 +467,7 @@ class GraphProfile:
             TensorParallelError: the model cannot take this tp.
         """
         placements: Mapping[str, Any] = {}
-        traffic: dict[str, list[tuple[str, str, float, bool]]] = defaultdict(list)
+        traffic: dict[str, list[tuple[str, str, float, bool, float]]] = defaultdict(list)
         gathered: set[str] = set()
         if tp > 1:
             lay = tp_layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
@@ -479,7 +479,8 @@ class GraphProfile:
             for c in lay.collectives:
                 block = self.owner.get(c.anchor, self.blocks[0])
                 for move in transition(c.op, grad=c.grad).collectives:
-                    traffic[block.name].append((move.phase, move.kind, float(move.factor * c.nbytes), move.blocking))
+                    traffic[block.name].append((move.phase, move.kind, float(move.factor * c.nbytes), move.blocking,
+                                                move.copies))
 
         def placed(node: fx.Node, kinds: tuple[type, ...]) -> bool:
             p = placements.get(node.name)

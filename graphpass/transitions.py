@@ -14,7 +14,10 @@ and weight movements (a bucket's ``Partial → Replicate`` gradients, a ZeRO gro
   (``per``: every microbatch, or once per step), and whether it is *blocking* (the step waits
   for it right where it runs: a synchronisation point of the ranks, which costs more than the
   collective itself, ``LinkSpec.sync_s``) or asynchronous (launched, then waited for with
-  the others at the end of backward, or prefetched one group ahead in forward);
+  the others at the end of backward, or prefetched one group ahead in forward), and the
+  local copies it makes around the collective (``copies`` × S bytes, each read and written
+  once: a bucket flattened and copied back, a clone before an in-place all-reduce, a gathered
+  tensor laid out along its dimension), priced at the device's memory bandwidth;
 - its memory effect, as multiples of ``S``: ``step`` alive from the step's first forward to its
   last backward (ZeRO-1/2's gathered weights), ``transient`` alive only while the op's layer
   runs (ZeRO-3's gathered weights, then their full gradient). Gradients held back between a
@@ -44,13 +47,15 @@ PER_MICROBATCH, PER_STEP = "microbatch", "step"
 @dataclass(frozen=True)
 class Movement:
     """One collective an op runs: ``kind`` on ``factor × S`` bytes, in ``phase``, ``per``;
-    ``blocking``: the step waits for it where it runs (see the module docstring)."""
+    ``blocking``: the step waits for it where it runs; ``copies``: bytes copied on this rank
+    around it, as a multiple of S (see the module docstring)."""
 
     phase: str
     kind: str
     factor: float = 1.0
     per: str = PER_MICROBATCH
     blocking: bool = True
+    copies: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -99,17 +104,21 @@ _ASYNC = False  # ``Movement.blocking``: launched and waited for later (the runt
 TABLE: Mapping[str, Transition] = _entries(
     # ---- data parallel (insert_collectives, shard_parameters) ----
     Transition("dp gradient bucket", "all_reduce_grads", "dp", "Partial()", "Replicate()",
-               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC),),
+               # gradients flattened into the bucket, then copied back out of it
+               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC, copies=2.0),),
                # the bucket's flat buffer stays between steps (as DDP's); filling it from
                # autograd's gradients holds them twice for a moment
                step=1.0, transient=1.0),
     Transition("dp reported loss", "all_reduce", "dp", "Partial(avg)", "Replicate()",
-               "the loss (detached)", (Movement(_F, "all_reduce", blocking=_ASYNC),)),
+               "the loss (detached)", (Movement(_F, "all_reduce", blocking=_ASYNC, copies=0.0),)),
     Transition("dp step", "grad_sync_begin", "dp", "-", "-", "nothing (waits for the buckets)", ()),
+    # A ZeRO gather flattens this rank's shards and unpacks the gathered buffer into the full
+    # parameters (about S); a reduction writes the gradients rank-major, divided on the way (S),
+    # ZeRO-1's all-reduce then copies this rank's row out.
     Transition("zero1 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
                (Movement(_F, "all_gather", per=_STEP, blocking=_ASYNC),
-                Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC)),
+                Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC, copies=2.0)),
                step=1.0),
     Transition("zero2 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
@@ -125,6 +134,9 @@ TABLE: Mapping[str, Transition] = _entries(
                # full gradient until it is reduce-scattered
                transient=2.0),
     # ---- tensor parallel (tensor_parallel) ----
+    # An all-reduce clones its input (it reduces in place); a gather or reduce-scatter along a
+    # dimension other than 0 lays the tensor out rank-major or back (one copy of S; counted
+    # also along dim 0, where it is a view).
     Transition("tp Shard -> Replicate", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
                "the gathered tensor", (Movement(_F, "all_gather"),)),
     Transition("tp Shard -> Replicate into column linears", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
@@ -140,7 +152,7 @@ TABLE: Mapping[str, Transition] = _entries(
     Transition("tp Replicate into sharded compute", "tp_copy", "tp", "Replicate()", "Replicate()",
                "the replicated tensor", (Movement(_B, "all_reduce"),)),
     Transition("tp vocabulary-parallel loss", "vocab_parallel_cross_entropy", "tp", "Shard(-1)", "Replicate()",
-               "one float32 per token", (Movement(_F, "all_reduce"), Movement(_F, "all_reduce", 2.0))),
+               "one float32 per token", (Movement(_F, "all_reduce", copies=0.0), Movement(_F, "all_reduce", 2.0, copies=0.0))),
 )
 
 
