@@ -837,7 +837,8 @@ def _measured_program(model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.G
         if [(n.name, n.target) for n in other.graph.nodes] != [(n.name, n.target) for n in gm.graph.nodes]:
             raise ValueError(f"the graph at batch {batch} differs from the batch-{full} one")
         program = tp_layout(other, _tp_plan(other, tp, sequence_parallel)).program
-        propagate_fake(program, [t.to("meta") for t in sliced])  # the skeleton's parameters are meta
+        _materialize(program, sliced[0].device)
+        propagate_fake(program, sliced)
     except Exception as exc:  # noqa: BLE001 - the per-node split stands in; said here
         log.info("tp=%d program at batch %d not timed (%s: %s); its compute is the original ops split tp ways",
                  tp, batch, type(exc).__name__, exc)
@@ -860,6 +861,18 @@ def _measured_program(model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.G
             anchor = anchor.all_input_nodes[0]
         added[anchor.name] = (added[anchor.name][0] + f * factor, added[anchor.name][1] + b * factor)
     return ProgramTimes(own, dict(added))
+
+
+def _materialize(gm: fx.GraphModule, device: torch.device) -> None:
+    """Give a meta skeleton's parameters and buffers uninitialised storage on ``device`` (never
+    written, so never touched), so that fake propagation sees the device the graph asserts."""
+    for module in gm.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,

@@ -460,7 +460,8 @@ def test_each_blocking_collective_pays_the_links_measured_synchronisation_cost()
         assert extra == pytest.approx(blocking * sync, rel=1e-6), strategy
 
 
-def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatch):
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])  # hf_llama asserts its buffers' device
+def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatch, name):
     """With measure_ops the planner times the program the tensor-parallel pass emits, not the
     original graph split tp ways: each op at its local shapes, plus the ops the pass adds (a row
     linear's bias after its all-reduce), never the collectives (the transition table's)."""
@@ -476,8 +477,10 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
     monkeypatch.setattr(profiler, "node_times", one_ms_each)
     monkeypatch.setattr(profiler, "isolation_factor", lambda gm, inputs, times: 1.0)
     monkeypatch.setattr(planner_module, "_contention", lambda cluster, memory_bound=False: 1.0)
-    batch = zoo.batches("gpt", 1, 8)[0]
-    planner = Planner(zoo.build("gpt"), gp.Cluster.local(2), batch, measure_ops=True)
+    # 1 ms per op makes attention's many small ops outweigh the linears: not what is tested here
+    monkeypatch.setattr(planner_module.GraphProfile, "_check_tp_shares_compute", lambda *args: None)
+    batch = zoo.batches(name, 1, 8)[0]
+    planner = Planner(zoo.build(name), gp.Cluster.local(2), batch, measure_ops=True)
     gm = planner.profile.gm
     program = tp_layout(gm, planner_module._tp_plan(gm, 2, False)).program
     original = {n.name for n in gm.graph.nodes}
