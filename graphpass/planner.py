@@ -662,13 +662,10 @@ class Planner:
             )
         self.batch = int(inputs[0].shape[0])
         captured = capture(model, inputs)
-        measure_at = (functools.partial(_measured_at_batch, model, inputs, captured.gm, self.cluster)
-                      if measure_ops else None)
-        measure_program = (functools.partial(_measured_program, model, inputs, captured.gm, self.cluster)
-                           if measure_ops else None)
-        self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster,
-                                    _measured_times(captured.gm, self.cluster, measure_ops, inputs), measure_at,
-                                    measure_program)
+        times, factor = _op_times(captured.gm, self.cluster, measure_ops, inputs)
+        remeasure = _Remeasure(model, inputs, captured.gm, self.cluster, factor) if measure_ops else None
+        self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, _scaled(times, factor),
+                                    remeasure.times if remeasure else None, remeasure.program if remeasure else None)
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
                                 measure_ops)
         self.executable_only = executable_only
@@ -809,8 +806,8 @@ def _check_degrees(strategy: Strategy, cluster: Cluster) -> None:
 
 @dataclass(frozen=True)
 class ProgramTimes:
-    """Profiled times of a tensor-parallel rank program (`_measured_program`), scaled as
-    `_measured_times` scales op times: ``own`` per original node the program keeps (at its
+    """Profiled times of a tensor-parallel rank program (`_Remeasure.program`), scaled as the
+    original graph's op times are (`_op_times`): ``own`` per original node the program keeps (at its
     local shapes), ``added`` per original node for the ops the pass added after it (a row
     linear's bias add after its all-reduce). Collectives are left out: the transition table
     prices them. Empty where the program could not be timed."""
@@ -819,48 +816,92 @@ class ProgramTimes:
     added: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
-def _measured_program(model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.GraphModule, cluster: Cluster,
-                      tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
-    """`ProgramTimes` of the program the tensor-parallel pass emits for ``model`` at ``batch``
-    samples: the pass dry-run on the graph captured at that batch (`tp_layout`), its fake values
-    re-derived at the local shapes, its non-collective ops timed on this machine
-    (`graphpass.cost.profiler.node_times`) and scaled by the contention and by the original
-    graph's whole-run factor at that batch. Empty (logged) where it cannot be done."""
-    if not cluster.name.startswith("local"):
-        return ProgramTimes()
-    from graphpass.cost import profiler
+class _Remeasure:
+    """The model measured again at other batches (the local batch a layout runs): its graph
+    captured at each batch once, and the whole-graph factor of each batch measured once, shared
+    by the op times (`times`) and the tensor-parallel programs (`program`).
 
-    full = int(inputs[0].shape[0])
-    sliced = [t[:batch] if t.dim() and t.shape[0] == full else t for t in inputs]
-    try:
-        other = gm if batch == full else capture(model, sliced).gm
-        if [(n.name, n.target) for n in other.graph.nodes] != [(n.name, n.target) for n in gm.graph.nodes]:
-            raise ValueError(f"the graph at batch {batch} differs from the batch-{full} one")
-        program = tp_layout(other, _tp_plan(other, tp, sequence_parallel)).program
-        _materialize(program, sliced[0].device)
-        propagate_fake(program, sliced)
-    except Exception as exc:  # noqa: BLE001 - the per-node split stands in; said here
-        log.info("tp=%d program at batch %d not timed (%s: %s); its compute is the original ops split tp ways",
-                 tp, batch, type(exc).__name__, exc)
-        return ProgramTimes()
-    times = profiler.node_times(program, cluster.device, measure=True, skip=is_collective)
-    base = profiler.node_times(other, cluster.device, measure=True)
-    factor = _contention(cluster) * (profiler.isolation_factor(other, sliced, base)
-                                     if profiler.is_this_machine(cluster.device) else 1.0)
-    original = {n.name for n in other.graph.nodes}
-    own, added = {}, defaultdict(lambda: (0.0, 0.0))
-    for node in program.graph.nodes:
-        if node.name not in times:
-            continue
-        f, b = times[node.name]
-        if node.name in original:
-            own[node.name] = (f * factor, b * factor)
-            continue
-        anchor = node
-        while anchor.name not in original and anchor.all_input_nodes:
-            anchor = anchor.all_input_nodes[0]
-        added[anchor.name] = (added[anchor.name][0] + f * factor, added[anchor.name][1] + b * factor)
-    return ProgramTimes(own, dict(added))
+    Op times are not linear in the batch (fixed costs per op, cache effects), so the planner
+    times each op at the batch it runs instead of scaling the captured batch's times.
+    """
+
+    def __init__(self, model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.GraphModule, cluster: Cluster,
+                 factor: float):
+        self.model, self.inputs, self.gm, self.cluster = model, inputs, gm, cluster
+        self.full = int(inputs[0].shape[0])
+        self._graphs: dict[int, tuple[fx.GraphModule, list[torch.Tensor]] | None] = {}
+        self._factors: dict[int, float] = {self.full: factor}  # ``gm``'s, measured by the planner
+
+    def graph(self, batch: int) -> tuple[fx.GraphModule, list[torch.Tensor]] | None:
+        """The graph captured at ``batch`` samples (the first ``batch`` rows of every input whose
+        dim 0 is the batch) and those inputs; None (logged) when capture fails or gives another
+        graph (node names must match the captured batch's)."""
+        if batch not in self._graphs:
+            sliced = [t[:batch] if t.dim() and t.shape[0] == self.full else t for t in self.inputs]
+            try:
+                other = self.gm if batch == self.full else capture(self.model, sliced).gm
+            except Exception as exc:  # noqa: BLE001 - the linear scaling stands in; said here
+                log.info("op times at batch %d: capture failed (%s); scaling the batch-%d times", batch, exc, self.full)
+                other = None
+            ops = [(n.name, n.target) for n in self.gm.graph.nodes if n.op == "call_function"]
+            if other is not None and ops != [(n.name, n.target) for n in other.graph.nodes if n.op == "call_function"]:
+                log.info("op times at batch %d: the graph differs from the batch-%d one; scaling its times",
+                         batch, self.full)
+                other = None
+            self._graphs[batch] = None if other is None else (other, sliced)
+        return self._graphs[batch]
+
+    def _factor(self, batch: int, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> float:
+        if batch not in self._factors:
+            self._factors[batch] = _op_times(gm, self.cluster, True, inputs)[1]
+        return self._factors[batch]
+
+    def times(self, batch: int) -> dict[str, tuple[float, float]]:
+        """`_op_times` at ``batch``, scaled by their factor and keyed by the captured graph's node
+        names (``{}`` where `graph` is None)."""
+        found = self.graph(batch)
+        if found is None:
+            return {}
+        gm, inputs = found
+        times, self._factors[batch] = _op_times(gm, self.cluster, True, inputs)
+        return _scaled(times, self._factors[batch])
+
+    def program(self, tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
+        """`ProgramTimes` of the program the tensor-parallel pass emits at ``batch`` samples: the
+        pass dry-run on the graph of that batch (`tp_layout`), its fake values re-derived at the
+        local shapes, its non-collective ops timed on this machine
+        (`graphpass.cost.profiler.node_times`) and scaled as the original graph's ops at that
+        batch are. Empty (logged) where it cannot be done."""
+        found = self.graph(batch) if self.cluster.name.startswith("local") else None
+        if found is None:
+            return ProgramTimes()
+        from graphpass.cost import profiler
+
+        other, sliced = found
+        try:
+            program = tp_layout(other, _tp_plan(other, tp, sequence_parallel)).program
+            _materialize(program, sliced[0].device)
+            propagate_fake(program, sliced)
+        except Exception as exc:  # noqa: BLE001 - the per-node split stands in; said here
+            log.info("tp=%d program at batch %d not timed (%s: %s); its compute is the original ops split tp ways",
+                     tp, batch, type(exc).__name__, exc)
+            return ProgramTimes()
+        times = _scaled(profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective),
+                        self._factor(batch, other, sliced))
+        original = {n.name for n in other.graph.nodes}
+        own, added = {}, defaultdict(lambda: (0.0, 0.0))
+        for node in program.graph.nodes:
+            if node.name not in times:
+                continue
+            f, b = times[node.name]
+            if node.name in original:
+                own[node.name] = (f, b)
+                continue
+            anchor = node
+            while anchor.name not in original and anchor.all_input_nodes:
+                anchor = anchor.all_input_nodes[0]
+            added[anchor.name] = (added[anchor.name][0] + f, added[anchor.name][1] + b)
+        return ProgramTimes(own, dict(added))
 
 
 def _materialize(gm: fx.GraphModule, device: torch.device) -> None:
@@ -875,9 +916,10 @@ def _materialize(gm: fx.GraphModule, device: torch.device) -> None:
                 module._buffers[name] = torch.empty_like(b, device=device)
 
 
-def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
-                    inputs: Sequence[torch.Tensor]) -> dict[str, tuple[float, float]]:
-    """Profiled node times when the cluster is this machine (presets are priced by the roofline).
+def _op_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
+              inputs: Sequence[torch.Tensor]) -> tuple[dict[str, tuple[float, float]], float]:
+    """Profiled node times when the cluster is this machine (presets are priced by the roofline),
+    and the factor they take in a step.
 
     ``measure`` runs the ops the cache lacks (:func:`graphpass.cost.profiler.node_times`) and then
     the whole graph once, to scale the isolated op times to what they take in sequence
@@ -886,34 +928,18 @@ def _measured_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
     the host: every op takes :func:`_contention` times longer.
     """
     if not cluster.name.startswith("local"):
-        return {}
+        return {}, 1.0
     from graphpass.cost import profiler
 
     times = profiler.node_times(gm, cluster.device, measure=measure)
     factor = _contention(cluster)
     if measure and profiler.is_this_machine(cluster.device):
         factor *= profiler.isolation_factor(gm, inputs, times)
+    return times, factor
+
+
+def _scaled(times: Mapping[str, tuple[float, float]], factor: float) -> dict[str, tuple[float, float]]:
     return {k: (f * factor, b * factor) for k, (f, b) in times.items()}
-
-
-def _measured_at_batch(model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.GraphModule, cluster: Cluster,
-                       batch: int) -> dict[str, tuple[float, float]]:
-    """`_measured_times` of ``model`` captured again at ``batch`` samples (the first ``batch`` rows
-    of every input whose dim 0 is the batch), keyed by the node names of ``gm``: an op's time
-    is not linear in its batch (fixed costs per op, cache effects). ``{}`` (logged) when the
-    graph at that batch is not the same graph."""
-    full = int(inputs[0].shape[0])
-    sliced = [t[:batch] if t.dim() and t.shape[0] == full else t for t in inputs]
-    try:
-        other = capture(model, sliced).gm
-    except Exception as exc:  # noqa: BLE001 - the linear scaling stands in; said below
-        log.info("op times at batch %d: capture failed (%s); scaling the batch-%d times", batch, exc, full)
-        return {}
-    ops = [(n.name, n.target) for n in gm.graph.nodes if n.op == "call_function"]
-    if ops != [(n.name, n.target) for n in other.graph.nodes if n.op == "call_function"]:
-        log.info("op times at batch %d: the graph differs from the batch-%d one; scaling its times", batch, full)
-        return {}
-    return _measured_times(other, cluster, True, sliced)
 
 
 def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],

@@ -425,7 +425,8 @@ def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatc
         return {n.name: (1e-3 + 1e-4 * batch, 2e-3 + 2e-4 * batch)
                 for n in gm.graph.nodes if n.op == "call_function"}
 
-    monkeypatch.setattr(planner_module, "_measured_times", fake_times)
+    monkeypatch.setattr(planner_module, "_op_times", lambda gm, cluster, measure, inputs: (
+        fake_times(gm, cluster, measure, inputs), 1.0))
     batch = zoo.batches("mlp", 1, 16)[0]
     planner = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch, measure_ops=True)
     ops = {n.name for n in planner.profile.gm.graph.nodes if n.op == "call_function"}
