@@ -664,7 +664,7 @@ class Planner:
         captured = capture(model, inputs)
         times, factor = _op_times(captured.gm, self.cluster, measure_ops, inputs)
         remeasure = _Remeasure(model, inputs, captured.gm, self.cluster, factor) if measure_ops else None
-        self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, _scaled(times, factor),
+        self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times,
                                     remeasure.times if remeasure else None, remeasure.program if remeasure else None)
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
                                 measure_ops)
@@ -857,14 +857,14 @@ class _Remeasure:
         return self._factors[batch]
 
     def times(self, batch: int) -> dict[str, tuple[float, float]]:
-        """`_op_times` at ``batch``, scaled by their factor and keyed by the captured graph's node
-        names (``{}`` where `graph` is None)."""
+        """`_op_times` at ``batch``, keyed by the captured graph's node names (``{}`` where
+        `graph` is None)."""
         found = self.graph(batch)
         if found is None:
             return {}
         gm, inputs = found
         times, self._factors[batch] = _op_times(gm, self.cluster, True, inputs)
-        return _scaled(times, self._factors[batch])
+        return times
 
     def program(self, tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
         """`ProgramTimes` of the program the tensor-parallel pass emits at ``batch`` samples: the
@@ -886,8 +886,9 @@ class _Remeasure:
             log.info("tp=%d program at batch %d not timed (%s: %s); its compute is the original ops split tp ways",
                      tp, batch, type(exc).__name__, exc)
             return ProgramTimes()
-        times = _scaled(profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective),
-                        self._factor(batch, other, sliced))
+        times = _contended(program, self.cluster,
+                           profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective),
+                           self._factor(batch, other, sliced))
         original = {n.name for n in other.graph.nodes}
         own, added = {}, defaultdict(lambda: (0.0, 0.0))
         for node in program.graph.nodes:
@@ -919,27 +920,42 @@ def _materialize(gm: fx.GraphModule, device: torch.device) -> None:
 def _op_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
               inputs: Sequence[torch.Tensor]) -> tuple[dict[str, tuple[float, float]], float]:
     """Profiled node times when the cluster is this machine (presets are priced by the roofline),
-    and the factor they take in a step.
+    as ranks take them in a step, and the whole-graph factor that went into them.
 
     ``measure`` runs the ops the cache lacks (:func:`graphpass.cost.profiler.node_times`) and then
     the whole graph once, to scale the isolated op times to what they take in sequence
     (:func:`graphpass.cost.profiler.isolation_factor`); the profiler logs loudly whatever it
     cannot supply. On CPU, op times are measured by one process while ``world_size`` ranks share
-    the host: every op takes :func:`_contention` times longer.
+    the host: each op also takes the contention of its kind (`_contended`).
     """
     if not cluster.name.startswith("local"):
         return {}, 1.0
     from graphpass.cost import profiler
 
     times = profiler.node_times(gm, cluster.device, measure=measure)
-    factor = _contention(cluster)
-    if measure and profiler.is_this_machine(cluster.device):
-        factor *= profiler.isolation_factor(gm, inputs, times)
-    return times, factor
+    factor = profiler.isolation_factor(gm, inputs, times) if measure and profiler.is_this_machine(cluster.device) else 1.0
+    return _contended(gm, cluster, times, factor), factor
 
 
-def _scaled(times: Mapping[str, tuple[float, float]], factor: float) -> dict[str, tuple[float, float]]:
-    return {k: (f * factor, b * factor) for k, (f, b) in times.items()}
+def _contended(gm: fx.GraphModule, cluster: Cluster, times: Mapping[str, tuple[float, float]],
+               factor: float) -> dict[str, tuple[float, float]]:
+    """``times`` scaled by ``factor`` and by the ranks' contention for the host (`_contention`):
+    an op whose bytes take longer than its FLOPs on this device (the roofline's memory-bound
+    side: norms, elementwise ops, copies) the memory-bound figure, as DRAM is what CPU ranks
+    share most; the others the compute figure (GPUs share nothing: both are 1 there)."""
+    compute, memory = _contention(cluster), _contention(cluster, memory_bound=True)
+    device = cluster.device
+    peak = max(device.peak_tflops.values()) * 1e12 * device.compute_efficiency
+    bandwidth = device.memory_bandwidth_gbps * 1e9 * device.memory_efficiency
+    grad_nodes = grad_requiring_nodes(gm)
+    out = {}
+    for node in gm.graph.nodes:
+        if node.name not in times:
+            continue
+        f, b = times[node.name]
+        bound = memory if node_bytes(node) / bandwidth > node_flops(node, grad_nodes)[0] / peak else compute
+        out[node.name] = (f * factor * bound, b * factor * bound)
+    return out
 
 
 def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],

@@ -494,3 +494,28 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
     # kept and added ops at 1 ms each (not halved); an op the program replaces by a runtime op
     # (the vocab-parallel loss) keeps its original time split 2 ways
     assert forward == pytest.approx(1e-3 * (len(kept) + len(added)) + 0.5e-3 * len(erased))
+
+
+def test_memory_bound_ops_take_the_memory_bound_contention():
+    """CPU ranks share DRAM more than they share cores: an op whose bytes outlast its FLOPs on
+    the device (an elementwise add) is slowed by the profiled memory-bound contention, a matmul
+    by the compute one; both by the whole-graph factor."""
+    from graphpass import planner as planner_module
+    from graphpass.capture import capture
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            return (self.fc(x) + x).sum()
+
+    gm = capture(Net(), (torch.randn(512, 256),)).gm
+    cluster = dataclasses.replace(GLOO_4, device=dataclasses.replace(GLOO_4.device, contention=1.1, memory_contention=1.5))
+    nodes = {op_name: n.name for n in gm.graph.nodes if n.op == "call_function"
+             for op_name in [str(n.target).split(".")[-2]] if op_name in ("linear", "add")}
+    times = {name: (1e-3, 2e-3) for name in nodes.values()}
+    scaled = planner_module._contended(gm, cluster, times, 2.0)
+    assert scaled[nodes["linear"]] == pytest.approx((2.2e-3, 4.4e-3))
+    assert scaled[nodes["add"]] == pytest.approx((3.0e-3, 6.0e-3))
