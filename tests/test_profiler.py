@@ -84,9 +84,11 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     fitted, residual = fit_ring_all_reduce([s for s, _ in report.all_reduce], [t for _, t in report.all_reduce], 2)
     assert (fitted.bandwidth_gbps, fitted.latency_s) == (link.bandwidth_gbps, link.latency_s)
     assert residual == report.fit_residual and all(t > 0 for _, t in report.all_reduce)
-    # What a blocking collective costs beyond the fit: measured (a machine-dependent figure, so
-    # only its kind is checked here; bench/fidelity.py shows what it predicts).
-    assert 0.0 <= link.sync_s < 0.1 and math.isfinite(link.sync_s)
+    # What a blocking collective costs beyond the fit: measured, a machine- and load-dependent
+    # figure, so no bound on its size here (bench/fidelity.py shows what it predicts); it is a
+    # finite, non-negative time that the written profile keeps.
+    assert link.sync_s >= 0.0 and math.isfinite(link.sync_s)
+    assert Cluster.from_json(path.read_text()).intra_node.sync_s == link.sync_s
 
 
 def test_sync_cost_is_the_mean_wait_less_the_typical_collective_or_oversubscribed_the_wall_time():
