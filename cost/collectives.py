@@ -277,10 +277,8 @@ def hierarchical_all_reduce_time(
 def sync_time(group_ranks: Sequence[int], cluster: Cluster) -> float:
     """Extra seconds of one blocking collective over ``group_ranks`` (issued from inside compute,
     waited for right there): the group's link's measured ``sync_s``; 0 for one rank."""
-    if len(group_ranks) == 1:
-        _nodes_of(cluster, group_ranks)
-        return 0.0
-    return link_for_group(cluster, group_ranks).sync_s
+    link = link_for_group(cluster, group_ranks)
+    return 0.0 if len(group_ranks) == 1 else link.sync_s
 
 
 def collective_time(

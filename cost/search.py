@@ -403,16 +403,15 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     forward_s, backward_s = block.times[b]
     dp, m = layout.mesh.dp, layout.microbatches
 
-    tp_forward = sum(comms.time("tp", kind, size * scale, blocking)
-                     for phase, kind, size, blocking, _ in block.tp_traffic if phase == "forward")
-    tp_backward = sum(comms.time("tp", kind, size * scale, blocking)
-                      for phase, kind, size, blocking, _ in block.tp_traffic if phase != "forward")
     bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
-    if layout.mesh.tp > 1:  # the collectives' local copies (``Movement.copies``)
-        forward_s += sum(2 * copies * size * scale for phase, _, size, _, copies in block.tp_traffic
-                         if phase == "forward") / bandwidth
-        backward_s += sum(2 * copies * size * scale for phase, _, size, _, copies in block.tp_traffic
-                          if phase != "forward") / bandwidth
+    # Tensor-parallel collectives, and their local copies (``Movement.copies``) as compute.
+    tp_forward = tp_backward = 0.0
+    for phase, kind, size, blocking, copies in block.tp_traffic:
+        moved, copied = comms.time("tp", kind, size * scale, blocking), 2 * copies * size * scale / bandwidth
+        if phase == "forward":
+            tp_forward, forward_s = tp_forward + moved, forward_s + copied
+        else:
+            tp_backward, backward_s = tp_backward + moved, backward_s + copied
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 

@@ -310,24 +310,20 @@ class GraphProfile:
         batch: samples in ``inputs`` (dim 0).
         cluster: where it will run (decides flash-attention accounting and the roofline).
         measured: profiled ``(forward_s, backward_s)`` per node name, when available.
-        measure_at: profiled times of the same nodes at another number of samples (the local
-            batch a layout runs; ``{}`` where it cannot tell), or None: times at other batches
-            are then ``measured`` scaled linearly.
-        measure_program: profiled times of the program the tensor-parallel pass emits for
-            ``(tp, sequence_parallel, batch)`` (`ProgramTimes`), or None: tensor-parallel compute
-            is then the original nodes' times, each sharded node's split ``tp`` ways.
+        remeasure: the model measured again at the local batch a layout runs (`_Remeasure`:
+            the same nodes' times, and the programs the tensor-parallel pass emits), or None:
+            times at other batches are then ``measured`` scaled linearly, and tensor-parallel
+            compute the original nodes' times, each sharded node's split ``tp`` ways.
     """
 
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[torch.Tensor], batch: int, cluster: Cluster,
                  measured: Mapping[str, tuple[float, float]] | None = None,
-                 measure_at: Callable[[int], Mapping[str, tuple[float, float]]] | None = None,
-                 measure_program: Callable[[int, bool, int], ProgramTimes] | None = None):
+                 remeasure: _Remeasure | None = None):
         self.gm, self.batch, self.cluster = gm, batch, cluster
         self.device: DeviceSpec = cluster.device
         self.measured = dict(measured or {})
-        self._measure_at = measure_at
+        self._remeasure = remeasure
         self._measured_at: dict[int, dict[str, tuple[float, float]]] = {batch: self.measured}
-        self._measure_program = measure_program
         self._programs: dict[tuple[int, bool, int], ProgramTimes] = {}
         self.param_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND, None) == "parameter"]
         self.tensors = {n.name: self._attr(n.target) for n in self.param_nodes}
@@ -429,13 +425,13 @@ class GraphProfile:
 
     def _measured_for(self, batch: int) -> Mapping[str, tuple[float, float]]:
         if batch not in self._measured_at:
-            self._measured_at[batch] = dict(self._measure_at(batch)) if self._measure_at else {}
+            self._measured_at[batch] = self._remeasure.times(batch) if self._remeasure else {}
         return self._measured_at[batch]
 
     def _program_times(self, tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
         key = (tp, sequence_parallel, batch)
         if key not in self._programs:
-            self._programs[key] = self._measure_program(*key) if self._measure_program else ProgramTimes()
+            self._programs[key] = self._remeasure.program(*key) if self._remeasure else ProgramTimes()
         return self._programs[key]
 
     def _time(self, name: str, batch: int, divide: float) -> tuple[float, float]:
@@ -664,8 +660,7 @@ class Planner:
         captured = capture(model, inputs)
         times, factor = _op_times(captured.gm, self.cluster, measure_ops, inputs)
         remeasure = _Remeasure(model, inputs, captured.gm, self.cluster, factor) if measure_ops else None
-        self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times,
-                                    remeasure.times if remeasure else None, remeasure.program if remeasure else None)
+        self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
                                 measure_ops)
         self.executable_only = executable_only
