@@ -337,6 +337,7 @@ class _Collectives:
         self.cluster = cluster
         self.dp, self.tp, self.pp = _groups(layout.mesh)
         self.memo: dict[tuple[str, str, float], float] = {}
+        self.syncs: dict[str, float] = {}
 
     def latency(self, axis: str, kind: str) -> float:
         """The size-independent part of one collective (its time for one byte)."""
@@ -355,7 +356,9 @@ class _Collectives:
 
     def sync(self, axis: str) -> float:
         """The synchronisation cost of one blocking collective over ``axis`` (``sync_time``)."""
-        return sync_time(self._group(axis), self.cluster)
+        if axis not in self.syncs:
+            self.syncs[axis] = sync_time(self._group(axis), self.cluster)
+        return self.syncs[axis]
 
     def _group(self, axis: str) -> Sequence[int]:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp}[axis]

@@ -6,7 +6,8 @@ order and, after each one:
 
 - checks the pass's ``requires`` were provided by an earlier pass;
 - verifies the graph (``lint``, ``recompile``, fake-tensor propagation so every tensor node has a
-  ``meta["val"]`` consistent with its inputs);
+  ``meta["val"]`` consistent with its inputs); a pass that left the program as it was (the same
+  nodes, arguments, tensors and submodules) keeps the values already verified;
 - records a :class:`PassRecord` (seconds, node counts, per-op deltas) and dumps the graph;
 - skips passes named in ``GRAPHPASS_DISABLE_PASSES`` (comma-separated), loudly;
 - wraps a failure as ``pass X failed after passes A, B: <cause>``.
@@ -89,17 +90,48 @@ def op_counts(gm: fx.GraphModule) -> collections.Counter:
     return collections.Counter(op_name(n) for n in gm.graph.nodes)
 
 
-def verify(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> None:
+def program_state(gm: fx.GraphModule) -> tuple:
+    """What fake propagation reads from ``gm``: every node's op, target and arguments (nodes by
+    identity), and the layout of every tensor and submodule it holds. Two equal states propagate
+    to the same values."""
+    nodes = tuple((n.name, n.op, n.target, n.args, n.kwargs) for n in gm.graph.nodes)
+    tensors = tuple(
+        (name, type(t), t.shape, t.dtype, t.device, t.stride() if t.layout == torch.strided else None)
+        for name, t in (*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False))
+    )
+    attrs = tuple(
+        (n.target, id(value), getattr(value, "shape", None))
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+        for value in [_attr_or_none(gm, n.target)]
+    )
+    modules = tuple((name, id(m)) for name, m in gm.named_modules())
+    return nodes, tensors, attrs, modules
+
+
+def _attr_or_none(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def verify(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *, propagate: bool = True) -> None:
     """Check the graph is well formed and re-derive every node's fake value.
+
+    Args:
+        propagate: ``False`` where the program is unchanged since its values were derived
+            (:func:`program_state`): the values are checked to be there, not derived again.
 
     Raises:
         PassError: lint failure, or a tensor-producing node whose value cannot be propagated.
     """
     from graphpass.capture import propagate_fake
 
-    gm.graph.lint()
-    gm.recompile()
-    propagate_fake(gm, example_inputs)
+    if propagate:
+        gm.graph.lint()
+        gm.recompile()
+        propagate_fake(gm, example_inputs)
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             expects_tensor = meta.get(node, meta.ATTR_KIND, None) != "module"
@@ -147,9 +179,12 @@ def run_passes(
                     f"pass {name} requires {sorted(missing)}, which no earlier pass provided "
                     f"(ran: {', '.join(done) or 'none'})"
                 )
+            # Capture's values come from its own tracer; the first pass re-derives them here.
+            state = program_state(gm) if done else None
             try:
-                gm = graph_pass_fn(gm, plan, ctx)
-                verify(gm, ctx.example_inputs)
+                result = graph_pass_fn(gm, plan, ctx)
+                verify(result, ctx.example_inputs, propagate=result is not gm or program_state(result) != state)
+                gm = result
             except Exception as exc:
                 where = ", ".join(done) if done else "capture"
                 raise PassError(f"pass {name} failed after {where}: {exc}") from exc

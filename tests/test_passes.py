@@ -197,6 +197,35 @@ def test_pass_failure_names_the_pass_and_those_before_it():
         run_passes(gm, plan, PassContext(0, 2, batch), (_needs_sharding,))
 
 
+@graph_pass("shrinks_a_weight")
+def _shrinks_a_weight(gm, plan, ctx):
+    """Changes no node, only a tensor the graph holds: the program is not the one verified."""
+    node = next(n for n in gm.graph.nodes if n.op == "get_attr" and "c_attn.weight" in n.target)
+    owner, _, leaf = node.target.rpartition(".")
+    weight = getattr(gm.get_submodule(owner), leaf)
+    setattr(gm.get_submodule(owner), leaf, torch.nn.Parameter(weight.detach()[:, :7].clone()))
+    return gm
+
+
+@graph_pass("does_nothing")
+def _does_nothing(gm, plan, ctx):
+    return gm
+
+
+def test_a_pass_that_changes_nothing_keeps_its_values_and_one_that_changes_a_tensor_is_verified():
+    batch = zoo.batches("gpt", 1, 4)[0]
+    gm = capture(zoo.build("gpt"), batch).gm
+    plan = plan_from_strategy(gm, gp.Strategy(dp=2), [])
+    vals = {}
+    run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE[:1] + (_does_nothing,),
+               on_record=lambda i, record, g: vals.setdefault(i, [n.meta.get(meta.VAL) for n in g.graph.nodes]))
+    # The same value objects: the unchanged program was not propagated again.
+    assert len(vals[2]) == len(vals[1]) and all(a is b for a, b in zip(vals[1], vals[2]))
+    gm = capture(zoo.build("gpt"), batch).gm
+    with pytest.raises(PassError, match="pass shrinks_a_weight failed after split_operators"):
+        run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE[:1] + (_shrinks_a_weight,))
+
+
 def test_compile_single_process_matches_eager_and_records_history(tmp_path):
     model = zoo.build("gpt")
     batch = zoo.batches("gpt", 1, 4)[0]

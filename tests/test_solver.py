@@ -290,7 +290,7 @@ def test_windows_fit_the_memory_and_report_an_honest_gap(monkeypatch):
     assert exact.optimal
     monkeypatch.setattr(S, "_FULL_MODEL_SIZE", 0)
     monkeypatch.setattr(S, "_LNS_MODEL_SIZE", 3000)
-    sol = solve(p, time_limit_s=20)
+    sol = solve(p, time_limit_s=3)
     greedy = heuristic(p)
     assert sol.solver == "highs windows" and not sol.optimal
     assert sol.peak_memory_bytes <= p.memory_limit_bytes * (1 + 1e-9)
@@ -308,7 +308,7 @@ def test_ten_thousand_op_nodes_get_a_feasible_plan_with_a_valid_bound():
     from op_problem import transformer_op_problem
 
     p = transformer_op_problem(num_layers=1000)
-    sol = solve(p, time_limit_s=10)
+    sol = solve(p, time_limit_s=2)
     greedy = heuristic(p)
     assert sol.peak_memory_bytes <= p.memory_limit_bytes * (1 + 1e-9)
     assert 0.0 <= sol.gap <= 1.0
