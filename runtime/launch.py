@@ -2,13 +2,14 @@
 
 Two ways to get an SPMD program onto several ranks of this machine:
 
-* ``launch(fn, world_size, args)`` spawns ``world_size`` processes (multiprocessing
-  ``spawn`` context), initialises the default gloo group on ``tcp://127.0.0.1:<free port>``
+* ``launch(fn, world_size, args)`` starts ``world_size`` processes (forked from a
+  multiprocessing fork server that has imported torch once; ``spawn`` where there is none),
+  initialises the default gloo group on ``tcp://127.0.0.1:<free port>``
   in each, runs ``fn(*args)`` on every rank and returns the results by rank. Under
   ``torchrun`` it spawns nothing: it joins the group torchrun set up, runs ``fn`` in
   this process and all-gathers every rank's result.
 * ``RankPool(world_size)`` keeps the ranks alive between calls, so a test module pays the
-  spawn cost (2-5 s here) once and runs many functions on the same ranks::
+  start cost once and runs many functions on the same ranks::
 
       with RankPool(4) as pool:
           losses = pool.run(train_two_steps, config)   # list indexed by rank
@@ -23,8 +24,8 @@ same pool starts fresh ranks.
 Functions, arguments and results cross process boundaries by pickle: ``fn`` must be a
 module-level function of an importable module (or of the ``__main__`` script, which then
 needs an ``if __name__ == "__main__":`` guard, as with any ``spawn`` start). Each rank
-starts with the parent's ``sys.path``, so functions defined in test modules and scripts
-resolve.
+starts with the parent's ``sys.path`` and environment as they are at the start, so functions
+defined in test modules and scripts resolve.
 
 Only the loopback interface is used: the rendezvous store listens on 127.0.0.1 and,
 unless ``GLOO_SOCKET_IFNAME`` is already set, gloo is pinned to the loopback interface.
@@ -447,9 +448,7 @@ class _Workers:
 
     @classmethod
     def spawn(cls, world_size: int, backend: str, collective_timeout_s: float) -> _Workers:
-        # spawn, not fork: the parent may already have run multi-threaded torch ops, and
-        # forked children of such a process deadlock.
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _start_context()
         port = free_port()
         result_queue = ctx.Queue()
         task_queues = [ctx.Queue() for _ in range(world_size)]
@@ -459,7 +458,7 @@ class _Workers:
                 target=_rank_main,
                 name=f"graphpass-rank{rank}",
                 args=(rank, world_size, port, backend, collective_timeout_s, list(sys.path),
-                      task_queues[rank], result_queue),
+                      dict(os.environ), task_queues[rank], result_queue),
             )
             proc.start()
             procs.append(proc)
@@ -515,10 +514,27 @@ class _Workers:
 # -- the rank side -------------------------------------------------------------------
 
 
+def _start_context() -> multiprocessing.context.BaseContext:
+    """How ranks start: forked from a fork server that has imported torch once (a rank then
+    starts in a fraction of a second instead of importing torch itself), or spawned where
+    there is no fork server. Never forked from the caller: it may already have run
+    multi-threaded torch ops, and forked children of such a process deadlock."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])  # no effect once it runs
+    return ctx
+
+
 def _rank_main(rank: int, world_size: int, port: int, backend: str, collective_timeout_s: float,
-               sys_path: list[str], task_queue, result_queue) -> None:
-    """Entry point of a spawned rank: join the group, then run tasks until told to stop."""
+               sys_path: list[str], environ: dict[str, str], task_queue, result_queue) -> None:
+    """Entry point of a rank: join the group, then run tasks until told to stop.
+
+    The rank takes the caller's ``sys.path`` and environment as they are now (a fork server
+    started earlier has older ones)."""
     sys.path[:] = sys_path
+    os.environ.clear()
+    os.environ.update(environ)
     # The parent decides when ranks stop; Ctrl-C reaches it and it kills the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_when_parent_dies()
