@@ -6,7 +6,10 @@ the ranks' contention for the cores, gloo all-reduce alpha/beta on operands fres
 cached where ``Cluster.local(W)`` loads it; ``--no-profile`` reuses the cached one). Then, for
 at least six uniform strategies per world size:
 
-* **predicted**: one :class:`graphpass.planner.Planner` per world size, in this process, with
+* **predicted**: a :class:`graphpass.planner.Planner`, built three times on rank 0 of the timed
+  job while the other ranks wait in a barrier (before the first timed round, after the middle
+  one and after the last, so that the machine's drift over the measuring window falls on both
+  sides; each figure is the median of the three, and the spread of the samples is printed), with
   ``measure_ops=True`` (every op of the captured graph timed on this machine at each local batch
   the strategies run, with the threads per rank that ``gp.launch`` gives ranks, since op-time
   cache keys include the thread count; scaled by the whole graph's time over its ops' sum and by
@@ -143,17 +146,15 @@ def local_cluster(args: argparse.Namespace, world: int) -> gp.Cluster:
     return gp.Cluster.local(world)
 
 
-def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> tuple[dict[str, dict], float]:
-    """Per row: predicted step time, peak and breakdown terms; and the planner's measuring time."""
+def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> dict[str, dict]:
+    """Per row: predicted step time, peak and breakdown terms."""
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(_threads(world))  # op-time cache keys include the thread count
     try:
         torch.manual_seed(args.seed)
         model = GPT(gpt_config(args))
-        start = time.perf_counter()
         planner = Planner(model, cluster, example_inputs=gpt_batches(args, 1)[0],
                           measure_ops=True, optimizer_states=2)
-        measure_s = time.perf_counter() - start
         out = {}
         for name, kwargs in STRATEGIES[world]:
             plan = planner.price(gp.Strategy(**kwargs))
@@ -173,7 +174,7 @@ def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> tuple[
                 "end": sum(r["state_bytes"] for r in rows),
                 "transient": max(r["transient_bytes"] for r in rows),
             }
-        return out, measure_s
+        return out
     finally:
         torch.set_num_threads(saved_threads)
 
@@ -215,28 +216,65 @@ class _Run:
                 "opt_peak": opt_peak, "state": model_state}
 
 
-def _run_rank(args: argparse.Namespace, rows) -> dict:
+def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
     """Every strategy compiled side by side, then timed round-robin: step ``i`` of every
     strategy before step ``i + 1`` of any, each started by a barrier, so a slow spell of this
-    shared machine falls on all strategies alike instead of on the one that happens to run then."""
-    torch.set_num_threads(_threads(dist.get_world_size()))
+    shared machine falls on all strategies alike instead of on the one that happens to run then.
+
+    The prediction is sampled in the same window: before the first timed round, after the
+    middle one and after the last, rank 0 runs the planner (its op timings are measured then)
+    while the other ranks wait in a barrier, so the machine's drift over the minute of
+    measuring falls on both sides. Returns (measured per row, the predictions, planner seconds).
+    """
+    world = dist.get_world_size()
+    torch.set_num_threads(_threads(world))
+    cluster = gp.Cluster.local()
+    predictions: list[dict] = []
+    planner_s = 0.0
+
+    def sample_prediction() -> None:
+        nonlocal planner_s
+        if dist.get_rank() == 0:
+            start = time.perf_counter()
+            predictions.append(predict(args, world, cluster))
+            planner_s += time.perf_counter() - start
+        dist.barrier()
+
     data = gpt_batches(args, args.warmup + args.steps + 1)
     runs = {name: _Run(args, gp.Strategy(**kwargs), data) for name, kwargs in rows}
     for i in range(args.warmup):
         for run in runs.values():
             run.step(data[i])
+    sample_prediction()
     for i in range(args.warmup, args.warmup + args.steps):
         for run in runs.values():
             dist.barrier()
             run.times.append(run.step(data[i]))
-    return {name: run.memory(data[args.warmup + args.steps]) for name, run in runs.items()}
+        if i - args.warmup == args.steps // 2 - 1:
+            sample_prediction()
+    sample_prediction()
+    measured = {name: run.memory(data[args.warmup + args.steps]) for name, run in runs.items()}
+    return measured, predictions, planner_s
 
 
-def measure(args: argparse.Namespace, world: int) -> dict[str, dict]:
+def _median_prediction(samples: list[dict]) -> dict[str, dict]:
+    """Per row and figure, the median over the prediction samples (and their time spread)."""
+    out = {}
+    for name in samples[0]:
+        out[name] = {key: statistics.median(s[name][key] for s in samples) for key in samples[0][name]}
+        out[name]["time_samples"] = [s[name]["time"] for s in samples]
+    return out
+
+
+def measure(args: argparse.Namespace, world: int) -> tuple[dict[str, dict], dict[str, dict], float]:
     """Per row: measured step time (median over steps of the slowest rank), its split into
-    train_step / optimizer, and the peak and state bytes (max over ranks)."""
+    train_step / optimizer, and the peak and state bytes (max over ranks); the prediction
+    sampled in the same window (median of the samples); the planner's seconds."""
     rows = STRATEGIES[world]
     results = gp.launch(_run_rank, world, args=(args, rows), timeout_s=900)
+    predicted = _median_prediction(results[0][1])
+    planner_s = results[0][2]
+    results = [r[0] for r in results]
     out = {}
     for name, _ in rows:
         per_rank = [r[name] for r in results]
@@ -251,7 +289,7 @@ def measure(args: argparse.Namespace, world: int) -> dict[str, dict]:
             "fwd_bwd": max(r["train_peak"] - r["state"] for r in per_rank),
             "opt_mem": max(r["opt_peak"] - r["state"] for r in per_rank),
         }
-    return out
+    return out, predicted, planner_s
 
 
 # ---------------------------------------------------------------------------- report
@@ -313,14 +351,17 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         cluster = local_cluster(args, world)
         profile_s = time.perf_counter() - start
-        predicted, planner_s = predict(args, world, cluster)
         start = time.perf_counter()
-        measured = measure(args, world)
-        measure_s = time.perf_counter() - start
+        measured, predicted, planner_s = measure(args, world)
+        measure_s = time.perf_counter() - start - planner_s
         all_errors += report(world, predicted, measured)
         print(f"  cluster: {cluster.name}: {cluster.device.peak_tflops['fp32']:.3f} TFLOP/s, "
               f"copy {cluster.device.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node.bandwidth_gbps:.2f} GB/s "
               f"+ {cluster.intra_node.latency_s * 1e6:.0f} us")
+        spread = max((max(p["time_samples"]) - min(p["time_samples"])) / statistics.median(p["time_samples"])
+                     for p in predicted.values())
+        print(f"  the planner's step time moved by up to {spread:.1%} between its "
+              f"{len(next(iter(predicted.values()))['time_samples'])} samples in the measuring window")
         print(f"  (profile {profile_s:.0f} s, planner {planner_s:.0f} s, measuring {measure_s:.0f} s)")
         print()
     time_med, mem_med = _medians(all_errors)
