@@ -8,8 +8,13 @@ flows into is *row* parallel (weight ``Shard(1)``: attention output, MLP down). 
 the logits of a cross-entropy, which gives a vocabulary-sharded loss without gathering logits.
 Everything else stays replicated.
 
+A linear is any :class:`Projection`: ``aten.linear`` and Hugging Face's ``Conv1D``
+(``addmm(bias, x, W)`` with ``W`` stored ``[in, out]``, so its column shard is ``Shard(1)`` and its
+row shard ``Shard(0)``).
+
 A column-parallel linear whose output is only cut into pieces along its features (a fused
-q/k/v projection split as ``split(n_embd, dim=-1)`` or sliced, a fused gate/up ``chunk(2, -1)``)
+q/k/v projection split as ``split(n_embd, dim=-1)`` or sliced, a fused gate/up ``chunk(2, -1)``;
+seen through views that keep the features whole, as ``Conv1D``'s ``view(B, T, 3 * n_embd)``)
 is a *fused projection*: its parts (the pieces' sizes) are sharded one by one, so each rank
 computes its heads of q, k and v and the split stays local. When heads are interleaved instead
 (``view(B, T, heads, 3 * head_dim)`` then ``chunk(3, -1)``), a plain row shard already holds
@@ -26,6 +31,7 @@ does; when no sibling divides, the pass's own error names the view and the sizes
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -49,18 +55,66 @@ def _packet(node: fx.Node):
     return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
 
 
+@dataclass(frozen=True)
+class Projection:
+    """A linear projection by a held 2-D weight, whichever op computes it: ``aten.linear(x, W,
+    b)`` with ``W`` of shape ``[out, in]`` (``out_dim`` 0), or ``aten.addmm(b, x, W)`` with ``W``
+    of shape ``[in, out]`` (``out_dim`` 1: Hugging Face's ``Conv1D`` in GPT-2 and its kin).
+    ``*_index`` are the positions of the input, weight and bias in the node's arguments."""
+
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    out_dim: int
+    x_index: int
+    bias_index: int
+
+    @property
+    def column(self) -> str:
+        """The weight's placement that shards the output features (column parallel)."""
+        return f"Shard({self.out_dim})"
+
+    @property
+    def row(self) -> str:
+        """The weight's placement that shards the input features (row parallel)."""
+        return f"Shard({1 - self.out_dim})"
+
+
+def projection(node: fx.Node) -> Projection | None:
+    """``node`` as a :class:`Projection`, or None when it is not one (an ``addmm`` of two
+    activations, or one that scales its terms)."""
+    if node.op != "call_function":
+        return None
+    if node.target == aten.linear.default:
+        x = node.args[0]
+        weight = node.args[1] if len(node.args) > 1 else None
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        out_dim, x_index, bias_index = 0, 0, 2
+    elif node.target == aten.addmm.default and node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1:
+        bias, x, weight = node.args[:3]
+        out_dim, x_index, bias_index = 1, 1, 0
+        if not (isinstance(bias, fx.Node) and bias.op == "get_attr" and _ndim(bias) == 1):
+            return None
+    else:
+        return None
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and _ndim(weight) == 2 and isinstance(x, fx.Node)):
+        return None
+    bias = bias if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
+    return Projection(x, weight, bias, out_dim, x_index, bias_index)
+
+
 def _is_linear(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target == aten.linear.default
+    return projection(node) is not None
 
 
 def _weight(node: fx.Node) -> fx.Node | None:
-    weight = node.args[1] if len(node.args) > 1 else None
-    return weight if isinstance(weight, fx.Node) and weight.op == "get_attr" else None
+    found = projection(node)
+    return found.weight if found is not None else None
 
 
 def _bias(node: fx.Node) -> fx.Node | None:
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return bias if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
+    found = projection(node)
+    return found.bias if found is not None else None
 
 
 def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
@@ -172,15 +226,37 @@ def _piece(user: fx.Node, dim: int, size: int) -> list[tuple[int, int]] | None:
     return None
 
 
+def keeps_features(view: fx.Node) -> bool:
+    """Whether ``view`` reshapes only the leading dims of its input, keeping the last (the
+    features) whole: ``Conv1D``'s ``view(B, T, out)`` of its ``[B * T, out]`` product."""
+    if view.op != "call_function" or _packet(view) not in (aten.view, aten.reshape, aten._unsafe_view):
+        return False
+    src, out = view.args[0].meta.get(meta.VAL), view.meta.get(meta.VAL)
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dim() >= 1 and out.dim() >= 1
+            and src.shape[-1] == out.shape[-1])
+
+
+def _feature_users(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """The users of ``node``'s output with the dim its features are at, seen through views that
+    keep the features whole."""
+    found = []
+    for user in node.users:
+        if keeps_features(user):
+            found += _feature_users(user)
+        else:
+            found.append((user, _ndim(node) - 1))
+    return found
+
+
 def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     """The part sizes of a fused projection (see the module docstring), or None: every user of
     the linear's output cuts it along the features into pieces that tile them, at least two."""
     val = linear.meta.get(meta.VAL)
     if not isinstance(val, torch.Tensor) or val.dim() == 0 or not linear.users:
         return None
-    dim, size = val.dim() - 1, val.shape[-1]
+    size = val.shape[-1]
     pieces: set[tuple[int, int]] = set()
-    for user in linear.users:
+    for user, dim in _feature_users(linear):
         cut = _piece(user, dim, size)
         if cut is None:
             return None
@@ -231,7 +307,7 @@ def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str
         layer = node.meta.get(meta.LAYER)
         if layer is None:
             if _feeds_cross_entropy(node):
-                out.setdefault(_weight(node).name, "Shard(0)")  # vocabulary-parallel logits
+                out.setdefault(_weight(node).name, projection(node).column)  # vocabulary-parallel logits
                 if _bias(node) is not None:
                     out.setdefault(_bias(node).name, "Shard(0)")
             continue
@@ -240,7 +316,7 @@ def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str
         rows = _downstream_linears(node, layer)
         if not rows:
             continue
-        out[_weight(node).name] = "Shard(0)"
+        out[_weight(node).name] = projection(node).column
         if _bias(node) is not None:
             out[_bias(node).name] = "Shard(0)"
         columns[node] = frozenset(rows)
@@ -250,8 +326,7 @@ def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str
             if _bias(node) is not None:
                 parts[_bias(node).name] = found
         for row in rows:
-            if _weight(row) is not None:
-                out.setdefault(_weight(row).name, "Shard(1)")
+            out.setdefault(_weight(row).name, projection(row).row)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == aten.embedding.default:
             weight, idx = node.args[0], node.args[1]

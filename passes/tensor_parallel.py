@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
+from graphpass.megatron import Projection, keeps_features, projection
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
 from graphpass.plan import Plan
@@ -128,6 +129,7 @@ class _Walker:
         self.needs_grad = _nodes_needing_grad(gm)
         self.parts: dict[fx.Node, tuple[int, ...]] = {}  # fused weights/biases -> part sizes
         self.merged_from: dict[fx.Node, fx.Node] = {}  # a view making a MergedShard -> its Shard input
+        self.after: dict[fx.Node, list[fx.Node]] = {}  # nodes a rule added, to visit after the node
         for node in self.graph.nodes:
             shape = _shape(node)
             if shape is not None:
@@ -154,7 +156,7 @@ class _Walker:
         if src == dst:
             return value
         if isinstance(src, MergedShard):
-            value, src = self.unmerge(value, user), R
+            value, src = self.unmerge(value, user, grad), R
             if src == dst:
                 return value
         key = (value, str(dst), grad)
@@ -191,19 +193,20 @@ class _Walker:
         self.inherit_grad(value, node)
         return node
 
-    def unmerge(self, value: fx.Node, user: fx.Node) -> fx.Node:
+    def unmerge(self, value: fx.Node, user: fx.Node, grad: str = "slice") -> fx.Node:
         """A ``MergedShard`` value gathered whole: split the merged dim into (outer, inner) — a
-        plain ``Shard`` of the inner factor —, all-gather that, and merge back."""
-        key = (value, "unmerge")
+        plain ``Shard`` of the inner factor —, all-gather that (its backward as ``grad`` says), and
+        merge back."""
+        key = (value, "unmerge", grad)
         if key not in self.cache and value in self.merged_from:
             # Made by a view of a plain shard: gather that (once for all its views) and view it.
-            whole = self.redistribute(self.merged_from[value], R, user)
+            whole = self.redistribute(self.merged_from[value], R, user, grad)
             self.cache[key] = self.local_view(whole, self.gshape[value], R, user)
         if key not in self.cache:
             mp, shape = self.place[value], self.gshape[value]
             split = (*shape[:mp.dim], mp.outer, shape[mp.dim] // mp.outer, *shape[mp.dim + 1:])
             inner = self.local_view(value, split, Shard(mp.dim + 1), user)
-            gathered = self.redistribute(inner, R, user)
+            gathered = self.redistribute(inner, R, user, grad)
             self.cache[key] = self.local_view(gathered, shape, R, user)
         return self.cache[key]
 
@@ -268,6 +271,9 @@ class _Walker:
                 if node.meta.get(meta.CREATED_BY) == NAME:
                     continue
                 self.place[node] = self.visit(node)
+                for added in self.after.pop(node, ()):
+                    self.inherit_grad(node, added)
+                    self.place[added] = self.visit(added)
             elif node.op == "output":
                 loss = node.args[0][meta.get(node, meta.ROLE)["loss"]]
                 if self.placement(loss) != R:
@@ -333,10 +339,7 @@ class _Walker:
             # of placements as Replicate, but its items may be sharded (chunks of head-sharded qkv).
             return self.getitem(node)
         if rule is None:
-            if not tensor_args or all(self.placement(a) == R for a in tensor_args):
-                return R
-            self.warn_once(node)
-            return self.to_replicate_all(node)
+            return _no_rule(self, node)
         return rule(self, node)
 
     def gather_merged(self, node: fx.Node) -> None:
@@ -359,6 +362,14 @@ class _Walker:
 RULES: dict[Any, Callable[[_Walker, fx.Node], Any]] = {}
 
 
+def _no_rule(w: _Walker, node: fx.Node) -> Placement:
+    """An op without a rule: replicated inputs, a replicated output (warned once per op)."""
+    if all(w.placement(a) == R for a in node.all_input_nodes if a in w.place):
+        return R
+    w.warn_once(node)
+    return w.to_replicate_all(node)
+
+
 def rule(*targets: Any):
     """Register a placement rule for the given aten ops (overloads or packets)."""
 
@@ -377,53 +388,78 @@ def _norm_dim(dim: int, ndim: int) -> int:
 # ---------------------------------------------------------------------- rules: compute
 
 
-@rule(aten.linear.default)
-def _linear(w: _Walker, node: fx.Node) -> Placement:
-    x, weight = node.args[0], node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+@rule(aten.linear.default, aten.addmm.default)
+def _linear(w: _Walker, node: fx.Node) -> Any:
+    """A projection (``aten.linear``, or ``Conv1D``'s ``addmm`` with its ``[in, out]`` weight:
+    :func:`graphpass.megatron.projection`): column parallel when the weight is sharded on its
+    output features, row parallel when sharded on its input features."""
+    proj = projection(node)
+    if proj is None:  # an addmm of activations: no layout, replicated as ops without a rule
+        w.gather_merged(node)
+        return _no_rule(w, node)
+    x, weight, bias, xi, bi = proj.x, proj.weight, proj.bias, proj.x_index, proj.bias_index
     wp, xp = w.placement(weight), w.placement(x)
     last = w.ndim(x) - 1
-    if wp == Shard(0):  # column parallel
-        if isinstance(xp, Shard):
+    if wp == Shard(proj.out_dim):  # the weight's output features: column parallel
+        if isinstance(xp, (Shard, MergedShard)):  # sequence parallel: gathered, reduce-scattered back
             new_x = w.redistribute(x, R, node, grad="reduce_scatter")
         else:
             new_x = w.copy_for_sharded_use(w.redistribute(x, R, node), node)
-        w.set_arg(node, 0, new_x)
+        w.set_arg(node, xi, new_x)
         if bias is not None and w.placement(bias) == R:
-            w.set_arg(node, 2, w.redistribute(bias, Shard(0), node))
+            w.set_arg(node, bi, w.redistribute(bias, Shard(0), node))
         parts = w.parts.get(weight)
         if parts is not None:
             if bias is not None and w.parts.get(bias) != parts:
                 raise TensorParallelError(f"{w.where(node)}: the fused weight's bias is not sharded by the same parts")
             return PartsShard(last, parts)
         return Shard(last)
-    if wp == Shard(1):  # row parallel: partial sums; the bias is added after the reduction
-        w.set_arg(node, 0, w.redistribute(x, Shard(last), node))
+    if wp == Shard(1 - proj.out_dim):  # its input features, row parallel: partial sums
+        w.set_arg(node, xi, w.redistribute(x, Shard(last), node))
         if bias is not None:
-            node.args = tuple(node.args[:2])
-            node.kwargs = {}
-            with w.graph.inserting_after(node):
-                add = w.graph.call_function(aten.add.Tensor, (node, bias))
-            meta.copy_meta(node, add)
-            add.meta[meta.VAL] = node.meta.get(meta.VAL)
-            node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
-            w.gshape[add] = w.gshape.get(node, ())
-            w.inherit_grad(node, add)
-            w.place[node] = P
-            w.place[add] = _binary(w, add)
+            _bias_after_reduction(w, node, proj)
         return P
     # Replicated weight: sharding of the batch/sequence dims passes through.
-    if isinstance(xp, Shard) and xp.dim == last:
-        w.set_arg(node, 0, w.redistribute(x, R, node))
+    if isinstance(xp, (Shard, MergedShard)) and xp.dim == last:
+        w.set_arg(node, xi, w.redistribute(x, R, node))
         xp = R
     if xp == P and bias is not None:
-        w.set_arg(node, 0, w.redistribute(x, R, node))
+        w.set_arg(node, xi, w.redistribute(x, R, node))
         xp = R
     if xp != R:
         w.mark_partial_grad(weight)
         if bias is not None:
             w.mark_partial_grad(bias)
     return xp
+
+
+def _bias_after_reduction(w: _Walker, node: fx.Node, proj: Projection) -> None:
+    """A row-parallel projection computes partial sums without its bias; the bias is added to
+    their sum. ``Conv1D``'s ``addmm`` becomes ``mm``, and its bias is added after the view back
+    to ``[B, T, out]`` that follows it, so that under sequence parallelism the partial sums are
+    reduce-scattered along the sequence there."""
+    anchor = node
+    if node.target == aten.addmm.default:
+        node.target = aten.mm.default
+        node.args = (node.args[proj.x_index], proj.weight)
+        users = list(node.users)
+        if len(users) == 1 and keeps_features(users[0]) and w.ndim(users[0]) > w.ndim(node):
+            anchor = users[0]  # [B, T, out], batch first as Conv1D's models are
+    else:
+        node.args = tuple(node.args[:2])
+    node.kwargs = {}
+    with w.graph.inserting_after(anchor):
+        add = w.graph.call_function(aten.add.Tensor, (anchor, proj.bias))
+    meta.copy_meta(anchor, add)
+    add.meta[meta.VAL] = anchor.meta.get(meta.VAL)
+    anchor.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+    w.gshape[add] = w.gshape.get(anchor, ())
+    w.inherit_grad(anchor, add)
+    if anchor is node:
+        w.place[node] = P
+        w.place[add] = _binary(w, add)
+    else:  # placed when the walk reaches it, right after the view
+        w.after.setdefault(anchor, []).append(add)
 
 
 @rule(aten.embedding.default)
@@ -736,7 +772,7 @@ def _view(w: _Walker, node: fx.Node) -> Placement:
     xp = w.placement(x)
     packet = node.target.overloadpacket
     if isinstance(xp, PartsShard):
-        return _unflatten_parts(w, node, xp)
+        return _view_parts(w, node, xp)
     if isinstance(xp, MergedShard):
         return _view_merged(w, node, xp)
     if not isinstance(xp, Shard):
@@ -837,11 +873,16 @@ def _view_merged(w: _Walker, node: fx.Node, xp: MergedShard) -> Placement:
     return _view(w, node)
 
 
-def _unflatten_parts(w: _Walker, node: fx.Node, xp: PartsShard) -> Placement:
-    """A fused projection of equal parts unflattened into (parts, part size) — ``nn.
-    MultiheadAttention``'s ``unflatten(-1, (3, E))``: the part size is sharded (every part holds
-    this rank's chunk), so the result is a plain ``Shard`` of the new last dim."""
+def _view_parts(w: _Walker, node: fx.Node, xp: PartsShard) -> Placement:
+    """A view of a fused projection's output. One that keeps the features whole (``Conv1D``'s
+    ``view(B, T, 3 * E)``) keeps the parts, at local size. One of equal parts unflattened into
+    (parts, part size) — ``nn.MultiheadAttention``'s ``unflatten(-1, (3, E))`` — shards the part
+    size (every part holds this rank's chunk), so the result is a plain ``Shard`` of the new last
+    dim."""
     x = node.args[0]
+    if keeps_features(node) and xp.dim == w.ndim(x) - 1:
+        _local_sizes(w, node, w.ndim(node) - 1)
+        return PartsShard(w.ndim(node) - 1, xp.parts)
     k, part = len(xp.parts), xp.parts[0]
     if node.target.overloadpacket is aten.unflatten and len(set(xp.parts)) == 1:
         dim, sizes = _norm_dim(node.args[1], w.ndim(x)), list(node.args[2])
@@ -880,7 +921,7 @@ def _permute(w: _Walker, node: fx.Node) -> Placement:
 
 
 #: Rules that carry a ``MergedShard`` input (every other op gathers it first).
-_CARRY_MERGED = (_view, _transpose, _permute)
+_CARRY_MERGED = (_view, _transpose, _permute, _linear)
 
 
 @rule(aten.unsqueeze.default)

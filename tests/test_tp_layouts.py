@@ -6,6 +6,8 @@
 - ``hf_t5``: T5's encoder-decoder with eager attention (``matmul``) and a relative position bias;
 - ``hf_mixtral``: a Mixture-of-Experts decoder (its experts stay replicated for now; attention
   and the embedding are sharded);
+- ``hf_gpt2``: GPT-2's ``Conv1D`` projections (``addmm(bias, x.view(-1, in), W)`` with ``W``
+  stored ``[in, out]``), its fused ``c_attn`` viewed back to ``[B, T, 3 * n_embd]`` and split;
 - ``encoder``: ``nn.TransformerEncoder``, whose ``nn.MultiheadAttention`` packs q, k and v in one
   ``in_proj_weight`` cut by ``unflatten(-1, (3, E))`` and merges batch and heads in a view
   (``view(T, B * heads, head_dim)``): sharded by heads through that merged dim.
@@ -30,7 +32,7 @@ from graphpass.passes import PIPELINE
 from graphpass.plan_builder import plan_from_strategy
 
 RTOL, ATOL = 1e-5, 1e-6
-LAYOUTS = ("fused_gpt", "hf_neox", "hf_phi3", "hf_t5", "hf_mixtral", "encoder")
+LAYOUTS = ("fused_gpt", "hf_neox", "hf_phi3", "hf_t5", "hf_mixtral", "hf_gpt2", "encoder")
 aten = torch.ops.aten
 
 
@@ -62,7 +64,7 @@ def test_attention_stays_sharded_by_heads_without_gathering_q_k_v(name):
     assert "tp_all_gather" not in ops, name
     heads = _attention_heads(gm)
     assert heads and set(heads) == {2}, (name, heads)  # 4 heads, 2 per rank
-    if name in ("fused_gpt", "hf_phi3"):
+    if name in ("fused_gpt", "hf_phi3", "hf_gpt2"):
         assert plan.tp_parts, "the fused projection is sharded part by part"
 
 
@@ -88,7 +90,8 @@ def test_sequence_parallel_gathers_only_the_inputs_of_column_linears(name):
         gathers = [n for n in gathers if not all(".mlp" in u.meta["gp.module_path"] for u in _consumers(n))]
     assert gathers
     for node in gathers:
-        assert {u.target for u in node.users} <= {aten.linear.default}, (name, node.name, list(node.users))
+        assert {u.target for u in _consumers(node)} <= {aten.linear.default, aten.addmm.default}, (
+            name, node.name, list(node.users))
         assert node.kwargs["grad"] == "reduce_scatter"
     assert set(_attention_heads(gm)) == {2}
 
