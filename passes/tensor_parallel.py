@@ -659,7 +659,8 @@ _LINEAR_UNARY = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach,
 @rule(aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.cos, aten.sin,
       aten.rsqrt, aten.sqrt, aten.pow.Tensor_Scalar, aten.dropout, aten.neg, aten.clone, aten.contiguous,
       aten.alias, aten.detach, aten.to, aten._to_copy, aten.lift_fresh_copy, aten.abs, aten.reciprocal,
-      aten.logical_not, aten.bitwise_not, aten.erf, aten.softmax.int, aten.log_softmax.int, aten.type_as)
+      aten.logical_not, aten.bitwise_not, aten.erf, aten.softmax.int, aten.log_softmax.int, aten.type_as,
+      aten.square)
 def _unary(w: _Walker, node: fx.Node) -> Placement:
     x = node.args[0]
     xp = w.placement(x)

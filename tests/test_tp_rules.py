@@ -89,6 +89,14 @@ def _cases():
     add("flatten", lambda a: a.flatten(2), [(B, H, T, D)], all_dims(4))
     add("sdpa", lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
         [(B, H, T, D)] * 3, [(1, 1, 1), (None, None, None), (2, 2, 2)])
+    # GPT-2's Conv1D, addmm(bias, x, W[in, out]): column (W Shard(1), bias Shard(0)), row
+    # (W Shard(0): mm, then the bias after the view back to [B, T, out]), replicated W with
+    # batch-sharded x, and a sequence-sharded x merged into the rows by its view.
+    conv1d = lambda b, x, w: torch.addmm(b, x.reshape(-1, H), w).view(B, T, D)  # noqa: E731
+    add("conv1d", conv1d, [(D,), (B, T, H), (H, D)], [(0, None, 1), (None, 2, 0), (None, 0, None), (0, 1, 1),
+                                                     (None, 1, None), (None, None, None)])
+    add("addmm 2-d", lambda b, x, w: torch.addmm(b, x, w), [(D,), (T, H), (H, D)], [(0, None, 1), (None, 1, 0)])
+    add("square", lambda a: a.square(), [(B, T, H)], all_dims(3))
     # The fused q/k/v of interleaved heads: heads sharded, each chunk still head-sharded.
     add("fused heads chunk", lambda a: a.view(B, T, H, 3 * D).chunk(3, dim=-1), [(B, T, H * 3 * D)], [(2,)])
     return out
@@ -108,12 +116,14 @@ def _placement_and_outputs(label_filter=None):
         for name, dim in zip(model.names, dims):
             placements.setdefault(node_of[name], {})["tp"] = "Replicate()" if dim is None else f"Shard({dim})"
         plan = gp.Plan.from_dict({**plan.to_dict(), "placements": placements})
-        # The op's outputs are what the harness's loss sums (besides the dummy input).
-        watched = [n.args[0] for n in gm.graph.nodes if n.op == "call_function"
-                   and n.target == torch.ops.aten.sum.default and n.args[0].op != "placeholder"]
+        # The op's outputs are what the harness's loss sums (besides the dummy input), read after
+        # the walk: a rule may route them through nodes it adds (a row projection's bias).
+        sums = [n for n in gm.graph.nodes if n.op == "call_function"
+                and n.target == torch.ops.aten.sum.default and n.args[0].op != "placeholder"]
         try:
             walker = _Walker(gm, plan, SIZE, rank)
             walker.run()
+            watched = [n.args[0] for n in sums]
             gm.recompile()
             places = [walker.place.get(n, Replicate()) for n in watched]
             seen: dict[fx.Node, torch.Tensor] = {}
