@@ -516,8 +516,9 @@ class _Workers:
 
 def _start_context() -> multiprocessing.context.BaseContext:
     """How ranks start: forked from a fork server that has imported torch once (a rank then
-    starts in a fraction of a second instead of importing torch itself), or spawned where
-    there is no fork server. Never forked from the caller: it may already have run
+    starts in a fraction of a second instead of importing torch itself, and leaves with
+    ``os._exit`` after multiprocessing's own clean-up, without the interpreter's teardown of
+    torch), or spawned where there is no fork server. Never forked from the caller: it may already have run
     multi-threaded torch ops, and forked children of such a process deadlock."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
@@ -575,13 +576,6 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, collective_t
             continue
         result_queue.put((_DONE, rank, task_id, data))
     dist.destroy_process_group()
-    # Everything the parent is owed is flushed; skip the interpreter's teardown of torch (about
-    # a second per rank, paid every time a pool closes).
-    result_queue.close()
-    result_queue.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _exit_when_parent_dies() -> None:
