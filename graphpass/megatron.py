@@ -103,18 +103,6 @@ def projection(node: fx.Node) -> Projection | None:
     return Projection(x, weight, bias, out_dim, x_index, bias_index)
 
 
-def _is_linear(node: fx.Node) -> bool:
-    return projection(node) is not None
-
-
-def _weight(node: fx.Node) -> fx.Node | None:
-    found = projection(node)
-    return found.weight if found is not None else None
-
-
-def _bias(node: fx.Node) -> fx.Node | None:
-    found = projection(node)
-    return found.bias if found is not None else None
 
 
 def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
@@ -126,7 +114,7 @@ def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
         if node in seen or node.op != "call_function" or node.meta.get(meta.LAYER) != layer:
             continue
         seen.add(node)
-        if _is_linear(node):
+        if projection(node) is not None:
             found.append(node)
         elif _packet(node) in _PASS_THROUGH:
             stack.extend(node.users)
@@ -302,31 +290,34 @@ def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str
     parts: dict[str, tuple[int, ...]] = {}
     columns: dict[fx.Node, frozenset[fx.Node]] = {}  # column linear -> the row linears it feeds
     for node in gm.graph.nodes:
-        if not _is_linear(node) or _weight(node) is None:
+        proj = projection(node)
+        if proj is None:
             continue
+        weight, bias = proj.weight.name, proj.bias.name if proj.bias is not None else None
         layer = node.meta.get(meta.LAYER)
         if layer is None:
             if _feeds_cross_entropy(node):
-                out.setdefault(_weight(node).name, projection(node).column)  # vocabulary-parallel logits
-                if _bias(node) is not None:
-                    out.setdefault(_bias(node).name, "Shard(0)")
+                out.setdefault(weight, proj.column)  # vocabulary-parallel logits
+                if bias is not None:
+                    out.setdefault(bias, "Shard(0)")
             continue
-        if _weight(node).name in out:
+        if weight in out:
             continue
         rows = _downstream_linears(node, layer)
         if not rows:
             continue
-        out[_weight(node).name] = projection(node).column
-        if _bias(node) is not None:
-            out[_bias(node).name] = "Shard(0)"
+        out[weight] = proj.column
+        if bias is not None:
+            out[bias] = "Shard(0)"
         columns[node] = frozenset(rows)
         found = fused_parts(node)
         if found is not None:
-            parts[_weight(node).name] = found
-            if _bias(node) is not None:
-                parts[_bias(node).name] = found
+            parts[weight] = found
+            if bias is not None:
+                parts[bias] = found
         for row in rows:
-            out.setdefault(_weight(row).name, projection(row).row)
+            row_proj = projection(row)
+            out.setdefault(row_proj.weight.name, row_proj.row)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == aten.embedding.default:
             weight, idx = node.args[0], node.args[1]
@@ -343,12 +334,12 @@ def _replicate_kv_heads(columns: dict[fx.Node, frozenset[fx.Node]], parts: dict[
                         out: dict[str, str], tp: int) -> None:
     """Leave the key/value projections with fewer heads than ``tp`` replicated (grouped-query
     attention): their heads do not divide by tp, a sibling's (the query's) do."""
-    count = {node: heads(node) for node in columns if _weight(node).name not in parts}
+    count = {node: heads(node) for node in columns if projection(node).weight.name not in parts}
     for node, h in count.items():
         if h is None or h % tp == 0:
             continue
         siblings = [other for other in count if other is not node and columns[other] & columns[node]]
         if any(count[other] is not None and count[other] % tp == 0 and count[other] > h for other in siblings):
-            for param in (_weight(node), _bias(node)):
+            for param in (projection(node).weight, projection(node).bias):
                 if param is not None:
                     out.pop(param.name, None)

@@ -825,6 +825,7 @@ class _Remeasure:
         self.model, self.inputs, self.gm, self.cluster = model, inputs, gm, cluster
         self.full = int(inputs[0].shape[0])
         self._graphs: dict[int, tuple[fx.GraphModule, list[torch.Tensor]] | None] = {}
+        self._times: dict[int, dict[str, tuple[float, float]]] = {}
         self._factors: dict[int, float] = {self.full: factor}  # ``gm``'s, measured by the planner
 
     def graph(self, batch: int) -> tuple[fx.GraphModule, list[torch.Tensor]] | None:
@@ -846,9 +847,14 @@ class _Remeasure:
             self._graphs[batch] = None if other is None else (other, sliced)
         return self._graphs[batch]
 
+    def _measure(self, batch: int, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
+        """`_op_times` of the graph at ``batch``, once: its times and its whole-graph factor."""
+        if batch not in self._times:
+            self._times[batch], self._factors[batch] = _op_times(gm, self.cluster, True, inputs)
+
     def _factor(self, batch: int, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> float:
         if batch not in self._factors:
-            self._factors[batch] = _op_times(gm, self.cluster, True, inputs)[1]
+            self._measure(batch, gm, inputs)
         return self._factors[batch]
 
     def times(self, batch: int) -> dict[str, tuple[float, float]]:
@@ -857,9 +863,8 @@ class _Remeasure:
         found = self.graph(batch)
         if found is None:
             return {}
-        gm, inputs = found
-        times, self._factors[batch] = _op_times(gm, self.cluster, True, inputs)
-        return times
+        self._measure(batch, *found)
+        return self._times[batch]
 
     def program(self, tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
         """`ProgramTimes` of the program the tensor-parallel pass emits at ``batch`` samples: the

@@ -186,10 +186,15 @@ def _needs_sharding(gm, plan, ctx):
     return gm
 
 
-def test_pass_failure_names_the_pass_and_those_before_it():
+def _gpt_dp2():
+    """A captured GPT, its batch and a dp=2 plan, for running passes by hand."""
     batch = zoo.batches("gpt", 1, 4)[0]
     gm = capture(zoo.build("gpt"), batch).gm
-    plan = plan_from_strategy(gm, gp.Strategy(dp=2), [])
+    return gm, batch, plan_from_strategy(gm, gp.Strategy(dp=2), [])
+
+
+def test_pass_failure_names_the_pass_and_those_before_it():
+    gm, batch, plan = _gpt_dp2()
     ran = ", ".join(p.pass_name for p in PIPELINE)
     with pytest.raises(PassError, match=f"pass breaks_graph failed after {ran}: "):
         run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE + (_breaks_graph,))
@@ -213,15 +218,13 @@ def _does_nothing(gm, plan, ctx):
 
 
 def test_a_pass_that_changes_nothing_keeps_its_values_and_one_that_changes_a_tensor_is_verified():
-    batch = zoo.batches("gpt", 1, 4)[0]
-    gm = capture(zoo.build("gpt"), batch).gm
-    plan = plan_from_strategy(gm, gp.Strategy(dp=2), [])
+    gm, batch, plan = _gpt_dp2()
     vals = {}
     run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE[:1] + (_does_nothing,),
                on_record=lambda i, record, g: vals.setdefault(i, [n.meta.get(meta.VAL) for n in g.graph.nodes]))
     # The same value objects: the unchanged program was not propagated again.
     assert len(vals[2]) == len(vals[1]) and all(a is b for a, b in zip(vals[1], vals[2]))
-    gm = capture(zoo.build("gpt"), batch).gm
+    gm, batch, plan = _gpt_dp2()
     with pytest.raises(PassError, match="pass shrinks_a_weight failed after split_operators"):
         run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE[:1] + (_shrinks_a_weight,))
 

@@ -85,8 +85,9 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     assert (fitted.bandwidth_gbps, fitted.latency_s) == (link.bandwidth_gbps, link.latency_s)
     assert residual == report.fit_residual and all(t > 0 for _, t in report.all_reduce)
     # What a blocking collective costs beyond the fit: measured, a machine- and load-dependent
-    # figure, so no bound on its size here (bench/fidelity.py shows what it predicts); it is a
-    # finite, non-negative time that the written profile keeps.
+    # figure, so no bound on its size here (bench/fidelity.py shows what it predicts). Not a
+    # timing assertion: `_sync_s` clamps it at 0, so it is a finite, non-negative number however
+    # slow the machine, and the written profile keeps it.
     assert link.sync_s >= 0.0 and math.isfinite(link.sync_s)
     assert Cluster.from_json(path.read_text()).intra_node.sync_s == link.sync_s
 
