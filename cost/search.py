@@ -77,7 +77,7 @@ from typing import Iterable, Mapping, Sequence
 from graphpass.cluster import Cluster
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice
-from graphpass.transitions import PER_MICROBATCH, Transition, transition
+from graphpass.transitions import FORWARD, PER_MICROBATCH, Transition, transition
 from graphpass.cost.memory import format_bytes
 from graphpass.cost.collectives import collective_time, sync_time
 from graphpass.cost.memory import in_flight_microbatches
@@ -141,9 +141,10 @@ class BlockCost:
         saved_bytes: activations saved for backward at the reference batch.
         input_bytes: the block's input activation at the reference batch (what recomputation keeps).
         output_bytes: the activation the block hands to the next (a pipeline send).
-        tp_traffic: ``(phase, kind, bytes, blocking, copies)`` of each tensor-parallel collective
-            at the reference batch, phase ``"forward"`` or ``"backward"`` (``Movement.blocking``,
-            ``Movement.copies``).
+        tp_traffic: ``(phase, kind, bytes, blocking)`` of each tensor-parallel collective at the
+            reference batch, phase ``"forward"`` or ``"backward"`` (``Movement.blocking``).
+        tp_copies: ``(phase, bytes written)`` of each tensor-parallel op's local copies at the
+            reference batch, every microbatch (``Transition.copies``).
         backward_bytes: the most the block's backward allocates beyond what was alive when
             backward reached it, at the reference batch. The last block's (the post block's:
             the loss's gradients, the logits' and the loss's own) meets every activation at the
@@ -164,7 +165,8 @@ class BlockCost:
     saved_bytes: float
     input_bytes: float
     output_bytes: float
-    tp_traffic: tuple[tuple[str, str, float, bool, float], ...] = ()
+    tp_traffic: tuple[tuple[str, str, float, bool], ...] = ()
+    tp_copies: tuple[tuple[str, float], ...] = ()
     backward_bytes: float = 0.0
     tensors: int = 0
     backward_starts_here: bool = False
@@ -389,13 +391,14 @@ def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, 
     return total
 
 
-def _copied_bytes(entry: Transition, weight_bytes: float, grad_bytes: float, m: int) -> float:
-    """Bytes read plus written by a data-parallel table entry's local copies in one step of
-    ``m`` microbatches (``Movement.copies``; sizes as in `_moved_s`)."""
+def _copied_bytes(entry: Transition, weight_bytes: float, grad_bytes: float, n: int, m: int) -> float:
+    """Bytes read plus written by a data-parallel table entry's local copies (``Transition.copies``)
+    on ``n`` ranks in one step of ``m`` microbatches: forward's copy the weights, backward's
+    the gradients."""
     total = 0.0
-    for move in entry.collectives:
-        size = weight_bytes if move.kind == "all_gather" else grad_bytes
-        total += (m if move.per == PER_MICROBATCH else 1) * 2 * move.copies * size
+    for copy in entry.copies:
+        size = weight_bytes if copy.phase == FORWARD else grad_bytes
+        total += (m if copy.per == PER_MICROBATCH else 1) * 2 * copy.bytes(size, n)
     return total
 
 
@@ -407,14 +410,19 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     dp, m = layout.mesh.dp, layout.microbatches
 
     bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
-    # Tensor-parallel collectives, and their local copies (``Movement.copies``) as compute.
+    # Tensor-parallel collectives, and their local copies (read and written) as compute.
     tp_forward = tp_backward = 0.0
-    for phase, kind, size, blocking, copies in block.tp_traffic:
-        moved, copied = comms.time("tp", kind, size * scale, blocking), 2 * copies * size * scale / bandwidth
-        if phase == "forward":
-            tp_forward, forward_s = tp_forward + moved, forward_s + copied
+    for phase, kind, size, blocking in block.tp_traffic:
+        moved = comms.time("tp", kind, size * scale, blocking)
+        if phase == FORWARD:
+            tp_forward += moved
         else:
-            tp_backward, backward_s = tp_backward + moved, backward_s + copied
+            tp_backward += moved
+    for phase, size in block.tp_copies:
+        if phase == FORWARD:
+            forward_s += 2 * size * scale / bandwidth
+        else:
+            backward_s += 2 * size * scale / bandwidth
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 
@@ -469,8 +477,8 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
         optimizer_s = share * block.params * costing.optimizer_s_per_param + block.tensors * costing.optimizer_s_per_tensor
     else:
         optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
-    # The data-parallel collectives' local copies (``Movement.copies``), per microbatch.
-    time_s += (_copied_bytes(entry, p_bytes, g_bytes, m) if dp > 1 else 0.0) / bandwidth / m
+    # The data-parallel collectives' local copies, per microbatch.
+    time_s += (_copied_bytes(entry, p_bytes, g_bytes, dp, m) if dp > 1 else 0.0) / bandwidth / m
     return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
                   tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=grads, held_bytes=held,
                   bucket_bytes=bucket,

@@ -463,7 +463,8 @@ class GraphProfile:
             TensorParallelError: the model cannot take this tp.
         """
         placements: Mapping[str, Any] = {}
-        traffic: dict[str, list[tuple[str, str, float, bool, float]]] = defaultdict(list)
+        traffic: dict[str, list[tuple[str, str, float, bool]]] = defaultdict(list)
+        copies: dict[str, list[tuple[str, float]]] = defaultdict(list)
         gathered: set[str] = set()
         if tp > 1:
             lay = tp_layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
@@ -474,9 +475,10 @@ class GraphProfile:
             gathered = {c.anchor for c in lay.collectives if c.op == "tp_all_gather" and c.grad != "reduce_scatter"}
             for c in lay.collectives:
                 block = self.owner.get(c.anchor, self.blocks[0])
-                for move in transition(c.op, grad=c.grad).collectives:
-                    traffic[block.name].append((move.phase, move.kind, float(move.factor * c.nbytes), move.blocking,
-                                                move.copies))
+                entry = transition(c.op, grad=c.grad)
+                for move in entry.collectives:
+                    traffic[block.name].append((move.phase, move.kind, float(move.factor * c.nbytes), move.blocking))
+                copies[block.name] += [(phase, size) for phase, size, _ in entry.copied(float(c.nbytes), tp)]
 
         def placed(node: fx.Node, kinds: tuple[type, ...]) -> bool:
             p = placements.get(node.name)
@@ -548,6 +550,7 @@ class GraphProfile:
                 params=params, param_bytes=param_bytes, split_bytes=split_bytes, split_count=split_count,
                 times=times, saved_bytes=saved, input_bytes=block.input_bytes * scale_io,
                 output_bytes=block.output_bytes * scale_io, tp_traffic=tuple(traffic.get(block.name, ())),
+                tp_copies=tuple(copies.get(block.name, ())),
                 backward_bytes=working, tensors=tensors, backward_starts_here=block is self.blocks[-1],
             ))
         return out

@@ -14,10 +14,16 @@ and weight movements (a bucket's ``Partial → Replicate`` gradients, a ZeRO gro
   (``per``: every microbatch, or once per step), and whether it is *blocking* (the step waits
   for it right where it runs: a synchronisation point of the ranks, which costs more than the
   collective itself, ``LinkSpec.sync_s``) or asynchronous (launched, then waited for with
-  the others at the end of backward, or prefetched one group ahead in forward), and the
-  local copies it makes around the collective (``copies`` × S bytes, each read and written
-  once: a bucket flattened and copied back, a clone before an in-place all-reduce, a gathered
-  tensor laid out along its dimension), priced at the device's memory bandwidth;
+  the others at the end of backward, or prefetched one group ahead in forward);
+- ``copies``: the local copies the op makes around its collectives, each a :class:`Copy` of
+  ``full × S + shard × S/n`` bytes written (and as many read; ``n`` the axis size) in a phase,
+  as often as ``per`` says: a bucket flattened and scaled, a ZeRO group's shards flattened
+  before the gather and the gathered buffer unpacked into the parameters, gradients written
+  rank-major and divided on the way, a clone before an in-place all-reduce, a gathered tensor
+  laid out along its dimension. The cost model prices them at the device's memory bandwidth.
+  Copies inside a backend's collective (gloo's own staging) belong to the collective's
+  measured time, and the accumulation adds of a step's microbatches to the gradients are not
+  copies;
 - its memory effect, as multiples of ``S``: ``step`` alive from the step's first forward to its
   last backward (ZeRO-1/2's gathered weights), ``transient`` alive only while the op's layer
   runs (ZeRO-3's gathered weights, then their full gradient). Gradients held back between a
@@ -47,15 +53,27 @@ PER_MICROBATCH, PER_STEP = "microbatch", "step"
 @dataclass(frozen=True)
 class Movement:
     """One collective an op runs: ``kind`` on ``factor × S`` bytes, in ``phase``, ``per``;
-    ``blocking``: the step waits for it where it runs; ``copies``: bytes copied on this rank
-    around it, as a multiple of S (see the module docstring)."""
+    ``blocking``: the step waits for it where it runs (see the module docstring)."""
 
     phase: str
     kind: str
     factor: float = 1.0
     per: str = PER_MICROBATCH
     blocking: bool = True
-    copies: float = 1.0
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Local bytes an op writes (and reads) around its collectives: ``full × S + shard × S/n``
+    in ``phase``, ``per`` microbatch or step (``n``: the size of the op's mesh axis)."""
+
+    phase: str
+    full: float = 0.0
+    shard: float = 0.0
+    per: str = PER_MICROBATCH
+
+    def bytes(self, size_bytes: float, n: int) -> float:
+        return self.full * size_bytes + self.shard * size_bytes / n
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,7 @@ class Transition:
         src, dst: the placement change, in torch's words.
         size: what ``S`` is for this op.
         collectives: the movements, forward first.
+        copies: the local copies around them.
         step: multiples of ``S`` alive through the step.
         transient: multiples of ``S`` alive only while the op's layer runs (forward or backward).
     """
@@ -80,6 +99,7 @@ class Transition:
     dst: str
     size: str
     collectives: tuple[Movement, ...]
+    copies: tuple[Copy, ...] = ()
     step: float = 0.0
     transient: float = 0.0
 
@@ -87,6 +107,11 @@ class Transition:
         """``(phase, kind, bytes, per)`` of every movement for a full tensor of ``size_bytes``."""
         return [(m.phase, m.kind, m.factor * size_bytes, m.per) for m in self.collectives
                 if phase is None or m.phase == phase]
+
+    def copied(self, size_bytes: float, n: int) -> list[tuple[str, float, str]]:
+        """``(phase, bytes written, per)`` of every local copy for a full tensor of ``size_bytes``
+        on an axis of ``n`` ranks."""
+        return [(c.phase, c.bytes(size_bytes, n), c.per) for c in self.copies]
 
 
 def _entries(*entries: Transition) -> dict[str, Transition]:
@@ -104,25 +129,30 @@ _ASYNC = False  # ``Movement.blocking``: launched and waited for later (the runt
 TABLE: Mapping[str, Transition] = _entries(
     # ---- data parallel (insert_collectives, shard_parameters) ----
     Transition("dp gradient bucket", "all_reduce_grads", "dp", "Partial()", "Replicate()",
-               # gradients flattened into the bucket, then copied back out of it
-               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC, copies=2.0),),
+               "the bucket's gradients", (Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC),),
+               # the gradients flattened into the bucket, then averaged in place; .grad are views
+               # of it (later microbatches add into it)
+               copies=(Copy(_B, full=2.0, per=_STEP),),
                # the bucket's flat buffer stays between steps (as DDP's); filling it from
                # autograd's gradients holds them twice for a moment
                step=1.0, transient=1.0),
     Transition("dp reported loss", "all_reduce", "dp", "Partial(avg)", "Replicate()",
-               "the loss (detached)", (Movement(_F, "all_reduce", blocking=_ASYNC, copies=0.0),)),
+               "the loss (detached)", (Movement(_F, "all_reduce", blocking=_ASYNC),)),
     Transition("dp step", "grad_sync_begin", "dp", "-", "-", "nothing (waits for the buckets)", ()),
-    # A ZeRO gather flattens this rank's shards and unpacks the gathered buffer into the full
-    # parameters (about S); a reduction writes the gradients rank-major, divided on the way (S),
-    # ZeRO-1's all-reduce then copies this rank's row out.
+    # A ZeRO gather flattens this rank's shards (S/n) and unpacks the gathered buffer into the
+    # full parameters (S; a view for a group of one parameter, priced as a copy all the same);
+    # a reduction writes the gradients rank-major, divided on the way (S), every microbatch;
+    # ZeRO-1's all-reduce then copies this rank's row out (S/n), once per step.
     Transition("zero1 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
                (Movement(_F, "all_gather", per=_STEP, blocking=_ASYNC),
-                Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC, copies=2.0)),
+                Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC)),
+               copies=(Copy(_F, full=1.0, shard=1.0, per=_STEP), Copy(_B, full=1.0), Copy(_B, shard=1.0, per=_STEP)),
                step=1.0),
     Transition("zero2 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
                (Movement(_F, "all_gather", per=_STEP, blocking=_ASYNC), Movement(_B, "reduce_scatter", blocking=_ASYNC)),
+               copies=(Copy(_F, full=1.0, shard=1.0, per=_STEP), Copy(_B, full=1.0)),
                step=1.0),
     Transition("zero3 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
@@ -130,29 +160,36 @@ TABLE: Mapping[str, Transition] = _entries(
                # when it first needs it
                (Movement(_F, "all_gather", blocking=_ASYNC), Movement(_B, "all_gather"),
                 Movement(_B, "reduce_scatter", blocking=_ASYNC)),
+               copies=(Copy(_F, full=1.0, shard=1.0), Copy(_B, full=1.0, shard=1.0), Copy(_B, full=1.0)),
                # gathered weights until the layer is done (re-gathered in backward), then the
                # full gradient until it is reduce-scattered
                transient=2.0),
     # ---- tensor parallel (tensor_parallel) ----
     # An all-reduce clones its input (it reduces in place); a gather or reduce-scatter along a
-    # dimension other than 0 lays the tensor out rank-major or back (one copy of S; counted
-    # also along dim 0, where it is a view).
+    # dimension other than 0 lays the tensor out rank-major or back (S), a slice of one keeps
+    # its chunk contiguous (S/n): views along dim 0, priced as copies all the same.
     Transition("tp Shard -> Replicate", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
-               "the gathered tensor", (Movement(_F, "all_gather"),)),
+               "the gathered tensor", (Movement(_F, "all_gather"),),
+               copies=(Copy(_F, full=1.0), Copy(_B, shard=1.0))),
     Transition("tp Shard -> Replicate into column linears", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
                # backward gathers it again for the linears' weight gradients instead of keeping it
                "the gathered tensor",
-               (Movement(_F, "all_gather"), Movement(_B, "all_gather"), Movement(_B, "reduce_scatter"))),
+               (Movement(_F, "all_gather"), Movement(_B, "all_gather"), Movement(_B, "reduce_scatter")),
+               copies=(Copy(_F, full=1.0), Copy(_B, full=2.0))),
     Transition("tp Partial -> Replicate", "tp_all_reduce", "tp", "Partial()", "Replicate()",
-               "the partial sum", (Movement(_F, "all_reduce"),)),
+               "the partial sum", (Movement(_F, "all_reduce"),), copies=(Copy(_F, full=1.0),)),
     Transition("tp Partial -> Shard", "tp_reduce_scatter", "tp", "Partial()", "Shard(d)",
-               "the partial sum (full size)", (Movement(_F, "reduce_scatter"), Movement(_B, "all_gather"))),
+               "the partial sum (full size)", (Movement(_F, "reduce_scatter"), Movement(_B, "all_gather")),
+               copies=(Copy(_F, full=1.0), Copy(_B, full=1.0))),
     Transition("tp Replicate -> Shard", "tp_scatter", "tp", "Replicate()", "Shard(d)",
-               "the replicated tensor", (Movement(_B, "all_gather"),)),
+               "the replicated tensor", (Movement(_B, "all_gather"),), copies=(Copy(_F, shard=1.0), Copy(_B, full=1.0))),
     Transition("tp Replicate into sharded compute", "tp_copy", "tp", "Replicate()", "Replicate()",
-               "the replicated tensor", (Movement(_B, "all_reduce"),)),
+               "the replicated tensor", (Movement(_B, "all_reduce"),), copies=(Copy(_B, full=1.0),)),
+    # The max, then the target logits and sums of exponentials stacked into one all-reduce;
+    # its passes over the logits are the loss's own compute (the cross-entropy it replaces).
     Transition("tp vocabulary-parallel loss", "vocab_parallel_cross_entropy", "tp", "Shard(-1)", "Replicate()",
-               "one float32 per token", (Movement(_F, "all_reduce", copies=0.0), Movement(_F, "all_reduce", 2.0, copies=0.0))),
+               "one float32 per token", (Movement(_F, "all_reduce"), Movement(_F, "all_reduce", 2.0)),
+               copies=(Copy(_F, full=2.0),)),
 )
 
 

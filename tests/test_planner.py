@@ -93,10 +93,12 @@ def test_tensor_parallel_traffic_is_what_the_pass_emits(small_planner):
     the s·b·h activation; with SP the same volume as all-gather / reduce-scatter pairs."""
     act = BATCH * SMALL.block_size * SMALL.n_embd * 2
     layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2)) if x.kind == "layer")
-    # Every tensor-parallel collective is blocking (the next op waits for it) and clones its input.
+    # Every tensor-parallel collective is blocking (the next op waits for it) and each all-reduce
+    # clones its input.
     assert sorted(layer.tp_traffic) == sorted(
-        [("forward", "all_reduce", act, True, 1.0)] * 2 + [("backward", "all_reduce", act, True, 1.0)] * 2
+        [("forward", "all_reduce", act, True)] * 2 + [("backward", "all_reduce", act, True)] * 2
     )
+    assert sorted(layer.tp_copies) == sorted([("forward", act)] * 2 + [("backward", act)] * 2)
     layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2, 1, True)) if x.kind == "layer")
     kinds = sorted((p, k) for p, k, *_ in layer.tp_traffic)
     # Sequence parallel: each column-linear input is gathered, re-gathered in backward and its
@@ -451,7 +453,7 @@ def test_each_blocking_collective_pays_the_links_measured_synchronisation_cost()
     plain, synced = (Planner(zoo.build("gpt"), cluster, batch) for cluster in (GLOO_4, slow))
     for strategy in (gp.Strategy(dp=4), gp.Strategy(dp=4, zero=3), gp.Strategy(dp=2, tp=2), gp.Strategy(tp=4)):
         blocks = plain.blocks(Layout(strategy.mesh, strategy.microbatches, False))
-        blocking = sum(1 for b in blocks for _, _, _, waits, _ in b.tp_traffic if waits)
+        blocking = sum(1 for b in blocks for _, _, _, waits in b.tp_traffic if waits)
         if strategy.zero == 3:
             blocking += sum(1 for b in blocks if b.params)  # one re-gather per gather group
         if strategy.mesh.get("dp", 1) > 1:

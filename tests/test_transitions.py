@@ -3,14 +3,16 @@ prices: every entry, emitted through ``graphpass.passes.collectives`` on a small
 on 2 and 4 gloo ranks for a step of 2 microbatches, moves exactly the collectives and bytes
 the entry says (counted at the ``torch.distributed`` calls the runtime makes), as often as it
 says (per microbatch or per step), blocking or asynchronous as it says (the planner charges
-each blocking one the link's synchronisation cost).
+each blocking one the link's synchronisation cost), and writes the bytes of local copies the
+entry says in each phase (counted at the tensor ops the runtime dispatches).
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import pathlib
+import re
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphpass import meta
 from graphpass.passes import collectives as emit
@@ -28,7 +31,7 @@ from graphpass.runtime import tensor_parallel as tp_runtime
 from graphpass.runtime import zero as zero_runtime
 from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
-from graphpass.transitions import PER_STEP, TABLE, transition
+from graphpass.transitions import PER_MICROBATCH, PER_STEP, TABLE, transition
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -69,28 +72,81 @@ def test_no_collective_traffic_is_written_outside_the_table():
 # ------------------------------------------------------------------------------ on ranks
 
 
+class _Copies(TorchDispatchMode):
+    """Bytes written by the copy-like tensor ops that graphpass's runtime calls, per phase.
+
+    Not counted: ops called from elsewhere (autograd's own accumulation of a leaf's gradient,
+    which may clone it), copies inside a collective or its wait (``backend()``: gloo's
+    reduce-scatter copies its result out when waited for, staging that the link's measured time
+    covers) and 0-dim tensors (the step's token, the reported loss: bytes, not bandwidth)."""
+
+    OPS = {"copy_", "cat", "stack", "clone", "_to_copy", "div", "mul_"}
+
+    def __init__(self, phase: list):
+        super().__init__()
+        self.phase, self.written, self.inside = phase, {}, 0
+
+    @contextlib.contextmanager
+    def backend(self):
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (not self.inside and func.overloadpacket.__name__ in self.OPS and isinstance(out, torch.Tensor)
+                and out.dim() and _called_from(RUNTIME)):
+            self.written[self.phase[0]] = self.written.get(self.phase[0], 0) + out.numel() * out.element_size()
+        return out
+
+
+RUNTIME = str(ROOT / "runtime")
+_TORCH = str(pathlib.Path(torch.__file__).parent)
+
+
+def _called_from(directory: str) -> bool:
+    """Whether the innermost caller outside torch (and the counter) is code in ``directory``."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH)
+                                 or frame.f_code is _Copies.__torch_dispatch__.__code__):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(directory)
+
+
+class _Waited:
+    """A collective's work whose ``wait()`` is the backend's (its copies are not counted)."""
+
+    def __init__(self, work, copies: _Copies):
+        self.work, self.copies = work, copies
+
+    def wait(self):
+        with self.copies.backend():
+            return self.work.wait()
+
+
 @contextlib.contextmanager
-def _counting(log: list, phase: list):
+def _counting(log: list, phase: list, copies: _Copies):
     """Record (phase, kind, bytes of S, blocking) of every collective the runtime launches."""
     saved = (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
              tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat)
-    real_ar, real_ag, real_rs = dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat
+    real = {"all_reduce": dist.all_reduce, "all_gather": zero_runtime._all_gather_flat,
+            "reduce_scatter": zero_runtime._reduce_scatter_flat}
 
-    def all_reduce(tensor, *args, **kwargs):
-        log.append((phase[0], "all_reduce", tensor.numel() * tensor.element_size(), not kwargs.get("async_op")))
-        return real_ar(tensor, *args, **kwargs)
+    def counted(kind: str, operand: int):
+        def call(*args, **kwargs):
+            tensor = args[operand]
+            log.append((phase[0], kind, tensor.numel() * tensor.element_size(), not kwargs.get("async_op")))
+            with copies.backend():
+                work = real[kind](*args, **kwargs)
+            return _Waited(work, copies) if work is not None else None
+        return call
 
-    def all_gather(out, inp, *args, **kwargs):
-        log.append((phase[0], "all_gather", out.numel() * out.element_size(), not kwargs.get("async_op")))
-        return real_ag(out, inp, *args, **kwargs)
-
-    def reduce_scatter(out, inp, *args, **kwargs):
-        log.append((phase[0], "reduce_scatter", inp.numel() * inp.element_size(), not kwargs.get("async_op")))
-        return real_rs(out, inp, *args, **kwargs)
-
-    dist.all_reduce = all_reduce
-    zero_runtime._all_gather_flat = tp_runtime._all_gather_flat = all_gather
-    zero_runtime._reduce_scatter_flat = tp_runtime._reduce_scatter_flat = reduce_scatter
+    # S is the all-gather's output and the reductions' input.
+    dist.all_reduce = counted("all_reduce", 0)
+    zero_runtime._all_gather_flat = tp_runtime._all_gather_flat = counted("all_gather", 0)
+    zero_runtime._reduce_scatter_flat = tp_runtime._reduce_scatter_flat = counted("reduce_scatter", 1)
     try:
         yield
     finally:
@@ -99,17 +155,22 @@ def _counting(log: list, phase: list):
 
 
 def _graph(n: int, local: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Node, fx.Node, fx.Node]:
-    """``loss = sum(x * w)``: a placeholder x (requires grad), a parameter w of x's shape."""
+    """``loss = sum(x * w * v)``: a placeholder x (requires grad), parameters w and v of x's
+    shape (two, so that a ZeRO group or a bucket holds more than one tensor)."""
     root = nn.Module()
     root.w = nn.Parameter(torch.randn(local))
+    root.v = nn.Parameter(torch.randn(local))
     graph = fx.Graph()
     x = graph.placeholder("x")
     w = graph.get_attr("w")
+    v = graph.get_attr("v")
     prod = graph.call_function(torch.ops.aten.mul.Tensor, (x, w))
-    loss = graph.call_function(torch.ops.aten.sum.default, (prod,))
+    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (prod, v))
+    loss = graph.call_function(torch.ops.aten.sum.default, (scaled,))
     out = graph.output((loss,))
-    w.meta.update({meta.ATTR_KIND: "parameter", meta.VAL: root.w.detach(), meta.LAYER: 0})
-    for node in (x, prod, loss):
+    for param, value in ((w, root.w), (v, root.v)):
+        param.meta.update({meta.ATTR_KIND: "parameter", meta.VAL: value.detach(), meta.LAYER: 0})
+    for node in (x, prod, scaled, loss):
         node.meta[meta.LAYER] = 0
     out.meta[meta.ROLE] = {"loss": 0}
     return fx.GraphModule(root, graph), x, prod, loss
@@ -117,11 +178,11 @@ def _graph(n: int, local: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Node, fx.
 
 def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Node, n: int, axis: str) -> float:
     """Insert the entry's op into ``gm``; return S, the entry's full-tensor bytes."""
-    w = next(node for node in gm.graph.nodes if node.op == "get_attr")
-    local_bytes = gm.w.numel() * gm.w.element_size()
+    params = [node for node in gm.graph.nodes if node.op == "get_attr"]
+    local_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
     entry = TABLE[name]
     if name == "dp gradient bucket":
-        emit.emit_grad_all_reduce(gm, [w], axis, 2**30, "test")
+        emit.emit_grad_all_reduce(gm, params, axis, 2**30, "test")
         return local_bytes
     if name == "dp reported loss":
         node = emit.emit_all_reduce(gm, loss, axis, "avg", "test")
@@ -132,11 +193,12 @@ def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Nod
         emit.ensure_grad_sync(gm, axis, "test")
         return 0.0
     if entry.op == "all_gather_params":
-        full = gm.w.detach()
-        gm.w = nn.Parameter(zero_runtime.make_shard(full, n, dist.get_rank() % n))
-        w.meta[meta.SHARD] = {"axis": axis, "dim": 0, "shape": list(full.shape), "stage": int(name[4])}
-        emit.emit_param_all_gather(gm, [w], axis, int(name[4]), 2**30, "test")
-        return full.numel() * full.element_size()
+        for node in params:
+            full = getattr(gm, node.target).detach()
+            setattr(gm, node.target, nn.Parameter(zero_runtime.make_shard(full, n, dist.get_rank() % n)))
+            node.meta[meta.SHARD] = {"axis": axis, "dim": 0, "shape": list(full.shape), "stage": int(name[4])}
+        emit.emit_param_all_gather(gm, params, axis, int(name[4]), 2**30, "test")
+        return local_bytes
     x_bytes = 4 * 8 * 12  # x is [8, 12] float32 locally, see _run_entry
     if name == "tp vocabulary-parallel loss":
         raise AssertionError("handled by _run_vocab")
@@ -166,8 +228,16 @@ def _w_shape(name: str, n: int) -> tuple[int, ...]:
     return (8, 12)
 
 
+def _expected_copies(name: str, size: float, n: int, microbatches: int) -> dict[str, float]:
+    """Bytes the entry's local copies write per phase in one step."""
+    out: dict[str, float] = {}
+    for phase, nbytes, per in TABLE[name].copied(size, n):
+        out[phase] = out.get(phase, 0.0) + nbytes * (microbatches if per == PER_MICROBATCH else 1)
+    return {phase: nbytes for phase, nbytes in out.items() if nbytes}
+
+
 def _run_entry(name: str) -> list:
-    """On each rank: (expected, counted) movements of one step of 2 microbatches."""
+    """On each rank: (expected, counted) movements and copies of one step of 2 microbatches."""
     n = dist.get_world_size()
     axis = TABLE[name].axis
     mesh = mesh_lib.ProcessMesh({axis: n})
@@ -180,20 +250,23 @@ def _run_entry(name: str) -> list:
     gm.recompile()
     log, phase = [], ["forward"]
     accumulation = Accumulation(2)
+    inputs = [torch.randn(8, 12, requires_grad=True) for _ in range(2)]
+    copies = _Copies(phase)
     # As in train_step: reported values are all-reduced asynchronously, finished at the step's end.
-    with mesh_lib.active(mesh), _counting(log, phase), step_program._deferring_reports():
+    with mesh_lib.active(mesh), _counting(log, phase, copies), step_program._deferring_reports(), copies:
         for i in range(2):
             accumulation.last_backward = False
             phase[0] = "forward"
             with accumulating(accumulation), rebuild_saved_tensors():
-                outputs = gm(torch.randn(8, 12, requires_grad=True))
+                outputs = gm(inputs[i])
             accumulation.last_backward = i == 1
             phase[0] = "backward"
             outputs[0].backward()
     expected = []
     for move in TABLE[name].collectives:
         expected += [(move.phase, move.kind, move.factor * size, move.blocking)] * (1 if move.per == PER_STEP else 2)
-    return sorted(expected), sorted((p, k, float(b), w) for p, k, b, w in log)
+    return ((sorted(expected), _expected_copies(name, size, n, 2)),
+            (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
 
 def _run_vocab(mesh, n: int) -> tuple[list, list]:
@@ -201,13 +274,16 @@ def _run_vocab(mesh, n: int) -> tuple[list, list]:
     logits = torch.randn(tokens, 5, requires_grad=True)
     target = torch.randint(0, 5 * n, (tokens,))
     log, phase = [], ["forward"]
-    with mesh_lib.active(mesh), _counting(log, phase):
-        loss = ops.vocab_parallel_cross_entropy(logits, target, "tp", n, 5 * dist.get_rank())
+    copies = _Copies(phase)
+    with mesh_lib.active(mesh), _counting(log, phase, copies):
+        with copies:
+            loss = ops.vocab_parallel_cross_entropy(logits, target, "tp", n, 5 * dist.get_rank())
         phase[0] = "backward"
-        loss.backward()
+        loss.backward()  # in place in the saved exponentials: the loss's own compute, not copies
     expected = [(m.phase, m.kind, m.factor * 4.0 * tokens, m.blocking)
                 for m in TABLE["tp vocabulary-parallel loss"].collectives]
-    return sorted(expected), sorted((p, k, float(b), w) for p, k, b, w in log)
+    return ((sorted(expected), _expected_copies("tp vocabulary-parallel loss", 4.0 * tokens, n, 1)),
+            (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
 
 def _run_all() -> dict:
@@ -216,7 +292,7 @@ def _run_all() -> dict:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_entry_moves_the_bytes_the_cost_model_prices(rank_pool, world_size):
+def test_every_entry_moves_and_copies_the_bytes_the_cost_model_prices(rank_pool, world_size):
     for rank, results in enumerate(rank_pool(world_size).run(_run_all, timeout_s=240)):
         wrong = {name: got for name, got in results.items() if got[0] != got[1]}
         assert not wrong, "\n".join(f"rank {rank} {name}: table {e} ran {c}" for name, (e, c) in wrong.items())
