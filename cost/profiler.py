@@ -386,28 +386,37 @@ def optimizer_step_times(shapes: Sequence[torch.Size], dtype: torch.dtype, state
     return per_element, per_tensor
 
 
-def _measure_contention(quick: bool) -> dict[str, tuple[float, list[float]]]:
+def _measure_contention(quick: bool) -> dict[str, list[tuple[float, list[float]]]]:
     """Per kind of work (``"compute"``: `_layer_work`, ``"memory"``: an AdamW step over 4M
-    parameters, `_optimizer_step`), this
-    rank's median time while the other ranks wait, and its time of each repeat while every rank
-    runs it at once (CPU ranks share cores, caches and DRAM), the repeats started together by a
-    barrier as a synchronous step's are."""
-    repeats = 5 if quick else 15
+    parameters, `_optimizer_step`), per round: this rank's median time while the other ranks
+    wait, and its time of each repeat while every rank runs it at once (CPU ranks share cores,
+    caches and DRAM), the repeats started together by a barrier as a synchronous step's are.
+
+    Rounds alternate the two, so that a slow spell of the machine falls on both sides of each
+    ratio (`_contention` takes the median over rounds). As one round of 15 repeats each (all
+    alone first, then all together), six profiles' figures taken back to back on 2 ranks here
+    spread from 1.006 to 1.185 (compute) and 1.13 to 1.40 (memory-bound); as the median of 8
+    rounds, four spread from 1.03 to 1.11 and 1.13 to 1.19.
+    """
+    rounds, repeats = (2, 3) if quick else (8, 3)
     works = {"compute": _layer_work(512 if quick else 2048, 256), "memory": _optimizer_step([(2**18 if quick else 2**20,)] * 4)}
     out = {}
     for kind, work in works.items():
-        alone = 0.0
-        for rank in range(dist.get_world_size()):  # one rank at a time, the others idle in a barrier
-            dist.barrier()
-            if dist.get_rank() == rank:
-                alone = _median_s(work, "cpu", warmup=2, repeats=repeats)
-            dist.barrier()
         work()
-        together = []
-        for _ in range(repeats):
-            dist.barrier()
-            together.append(_time_once_s(work, "cpu"))
-        out[kind] = (alone, together)
+        per_round = []
+        for _ in range(rounds):
+            alone = 0.0
+            for rank in range(dist.get_world_size()):  # one rank at a time, the others idle in a barrier
+                dist.barrier()
+                if dist.get_rank() == rank:
+                    alone = _median_s(work, "cpu", warmup=0, repeats=repeats)
+                dist.barrier()
+            together = []
+            for _ in range(repeats):
+                dist.barrier()
+                together.append(_time_once_s(work, "cpu"))
+            per_round.append((alone, together))
+        out[kind] = per_round
     return out
 
 
@@ -763,14 +772,17 @@ def run_profile(
 def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
     """How much longer ``kind`` of work takes when every rank runs it at once and each repeat
     lasts as long as its slowest rank (a synchronous step waits for it), than on one rank alone:
-    the median over repeats of the slowest rank's time, over the ranks' mean alone time (>= 1;
-    None off CPU)."""
+    per round of `_measure_contention`, the median over repeats of the slowest rank's time over
+    the ranks' mean alone time; the median over rounds (>= 1; None off CPU)."""
     measured = [r["device"]["contention"] for r in results]
     if any(m is None for m in measured):
         return None
-    alone = statistics.fmean(m[kind][0] for m in measured)
-    slowest = statistics.median(max(times) for times in zip(*(m[kind][1] for m in measured)))
-    return round(max(1.0, slowest / alone), 3)
+    ratios = []
+    for rounds in zip(*(m[kind] for m in measured)):  # one round, every rank's figures
+        alone = statistics.fmean(a for a, _ in rounds)
+        slowest = statistics.median(max(times) for times in zip(*(t for _, t in rounds)))
+        ratios.append(slowest / alone)
+    return round(max(1.0, statistics.median(ratios)), 3)
 
 
 def _sync_s(results: Sequence[dict[str, Any]], oversubscribed: bool) -> float:
