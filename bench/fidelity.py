@@ -6,10 +6,11 @@ the ranks' contention for the cores, gloo all-reduce alpha/beta on operands fres
 cached where ``Cluster.local(W)`` loads it; ``--no-profile`` reuses the cached one). Then, for
 at least six uniform strategies per world size:
 
-* **predicted**: a :class:`graphpass.planner.Planner`, built three times on rank 0 of the timed
-  job while the other ranks wait in a barrier (before the first timed round, after the middle
-  one and after the last, so that the machine's drift over the measuring window falls on both
-  sides; each figure is the median of the three, and the spread of the samples is printed), with
+* **predicted**: a :class:`graphpass.planner.Planner`, built ``--samples`` times (default 5)
+  on rank 0 of the timed job while the other ranks wait in a barrier (before the first timed
+  round, after the last and evenly between, so that the machine's drift over the measuring
+  window falls on both sides alike; each figure is the median of the samples, and their spread
+  is printed: up to 7-13% within one window on a busy day), with
   ``measure_ops=True`` (every op of the captured graph timed on this machine at each local batch
   the strategies run, with the threads per rank that ``gp.launch`` gives ranks, since op-time
   cache keys include the thread count; scaled by the whole graph's time over its ops' sum and by
@@ -50,7 +51,7 @@ and every collective), ``opt`` = ``opt.step`` + ``zero_grad``; ``state`` = param
 The ranks share the machine's cores (``cpu_count // W`` threads each, at least one; at 4 ranks on
 2 cores they oversubscribe, which the profile's measured contention covers). MiB = 2**20 bytes.
 
-    python bench/fidelity.py                       # 2 then 4 ranks (about 2.5 min here)
+    python bench/fidelity.py                       # 2 then 4 ranks (4-6 min here)
     python bench/fidelity.py --world-sizes 2 --no-profile
 """
 
@@ -113,6 +114,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch (split over the dp ranks)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy first")
     p.add_argument("--steps", type=int, default=12, help="timed steps per strategy")
+    p.add_argument("--samples", type=int, default=5,
+                   help="predictions sampled evenly over the timed rounds, first and last included (default 5)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--no-profile", action="store_true",
                    help="reuse the cached cluster profile of each world size instead of measuring it")
@@ -125,6 +128,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
             p.error(f"no strategies listed for world size {w} (have {sorted(STRATEGIES)})")
         if args.batch % w:
             p.error(f"--batch {args.batch} must be a multiple of every world size (got {w})")
+    if not 2 <= args.samples <= args.steps + 1:
+        p.error(f"--samples must be between 2 and --steps + 1 = {args.steps + 1} (got {args.samples})")
     return args
 
 
@@ -222,7 +227,7 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
     shared machine falls on all strategies alike instead of on the one that happens to run then.
 
     The prediction is sampled in the same window: before the first timed round, after the
-    middle one and after the last, rank 0 runs the planner (its op timings are measured then)
+    last and evenly between, rank 0 runs the planner (its op timings are measured then)
     while the other ranks wait in a barrier, so the machine's drift over the minute of
     measuring falls on both sides. Returns (measured per row, the predictions, planner seconds).
     """
@@ -245,14 +250,16 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
     for i in range(args.warmup):
         for run in runs.values():
             run.step(data[i])
-    sample_prediction()
-    for i in range(args.warmup, args.warmup + args.steps):
+    # After how many timed rounds each prediction is sampled: 0, ..., steps, evenly.
+    at = {round(j * args.steps / (args.samples - 1)) for j in range(args.samples)}
+    if 0 in at:
+        sample_prediction()
+    for done, i in enumerate(range(args.warmup, args.warmup + args.steps), 1):
         for run in runs.values():
             dist.barrier()
             run.times.append(run.step(data[i]))
-        if i - args.warmup == args.steps // 2 - 1:
+        if done in at:
             sample_prediction()
-    sample_prediction()
     measured = {name: run.memory(data[args.warmup + args.steps]) for name, run in runs.items()}
     return measured, predictions, planner_s
 
