@@ -419,10 +419,11 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
         else:
             tp_backward += moved
     for phase, size in block.tp_copies:
+        copied = 2 * size * scale / bandwidth
         if phase == FORWARD:
-            forward_s += 2 * size * scale / bandwidth
+            forward_s += copied
         else:
-            backward_s += 2 * size * scale / bandwidth
+            backward_s += copied
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 

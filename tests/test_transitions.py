@@ -236,7 +236,7 @@ def _expected_copies(name: str, size: float, n: int, microbatches: int) -> dict[
     return {phase: nbytes for phase, nbytes in out.items() if nbytes}
 
 
-def _run_entry(name: str) -> list:
+def _run_entry(name: str) -> tuple[tuple, tuple]:
     """On each rank: (expected, counted) movements and copies of one step of 2 microbatches."""
     n = dist.get_world_size()
     axis = TABLE[name].axis
@@ -269,7 +269,7 @@ def _run_entry(name: str) -> list:
             (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
 
-def _run_vocab(mesh, n: int) -> tuple[list, list]:
+def _run_vocab(mesh, n: int) -> tuple[tuple, tuple]:
     tokens = 8
     logits = torch.randn(tokens, 5, requires_grad=True)
     target = torch.randint(0, 5 * n, (tokens,))
