@@ -8,7 +8,7 @@ See README.md for the concepts, the API and how to read the dumps.
 """
 
 from graphpass.api import compile
-from graphpass.capture import CaptureError, capture
+from graphpass.capture import CaptureError, capture, reusing_captures
 from graphpass.cluster import Cluster, DeviceSpec, LinkSpec, presets
 from graphpass.pass_manager import PassError, PassRecord
 from graphpass.plan import Plan, Strategy
@@ -32,8 +32,9 @@ __all__ = [
     "compile",
     "launch",
     "plan",
-    "profile",
     "presets",
+    "profile",
+    "reusing_captures",
 ]
 
 __version__ = "0.1.0"

@@ -156,7 +156,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     originals = {n.target: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
 
     dumper = Dumper(resolve_dump_dir(dump_dir), rank)
-    dumper.graph(0, "capture", gm, f"after 00 capture via {captured.route} ({captured.seconds * 1e3:.1f} ms) | nodes {len(gm.graph.nodes)}")
+    dumper.graph(0, "capture", gm, f"after 00 capture via {captured.route}{', reused' if captured.reused else ''} ({captured.seconds * 1e3:.1f} ms) | nodes {len(gm.graph.nodes)}")
     ctx = PassContext(rank=rank, world_size=world_size, example_inputs=local_inputs)
     gm, records = run_passes(gm, plan, ctx, PIPELINE, on_record=dumper.record)
     dumper.finish(plan, captured.route, captured.seconds, records)

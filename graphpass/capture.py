@@ -26,13 +26,16 @@ Before/after (export route, one linear)::
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import hashlib
 import logging
 import os
 import re
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -59,6 +62,8 @@ class CaptureResult:
     route: str
     seconds: float
     failures: dict[str, str]
+    #: the graph is a copy of an earlier capture of an equal model (:func:`reusing_captures`)
+    reused: bool = False
 
 
 def check_example_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
@@ -106,6 +111,12 @@ def capture(
     inputs = check_example_inputs(example_inputs)
     if route not in ("auto",) + ROUTES:
         raise ValueError(f"capture route must be 'auto', 'export' or 'symbolic_trace', got {route!r}")
+    key = _fingerprint(model, inputs, route) if _REUSE else None
+    if key is not None and key in _REUSE[-1]:
+        start = time.perf_counter()
+        earlier = _REUSE[-1][key]
+        gm = _rebind(earlier.gm, model)
+        return CaptureResult(gm, earlier.route, time.perf_counter() - start, earlier.failures, reused=True)
     routes = ROUTES if route == "auto" else (route,)
     failures: dict[str, str] = {}
     for name in routes:
@@ -119,6 +130,8 @@ def capture(
             log.info("capture route %s failed: %s", name, failures[name])
             continue
         _check_loss_output(gm, model)
+        if key is not None:  # keep a copy no pass will touch; the caller gets the original
+            _REUSE[-1][key] = CaptureResult(_rebind(gm, None), name, 0.0, failures)
         seconds = time.perf_counter() - start
         log.info(
             "captured %s via %s in %.2f s: %d nodes",
@@ -127,6 +140,122 @@ def capture(
         return CaptureResult(gm, name, seconds, failures)
     details = "\n".join(f"  - {name}: {why}" for name, why in failures.items())
     raise CaptureError(f"could not capture {type(model).__name__}:\n{details}")
+
+
+# --------------------------------------------------------------------------- reusing captures
+
+_REUSE: list[dict[tuple, CaptureResult]] = []
+
+
+@contextlib.contextmanager
+def reusing_captures(captures: dict | None = None) -> Iterator[dict]:
+    """Inside this block, capturing a model equal to one captured earlier in the block reuses that
+    graph, bound to the new model's own tensors, instead of tracing it again.
+
+    For compiling one model under many strategies (a parity matrix, a strategy sweep): export is
+    most of ``compile``'s time, and every strategy with the same local batch captures the same
+    graph. Two models are equal when they have the same class, the same submodule tree (classes,
+    names, plain Python attributes such as ``eps`` or ``num_heads``, hooks, tensors stored as plain
+    attributes, by value), the same parameters and buffers (names, shapes, dtypes, devices,
+    ``requires_grad``, tying) and the inputs have the same shapes and dtypes; the weights' values
+    may differ. Entering the block asserts that such models compute the same function of their
+    weights (a forward that branches on a global flag changed between two compiles would not be
+    seen). Blocks nest; the innermost one's captures are used.
+
+    Args:
+        captures: where the block keeps its captures (yielded by ``with``); pass the same dict to
+            later blocks to reuse captures across them. Default: a new one, released with the block.
+
+    Example::
+
+        with graphpass.reusing_captures():
+            for strategy in strategies:
+                dmodel = graphpass.compile(build_model(), example_inputs=batch, strategy=strategy)
+    """
+    store = {} if captures is None else captures
+    _REUSE.append(store)
+    try:
+        yield store
+    finally:
+        _REUSE.pop()
+
+
+def _fingerprint(model: nn.Module, inputs: Sequence[torch.Tensor], route: str) -> tuple:
+    """What decides the captured graph of ``model(*inputs)``, short of the code's own behaviour."""
+    tensors = _named_tensors(model)
+    state = tuple(
+        (name, kind, tuple(t.shape), t.dtype, t.device.type, t.requires_grad) for name, (t, kind) in tensors.items()
+    )
+    modules = tuple(
+        (name, f"{type(m).__module__}.{type(m).__qualname__}", _plain_attributes(m))
+        for name, m in model.named_modules(remove_duplicate=False)
+    )
+    shapes = tuple((tuple(t.shape), t.dtype, t.device.type) for t in inputs)
+    return route, state, tuple(_canonical_names(tensors).items()), modules, shapes
+
+
+_MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
+
+
+def _plain_attributes(module: nn.Module) -> tuple:
+    """A module's own attributes that can change what its forward computes, as comparable values:
+    literals as they are, tensors by content, hooks and other callables by identity, objects with
+    ``to_dict`` (Hugging Face configs) by that dict, anything else by type."""
+    out = []
+    for name, value in sorted(vars(module).items()):
+        if name in _MODULE_INTERNALS:
+            continue
+        ok, literal = _as_literal(value)
+        if ok:
+            out.append((name, literal))
+        elif isinstance(value, torch.Tensor):
+            out.append((name, _tensor_digest(value)))
+        elif isinstance(value, dict) and name.endswith("hooks"):
+            out.append((name, tuple(id(h) for h in value.values())))
+        elif callable(value):
+            out.append((name, getattr(value, "__qualname__", type(value).__qualname__), id(value)))
+        elif callable(getattr(value, "to_dict", None)):
+            out.append((name, repr(value.to_dict())))
+        else:
+            out.append((name, f"{type(value).__module__}.{type(value).__qualname__}"))
+    return tuple(out)
+
+
+def _tensor_digest(t: torch.Tensor) -> tuple:
+    meta_only = (tuple(t.shape), t.dtype, t.device.type)
+    if t.device.type == "meta" or _is_fake(t):
+        return meta_only
+    try:
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, TypeError):  # a layout without plain bytes (sparse, nested): by identity
+        return meta_only + (id(t),)
+    return meta_only + (hashlib.sha1(data).hexdigest(),)
+
+
+def _rebind(src: fx.GraphModule, model: nn.Module | None) -> fx.GraphModule:
+    """A copy of ``src`` whose ``get_attr`` nodes hold ``model``'s tensors of the same names
+    (constants that are not model state are cloned); with ``model=None``, meta stand-ins of the
+    state (a copy to keep, holding no weights). Node meta is copied one level deep, so that a pass
+    editing one graph's annotations never edits the other's."""
+    tensors = _named_tensors(model) if model is not None else {}
+    holder = nn.Module()
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in src.graph.nodes:
+        new = graph.node_copy(node, lambda n: env[n])
+        new.meta = {k: copy.copy(v) if isinstance(v, (dict, list)) else v for k, v in node.meta.items()}
+        env[node] = new
+        if node.op != "get_attr":
+            continue
+        kind = node.meta[meta.ATTR_KIND]
+        if not node.meta[meta.STATE_KEYS] and node.target not in tensors:  # a lifted constant
+            tensor = _fetch(src, node.target).clone()
+        elif model is None:
+            tensor = torch.empty_like(_fetch(src, node.target), device="meta")
+        else:
+            tensor = tensors[node.target][0]
+        _set_attr(holder, node.target, tensor, kind)
+    return fx.GraphModule(holder, graph, class_name=type(src).__name__)
 
 
 class _BadModel(ValueError):

@@ -41,8 +41,7 @@ def _train_accumulated(name: str) -> dict[str, tuple]:
     for label, kwargs in _strategies(world).items():
         for k in (2, 4):
             model = zoo.build(name)
-            dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0],
-                                strategy=gp.Strategy(microbatches=k, **kwargs))
+            dmodel = zoo.compile(model, data[0], gp.Strategy(microbatches=k, **kwargs))
             losses = zoo.train_compiled(dmodel, data)
             out[f"{label} m={k}"] = (losses, dmodel.full_state_dict(), dmodel.num_microbatches,
                                      tuple(dmodel.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].shape))

@@ -145,3 +145,69 @@ def test_forward_must_return_a_scalar_loss():
 def test_example_inputs_of_the_wrong_type_are_rejected(inputs, message):
     with pytest.raises(TypeError, match=message):
         capture(zoo.build("mlp"), inputs)
+
+
+# ------------------------------------------------------------------------ reusing captures
+
+
+class _Scaled(nn.Module):
+    """A model whose graph depends on a plain attribute and a plain tensor attribute."""
+
+    def __init__(self, eps: float = 1e-5, offset: float = 0.0, tie: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.offset = torch.full((4,), offset)
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+        if tie:
+            self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return (self.b(self.a(x) + self.offset) / (x.abs().mean() + self.eps)).square().mean()
+
+
+def test_a_reused_capture_is_bound_to_the_new_model_and_untouched_by_edits_of_the_first():
+    x = torch.randn(8, 4)
+    with gp.reusing_captures() as captures:
+        first = capture(_Scaled(), (x,))
+        # A pass editing the first graph's annotations in place must not reach later copies.
+        first.gm.graph.output_node().meta[meta.ROLE]["loss"] = 5
+        model = _Scaled()
+        again = capture(model, (x,))
+        assert len(captures) == 1 and not first.reused and again.reused
+        assert again.gm.code == first.gm.code
+        assert meta.get(again.gm.graph.output_node(), meta.ROLE) == {"loss": 0}
+        assert again.gm.get_parameter("a.weight") is model.a.weight  # bound to the new weights
+        torch.testing.assert_close(again.gm(x)[0], model(x), rtol=0, atol=0)
+        # What the block keeps holds no weights.
+        (kept,) = captures.values()
+        assert all(p.device.type == "meta" for p in kept.gm.parameters())
+
+
+@pytest.mark.parametrize("other, inputs", [
+    (lambda: _Scaled(eps=1e-3), None),               # a plain attribute the forward reads
+    (lambda: _Scaled(offset=1.0), None),             # a plain tensor attribute, by value
+    (lambda: _Scaled(tie=True), None),               # tying
+    (lambda: _Scaled(), (torch.randn(4, 4),)),       # the batch shape
+    (lambda: _Scaled().double(), (torch.randn(8, 4, dtype=torch.float64),)),  # dtypes
+])
+def test_a_model_or_batch_that_could_capture_differently_is_captured_again(other, inputs):
+    x = torch.randn(8, 4)
+    with gp.reusing_captures() as captures:
+        capture(_Scaled(), (x,))
+        model = other()
+        result = capture(model, inputs or (x,))
+        assert not result.reused and len(captures) == 2
+        torch.testing.assert_close(result.gm(*(inputs or (x,)))[0], model(*(inputs or (x,))), rtol=0, atol=0)
+    # Outside a block nothing is kept.
+    assert not capture(_Scaled(), (x,)).reused
+
+
+def test_compile_reuses_a_capture_across_strategies_and_trains_like_a_fresh_one():
+    data = zoo.batches("gpt", 2, 8)
+    fresh = zoo.train_compiled(gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(split=2)), data)
+    with gp.reusing_captures():
+        gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(recompute=True))
+        dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(split=2))
+    assert dmodel.capture_route == "export"
+    torch.testing.assert_close(zoo.train_compiled(dmodel, data), fresh, rtol=0, atol=0)

@@ -22,7 +22,7 @@ def _train_dp(name: str, steps: int, batch: int):
     model = zoo.build(name)
     data = zoo.batches(name, steps, batch)
     world_size = torch.distributed.get_world_size()
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=gp.Strategy(dp=world_size))
+    dmodel = zoo.compile(model, data[0], gp.Strategy(dp=world_size))
     first_grads = {}
     losses = zoo.train_compiled(
         dmodel, data, on_first_step=lambda m: first_grads.update({k: p.grad.clone() for k, p in m.named_parameters()})

@@ -42,7 +42,7 @@ def _step_peak(model: torch.nn.Module, data, strategy: gp.Strategy) -> int:
     """Peak live bytes of one train_step of ``model`` compiled with ``strategy``, after two AdamW
     steps on ``data[:2]`` (so its state exists), counting parameters, optimizer state, the
     runtime's resident gradient buckets and the batch ``data[2]`` from the start."""
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+    dmodel = zoo.compile(model, data[0], strategy)
     params = list(dmodel.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
     for batch in data[:2]:

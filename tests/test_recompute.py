@@ -279,7 +279,7 @@ def _train_dp_recompute(name: str, steps: int, batch: int, lr: float = 0.05):
     model = zoo.build(name)
     data = zoo.batches(name, steps, batch)
     strategy = gp.Strategy(dp=dist.get_world_size(), recompute=True)
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+    dmodel = zoo.compile(model, data[0], strategy)
     num_checkpoints = len(_checkpoints(dmodel.graph_module))
     opt = torch.optim.SGD(dmodel.parameters(), lr=lr, momentum=0.9)
     losses, first_grads = [], None

@@ -275,7 +275,7 @@ def _peak_bytes(split: int) -> tuple[int, int]:
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)) for _ in range(2)]
     strategy = gp.Strategy(dp=world, zero=3, split=split)
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+    dmodel = zoo.compile(model, data[0], strategy)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.01, momentum=0.9)
     dmodel.train_step(*data[0])
     opt.step()

@@ -136,7 +136,7 @@ def _train(name: str, kwargs: dict, steps: int = 3, batch: int = 8):
     if name == "cumsum":
         gm = capture(_seeded_cumsum(), data[0]).gm
         strategy = _cumsum_plan(gm, world)
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy)
+    dmodel = zoo.compile(model, data[0], strategy)
     return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
 
 

@@ -98,7 +98,7 @@ def test_sequence_parallel_gathers_only_the_inputs_of_column_linears(name):
 
 def _train(name: str, kwargs: dict):
     data = zoo.batches(name, 3, 8)
-    dmodel = gp.compile(zoo.build(name), gp.Cluster.local(), example_inputs=data[0], strategy=gp.Strategy(**kwargs))
+    dmodel = zoo.compile(zoo.build(name), data[0], gp.Strategy(**kwargs))
     return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
 
 

@@ -116,7 +116,7 @@ def _peak_bytes(zero: int) -> tuple[int, int]:
     world = dist.get_world_size()
     model = zoo.build("gpt")
     data = zoo.batches("gpt", 2, 8)
-    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=gp.Strategy(dp=world, zero=zero))
+    dmodel = zoo.compile(model, data[0], gp.Strategy(dp=world, zero=zero))
     opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-3)
     dmodel.train_step(*data[0])
     opt.step()

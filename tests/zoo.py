@@ -320,6 +320,21 @@ def assert_matches_reference(where: str, losses, state, ref_losses, ref_state, g
         torch.testing.assert_close(grads[key], ref_grads[key], rtol=rtol, atol=atol, msg=lambda m: f"{where} grad {key}: {m}")
 
 
+#: this process's captures of zoo models, reused by :func:`compile` (zoo models are fixed code
+#: and configs, so equal fingerprints mean equal graphs; see graphpass.reusing_captures)
+_CAPTURES: dict = {}
+
+
+def compile(model: nn.Module, example_inputs, strategy):  # noqa: A001 - gp.compile's name
+    """``gp.compile`` on the local cluster, reusing this process's capture of an equal model at the
+    same local batch: the parity matrices compile one model under many strategies, and capture
+    (export) is most of a compile. Every first capture per model and shape is a real one."""
+    import graphpass as gp
+
+    with gp.reusing_captures(_CAPTURES):
+        return gp.compile(model, gp.Cluster.local(), example_inputs=example_inputs, strategy=strategy)
+
+
 def compile_on_ranks(name: str, strategy_kwargs: dict, steps: int, batch: int, plan_edit=None):
     """(dmodel, data) for model ``name`` on this launched job: ``Strategy(dp=world, **kwargs)``,
     or the plan it implies edited by ``plan_edit(plan) -> Plan`` (hand-written plans)."""
@@ -334,6 +349,7 @@ def compile_on_ranks(name: str, strategy_kwargs: dict, steps: int, batch: int, p
     data = batches(name, steps, batch)
     strategy = gp.Strategy(dp=world, **strategy_kwargs)
     if plan_edit is not None:
-        gm = capture(model, tuple(t[: batch // world] for t in data[0])).gm
+        with gp.reusing_captures(_CAPTURES):
+            gm = capture(model, tuple(t[: batch // world] for t in data[0])).gm
         strategy = plan_edit(plan_from_strategy(gm, strategy, ["test"]))
-    return gp.compile(model, gp.Cluster.local(), example_inputs=data[0], strategy=strategy), data
+    return compile(model, data[0], strategy), data
