@@ -5,8 +5,10 @@ from __future__ import annotations
 # ======================================================================================
 # BEGIN multi-rank pools (owner: runtime/launch.py)
 #
-# `rank_pool` hands out one live RankPool per world size per test module, so a module
-# pays the spawn cost (2-5 s) once. Functions run on the ranks must be module-level.
+# `rank_pool` hands out one live RankPool per world size for the whole session, so the suite
+# pays each rank's start-up once: the spawn, the imports (transformers), the first export of each
+# model class (1-8 s per pool on 2 cores at 4 ranks). Functions run on the ranks must be
+# module-level and leave the rank as they found it (restore what they patch).
 # ======================================================================================
 import pathlib
 import sys
@@ -38,12 +40,12 @@ def _isolated_profile_cache(tmp_path_factory):
         os.environ["GRAPHPASS_CACHE_DIR"] = old
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rank_pool():
-    """Return ``get(world_size) -> RankPool``, one cached pool per world size in this module.
+    """Return ``get(world_size) -> RankPool``, one cached pool per world size in this session.
 
     A pool whose run failed or timed out restarts its ranks on the next ``run``, so one
-    failing test does not poison the others. All pools are closed at module teardown.
+    failing test does not poison the others. All pools are closed at session teardown.
     """
     pools: dict[int, RankPool] = {}
 
