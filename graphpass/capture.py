@@ -159,8 +159,9 @@ def reusing_captures(captures: dict | None = None) -> Iterator[dict]:
     attributes, by value), the same parameters and buffers (names, shapes, dtypes, devices,
     ``requires_grad``, tying) and the inputs have the same shapes and dtypes; the weights' values
     may differ. Entering the block asserts that such models compute the same function of their
-    weights (a forward that branches on a global flag changed between two compiles would not be
-    seen). Blocks nest; the innermost one's captures are used.
+    weights (a forward that branches on a global flag of its own changed between two compiles
+    would not be seen; torch's grad mode, default dtype and autocast are compared). Blocks nest;
+    the innermost one's captures are used.
 
     Args:
         captures: where the block keeps its captures (yielded by ``with``); pass the same dict to
@@ -191,7 +192,8 @@ def _fingerprint(model: nn.Module, inputs: Sequence[torch.Tensor], route: str) -
         for name, m in model.named_modules(remove_duplicate=False)
     )
     shapes = tuple((tuple(t.shape), t.dtype, t.device.type) for t in inputs)
-    return route, state, tuple(_canonical_names(tensors).items()), modules, shapes
+    modes = (torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled())
+    return route, modes, state, tuple(_canonical_names(tensors).items()), modules, shapes
 
 
 _MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"}
@@ -199,8 +201,8 @@ _MODULE_INTERNALS = {"_parameters", "_buffers", "_modules", "_non_persistent_buf
 
 def _plain_attributes(module: nn.Module) -> tuple:
     """A module's own attributes that can change what its forward computes, as comparable values:
-    literals as they are, tensors by content, hooks and other callables by identity, objects with
-    ``to_dict`` (Hugging Face configs) by that dict, anything else by type."""
+    literals as they are, tensors by content, dicts (hooks, options) by their repr, other callables
+    by identity, objects with ``to_dict`` (Hugging Face configs) by that dict, anything else by type."""
     out = []
     for name, value in sorted(vars(module).items()):
         if name in _MODULE_INTERNALS:
@@ -210,8 +212,8 @@ def _plain_attributes(module: nn.Module) -> tuple:
             out.append((name, literal))
         elif isinstance(value, torch.Tensor):
             out.append((name, _tensor_digest(value)))
-        elif isinstance(value, dict) and name.endswith("hooks"):
-            out.append((name, tuple(id(h) for h in value.values())))
+        elif isinstance(value, dict):  # hooks (their reprs hold their addresses), option dicts by value
+            out.append((name, repr(value)))
         elif callable(value):
             out.append((name, getattr(value, "__qualname__", type(value).__qualname__), id(value)))
         elif callable(getattr(value, "to_dict", None)):
