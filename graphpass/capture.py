@@ -111,10 +111,11 @@ def capture(
     inputs = check_example_inputs(example_inputs)
     if route not in ("auto",) + ROUTES:
         raise ValueError(f"capture route must be 'auto', 'export' or 'symbolic_trace', got {route!r}")
-    key = _fingerprint(model, inputs, route) if _REUSE else None
-    if key is not None and key in _REUSE[-1]:
+    store = _REUSE[-1] if _REUSE else None
+    key = _fingerprint(model, inputs, route) if store is not None else None
+    if key in (store or {}):
         start = time.perf_counter()
-        earlier = _REUSE[-1][key]
+        earlier = store[key]
         gm = _rebind(earlier.gm, model)
         return CaptureResult(gm, earlier.route, time.perf_counter() - start, earlier.failures, reused=True)
     routes = ROUTES if route == "auto" else (route,)
@@ -130,8 +131,8 @@ def capture(
             log.info("capture route %s failed: %s", name, failures[name])
             continue
         _check_loss_output(gm, model)
-        if key is not None:  # keep a copy no pass will touch; the caller gets the original
-            _REUSE[-1][key] = CaptureResult(_rebind(gm, None), name, 0.0, failures)
+        if store is not None:  # keep a copy no pass will touch; the caller gets the original
+            store[key] = CaptureResult(_rebind(gm, None), name, 0.0, failures)
         seconds = time.perf_counter() - start
         log.info(
             "captured %s via %s in %.2f s: %d nodes",
