@@ -1,16 +1,20 @@
 """Cost-model fidelity: the planner's predicted step time and peak memory against measured ones.
 
 What is measured: for each world size in ``--world-sizes`` (default 2 and 4 gloo ranks of this
-machine) the machine is profiled first (``gp.profile(world_size=W)``: matmul rate, copy bandwidth,
-the ranks' contention for the cores, gloo all-reduce alpha/beta on operands fresh from compute;
-cached where ``Cluster.local(W)`` loads it; ``--no-profile`` reuses the cached one). Then, for
-at least six uniform strategies per world size:
+machine), for at least six uniform strategies per world size:
 
-* **predicted**: a :class:`graphpass.planner.Planner`, built ``--samples`` times (default 5)
-  on rank 0 of the timed job while the other ranks wait in a barrier (before the first timed
-  round, after the last and evenly between, so that the machine's drift over the measuring
-  window falls on both sides alike; each figure is the median of the samples, and their spread
-  is printed: up to 7-13% within one window on a busy day), with
+* **predicted**: ``--samples`` times (default 5) in the timed job (before the first timed round,
+  after the last and evenly between, so that the machine's drift over the measuring window falls
+  on both sides alike), every rank of the job profiles the machine together
+  (``graphpass.cost.profiler.run_profile`` inside a running group profiles those ranks in place:
+  matmul rate, copy bandwidth, the ranks' contention for the cores, gloo all-reduce alpha/beta on
+  operands fresh from compute, the blocking collective's ``sync_s``), then rank 0 builds a
+  :class:`graphpass.planner.Planner` on that profile while the other ranks wait in a barrier.
+  Each figure is the median of the samples; their spread and the profiles' figures are printed
+  (``--no-profile`` prices every sample with the profile ``Cluster.local(W)`` has cached
+  instead). The figures a profile measures moved by tens of percent between a profile taken
+  before the window and the window itself on a busy day (link 0.73-1.45 GB/s, matmul rate
+  0.086-0.153 TFLOP/s at 2 ranks over runs 11-16). The Planner is built with
   ``measure_ops=True`` (every op of the captured graph timed on this machine at each local batch
   the strategies run, with the threads per rank that ``gp.launch`` gives ranks, since op-time
   cache keys include the thread count; scaled by the whole graph's time over its ops' sum and by
@@ -51,7 +55,7 @@ and every collective), ``opt`` = ``opt.step`` + ``zero_grad``; ``state`` = param
 The ranks share the machine's cores (``cpu_count // W`` threads each, at least one; at 4 ranks on
 2 cores they oversubscribe, which the profile's measured contention covers). MiB = 2**20 bytes.
 
-    python bench/fidelity.py                       # 2 then 4 ranks (4-6 min here)
+    python bench/fidelity.py                       # 2 then 4 ranks (8-10 min here)
     python bench/fidelity.py --world-sizes 2 --no-profile
 """
 
@@ -62,12 +66,14 @@ import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 import graphpass as gp
+from graphpass.cost.profiler import run_profile
 from graphpass.planner import Planner
 from graphpass.runtime.memory import MemoryProbe, optimizer_state_tensors, tensor_bytes
 
@@ -118,11 +124,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    help="predictions sampled evenly over the timed rounds, first and last included (default 5)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--no-profile", action="store_true",
-                   help="reuse the cached cluster profile of each world size instead of measuring it")
+                   help="price every sample with the cached profile of each world size instead of "
+                        "profiling the job's ranks at each sample")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
-    args.profiled = set()
     for w in args.world_sizes:
         if w not in STRATEGIES:
             p.error(f"no strategies listed for world size {w} (have {sorted(STRATEGIES)})")
@@ -139,16 +145,18 @@ def _threads(world: int) -> int:
 
 # ---------------------------------------------------------------------------- predicted
 
-def local_cluster(args: argparse.Namespace, world: int) -> gp.Cluster:
-    """This machine as ``world`` ranks, profiled with ``world`` ranks (unless ``--no-profile``).
+def sample_cluster(args: argparse.Namespace, world: int) -> gp.Cluster:
+    """This machine as the job's ``world`` ranks, profiled now by all of them together (every rank
+    calls this), unless ``--no-profile``: then the cached profile ``Cluster.local`` loads.
 
     The profile measures the ranks' contention for the cores (``DeviceSpec.contention``), which
-    is what the timed runs see too; the planner scales single-process op times by it.
+    is what the timed steps see too; the planner scales single-process op times by it. It is
+    written to the temporary directory, not to the cache ``Cluster.local`` reads.
     """
-    if not args.no_profile and world not in args.profiled:
-        gp.profile(world_size=world)
-        args.profiled.add(world)
-    return gp.Cluster.local(world)
+    if args.no_profile:
+        return gp.Cluster.local(world)
+    path = os.path.join(tempfile.gettempdir(), f"graphpass-fidelity-{os.getppid()}-{world}.json")
+    return run_profile(world_size=world, path=path).cluster
 
 
 def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> dict[str, dict]:
@@ -227,23 +235,27 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
     shared machine falls on all strategies alike instead of on the one that happens to run then.
 
     The prediction is sampled in the same window: before the first timed round, after the
-    last and evenly between, rank 0 runs the planner (its op timings are measured then)
-    while the other ranks wait in a barrier, so the machine's drift over the minute of
-    measuring falls on both sides. Returns (measured per row, the predictions, planner seconds).
+    last and evenly between, every rank profiles the machine together (`sample_cluster`), then
+    rank 0 runs the planner on that profile (its op timings are measured then) while the other
+    ranks wait in a barrier, so the machine's drift over the minutes of measuring falls on both
+    sides. Returns (measured per row, the predictions, the sampled clusters, profiling and
+    planner seconds).
     """
     world = dist.get_world_size()
     torch.set_num_threads(_threads(world))
-    cluster = gp.Cluster.local()
     predictions: list[dict] = []
-    planner_s = 0.0
+    clusters: list[gp.Cluster] = []
+    sampling_s = 0.0
 
     def sample_prediction() -> None:
-        nonlocal planner_s
+        nonlocal sampling_s
+        start = time.perf_counter()
+        cluster = sample_cluster(args, world)
         if dist.get_rank() == 0:
-            start = time.perf_counter()
+            clusters.append(cluster)
             predictions.append(predict(args, world, cluster))
-            planner_s += time.perf_counter() - start
         dist.barrier()
+        sampling_s += time.perf_counter() - start
 
     data = gpt_batches(args, args.warmup + args.steps + 1)
     runs = {name: _Run(args, gp.Strategy(**kwargs), data) for name, kwargs in rows}
@@ -261,7 +273,7 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
         if done in at:
             sample_prediction()
     measured = {name: run.memory(data[args.warmup + args.steps]) for name, run in runs.items()}
-    return measured, predictions, planner_s
+    return measured, predictions, clusters, sampling_s
 
 
 def _median_prediction(samples: list[dict]) -> dict[str, dict]:
@@ -273,14 +285,15 @@ def _median_prediction(samples: list[dict]) -> dict[str, dict]:
     return out
 
 
-def measure(args: argparse.Namespace, world: int) -> tuple[dict[str, dict], dict[str, dict], float]:
+def measure(args: argparse.Namespace, world: int) -> tuple[dict[str, dict], dict[str, dict], list[gp.Cluster], float]:
     """Per row: measured step time (median over steps of the slowest rank), its split into
     train_step / optimizer, and the peak and state bytes (max over ranks); the prediction
-    sampled in the same window (median of the samples); the planner's seconds."""
+    sampled in the same window (median of the samples); the clusters it was priced on; the
+    seconds spent profiling and planning."""
     rows = STRATEGIES[world]
-    results = gp.launch(_run_rank, world, args=(args, rows), timeout_s=900)
+    results = gp.launch(_run_rank, world, args=(args, rows), timeout_s=1800)
     predicted = _median_prediction(results[0][1])
-    planner_s = results[0][2]
+    clusters, sampling_s = results[0][2], results[0][3]
     results = [r[0] for r in results]
     out = {}
     for name, _ in rows:
@@ -296,7 +309,7 @@ def measure(args: argparse.Namespace, world: int) -> tuple[dict[str, dict], dict
             "fwd_bwd": max(r["train_peak"] - r["state"] for r in per_rank),
             "opt_mem": max(r["opt_peak"] - r["state"] for r in per_rank),
         }
-    return out, predicted, planner_s
+    return out, predicted, clusters, sampling_s
 
 
 # ---------------------------------------------------------------------------- report
@@ -341,6 +354,26 @@ def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, flo
     return errors
 
 
+def _clusters_line(clusters: list[gp.Cluster], cached: bool) -> str:
+    """The figures the samples were priced with: the median over samples, and their range."""
+    def figure(label: str, values: list[float], fmt: str) -> str:
+        lo, mid, hi = min(values), statistics.median(values), max(values)
+        return f"{label} {mid:{fmt}}" + ("" if lo == hi else f" ({lo:{fmt}}-{hi:{fmt}})")
+
+    devices, links = [c.device for c in clusters], [c.intra_node for c in clusters]
+    parts = [
+        figure("matmul TFLOP/s", [d.peak_tflops["fp32"] for d in devices], ".3f"),
+        figure("copy GB/s", [d.memory_bandwidth_gbps for d in devices], ".1f"),
+        figure("contention", [d.contention or 1.0 for d in devices], ".2f"),
+        figure("memory-bound", [d.memory_contention or 1.0 for d in devices], ".2f"),
+        figure("link GB/s", [link.bandwidth_gbps for link in links], ".2f"),
+        figure("+ us", [link.latency_s * 1e6 for link in links], ".0f"),
+        figure("sync ms", [link.sync_s * 1e3 for link in links], ".2f"),
+    ]
+    where = "the cached profile" if cached else f"{len(clusters)} profiles taken in the window"
+    return f"  cluster ({where}; median (range)): " + ", ".join(parts)
+
+
 def main(argv=None) -> None:
     args = _parse_args(argv)
     t0 = time.perf_counter()
@@ -356,20 +389,15 @@ def main(argv=None) -> None:
     all_errors = []
     for world in args.world_sizes:
         start = time.perf_counter()
-        cluster = local_cluster(args, world)
-        profile_s = time.perf_counter() - start
-        start = time.perf_counter()
-        measured, predicted, planner_s = measure(args, world)
-        measure_s = time.perf_counter() - start - planner_s
+        measured, predicted, clusters, sampling_s = measure(args, world)
+        measure_s = time.perf_counter() - start - sampling_s
         all_errors += report(world, predicted, measured)
-        print(f"  cluster: {cluster.name}: {cluster.device.peak_tflops['fp32']:.3f} TFLOP/s, "
-              f"copy {cluster.device.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node.bandwidth_gbps:.2f} GB/s "
-              f"+ {cluster.intra_node.latency_s * 1e6:.0f} us")
+        print(_clusters_line(clusters, args.no_profile))
         spread = max((max(p["time_samples"]) - min(p["time_samples"])) / statistics.median(p["time_samples"])
                      for p in predicted.values())
         print(f"  the planner's step time moved by up to {spread:.1%} between its "
               f"{len(next(iter(predicted.values()))['time_samples'])} samples in the measuring window")
-        print(f"  (profile {profile_s:.0f} s, planner {planner_s:.0f} s, measuring {measure_s:.0f} s)")
+        print(f"  (profiling and planning {sampling_s:.0f} s, measuring {measure_s:.0f} s)")
         print()
     time_med, mem_med = _medians(all_errors)
     print(f"overall median |error| over {len(all_errors)} strategies: time {time_med:.1%} "

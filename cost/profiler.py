@@ -429,14 +429,13 @@ def _measure_sync(quick: bool) -> dict[str, list[float]]:
     """What one blocking collective costs when it is issued between compute segments beyond the
     same collective issued back to back (``LinkSpec.sync_s``), as raw samples.
 
-    A round times ``k`` segments of `_layer_work` (about 10 ms each here) each followed by a
-    small blocking all-reduce, then ``k`` of those all-reduces back to back, then ``k`` segments
-    alone, each run between barriers. Ranks drift apart while they compute, so the first to
-    arrive waits for the last, and the collective's threads wake from idle; neither shows when
-    collectives run back to back, as the ladder times them. Returns this rank's time inside
-    each all-reduce after compute (``"waits"``), each back-to-back all-reduce (``"alone"``) and,
-    per round, the whole extra time per segment, ``(with - alone - segments) / k``
-    (``"wall"``). Rounds alternate the three, so a slow spell of the machine spreads over all.
+    A round times ``k`` segments of `_layer_work` (10-30 ms each here, with the machine's load)
+    each followed by a small blocking all-reduce, then ``k`` of those all-reduces back to back,
+    then ``k`` segments alone, each run between barriers. Ranks drift apart while they compute,
+    so the first to arrive waits for the last, and the collective's threads wake from idle;
+    neither shows when collectives run back to back, as the ladder times them. Returns, per
+    round, the extra wall time per segment, ``(with - alone - segments) / k`` (``"wall"``).
+    Rounds alternate the three, so a slow spell of the machine spreads over all.
     """
     work = _layer_work(128 if quick else 512, 256)
     probe = torch.ones(_SYNC_PROBE_BYTES // 4)
@@ -444,9 +443,8 @@ def _measure_sync(quick: bool) -> dict[str, list[float]]:
     for _ in range(2):
         work()
         dist.all_reduce(probe)
-    out: dict[str, list[float]] = {"waits": [], "alone": [], "wall": []}
 
-    def timed(fn: Callable[[], None]) -> float:
+    def timed(fn: Callable[[], Any]) -> float:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(k):
@@ -454,16 +452,12 @@ def _measure_sync(quick: bool) -> dict[str, list[float]]:
         dist.barrier()
         return (time.perf_counter() - start) / k
 
-    def all_reduce(samples: list[float]) -> None:
-        start = time.perf_counter()
-        dist.all_reduce(probe)
-        samples.append(time.perf_counter() - start)
-
+    wall = []
     for _ in range(rounds):
-        with_sync = timed(lambda: (work(), all_reduce(out["waits"])))
-        alone = timed(lambda: all_reduce(out["alone"]))
-        out["wall"].append(with_sync - alone - timed(work))
-    return out
+        with_sync = timed(lambda: (work(), dist.all_reduce(probe)))
+        alone = timed(lambda: dist.all_reduce(probe))
+        wall.append(with_sync - alone - timed(work))
+    return {"wall": wall}
 
 
 def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, Any]:
@@ -642,10 +636,11 @@ def _resolve_target(cluster: Cluster | None, world_size: int | None) -> tuple[st
                 f"{_MAX_RANKS_PER_CORE} per core; profile at most {_MAX_RANKS_PER_CORE * cores} "
                 f"ranks here (the link fit extrapolates to larger clusters)"
             )
-        if world_size > cores:
+        if world_size > cores and not (dist.is_initialized() and dist.get_rank() != 0):
             # More ranks than cores share them: the figures then include that contention, which
             # is what a job of that many ranks on this machine sees (the planner's op-time
-            # scaling covers compute; the links are only measurable this way).
+            # scaling covers compute; the links are only measurable this way). Said once per
+            # job: by rank 0 when a running group profiles itself.
             logger.warning(
                 "profile: %s=%d ranks share this machine's %d CPU cores; the figures include that contention",
                 where, world_size, cores,
@@ -728,7 +723,7 @@ def run_profile(
             times = [r["collectives"][name][1] for r in results]
             others[name] = (size, None if None in times else max(times))
         link = dataclasses.replace(link, kind_factors=_kind_factors(link, others, world_size),
-                                   sync_s=_sync_s(results, oversubscribed=world_size > (os.cpu_count() or 1)))
+                                   sync_s=_sync_s(results))
         intra = inter = link  # one machine is one node
     peaks, filled = _fill_dtypes(device_result["tflops"])
     if filled:
@@ -785,21 +780,20 @@ def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
     return round(max(1.0, statistics.median(ratios)), 3)
 
 
-def _sync_s(results: Sequence[dict[str, Any]], oversubscribed: bool) -> float:
-    """``LinkSpec.sync_s`` from every rank's `_measure_sync` samples (the median over ranks, at
-    least 0; 0 off CPU). While every rank has a core of its own, a rank waiting for the others
-    leaves its core idle, so the time waited is what the step loses: the mean wait (the expected
-    cost, slow spells included, over every sample) less the typical back-to-back all-reduce
-    (the median, as the ladder's). On oversubscribed cores the waiting ranks' cores serve the
-    others meanwhile, so only the wall-time difference counts (the median over rounds)."""
+def _sync_s(results: Sequence[dict[str, Any]]) -> float:
+    """``LinkSpec.sync_s`` from every rank's `_measure_sync` samples: the median over rounds of
+    the extra wall time per segment, the median over ranks, at least 0 (0 off CPU).
+
+    The wall time, not the time a rank spends inside the collective: a rank that waits for the
+    others leaves the host's caches, DRAM and (oversubscribed) cores to them, so they compute
+    faster meanwhile and part of the wait is not lost. On 2 ranks with a core each here, both
+    ranks waited 3.8-5.1 ms on average inside an all-reduce issued after ~25 ms of compute,
+    while the step lost 1.6-1.8 ms per segment (two profiles, each rank); pricing the wait
+    over-priced the 45 blocking collectives of the bench GPT's tp 2 + sp step by ~60 ms."""
     samples = [r["collectives"].get("sync") for r in results]
     if any(x is None for x in samples):
         return 0.0
-    if oversubscribed:
-        per_rank = [statistics.median(x["wall"]) for x in samples]
-    else:
-        per_rank = [statistics.fmean(x["waits"]) - statistics.median(x["alone"]) for x in samples]
-    return max(0.0, statistics.median(per_rank))
+    return max(0.0, statistics.median(statistics.median(x["wall"]) for x in samples))
 
 
 #: Measured kind factors are clamped to this range: a single timing far outside it is noise.
@@ -848,7 +842,10 @@ def profile(
             than devices (GPU) or cores (CPU). None: this machine's accelerator (else CPU) and
             ``world_size``.
         world_size: Ranks to profile (default 1; with ``cluster``, must agree with it). With more
-            than one, local ranks time the collectives and the ring alpha-beta is fitted.
+            than one, local ranks time the collectives and the ring alpha-beta is fitted: the
+            ranks of the running job when called on every rank of one (under torchrun or in
+            `graphpass.launch`'s ranks, whose ``world_size`` it must be: its ranks profile in
+            place and each gets the cluster; rank 0 writes it), else ranks started for it.
         path: Where to write the JSON; default `graphpass.cluster.profile_path` (device name,
             world size), where `Cluster.local` looks.
         dtypes: Matmul dtypes to time; default ``("fp32",)`` on CPU, ``("bf16", "fp16", "fp32",

@@ -92,20 +92,32 @@ def test_profile_two_ranks_fits_the_link_to_the_slowest_ranks_ladder(tmp_path):
     assert Cluster.from_json(path.read_text()).intra_node.sync_s == link.sync_s
 
 
-def test_sync_cost_is_the_mean_wait_less_the_typical_collective_or_oversubscribed_the_wall_time():
-    """With a core per rank, the time waited after compute counts; oversubscribed, the wall time."""
+def _profile_in_place(path: str) -> tuple[str, str | None]:
+    report = run_profile(world_size=2, quick=True, path=path)
+    return report.cluster.to_json(), None if report.path is None else str(report.path)
+
+
+def test_a_running_jobs_ranks_profile_themselves_in_place_and_rank_0_writes(rank_pool, tmp_path):
+    """Called on every rank of a running job (here `RankPool`'s, as under torchrun), the profile
+    measures those ranks instead of starting others: each gets the same cluster, rank 0 writes."""
+    path = tmp_path / "in-place.json"
+    (json0, path0), (json1, path1) = rank_pool(2).run(_profile_in_place, str(path), timeout_s=300)
+    assert json0 == json1 and Cluster.from_json(path.read_text()) == Cluster.from_json(json0)
+    assert (path0, path1) == (str(path), None)
+    # Measured by the job's two ranks: a fitted link, not the one-rank default.
+    assert Cluster.from_json(json0).intra_node.name == "measured"
+
+
+def test_sync_cost_is_the_median_extra_wall_time_per_segment():
+    """What the step loses per blocking collective: the wall-time difference, not the wait."""
     from graphpass.cost.profiler import _sync_s
 
-    ranks = [{"collectives": {"sync": {"waits": [1e-3, 2e-3, 6e-3], "alone": [0.5e-3, 1e-3, 9e-3],
-                                       "wall": [1e-3, 3e-3, 2e-3]}}},
-             {"collectives": {"sync": {"waits": [2e-3, 2e-3, 2e-3], "alone": [1e-3, 1e-3, 1e-3],
-                                       "wall": [4e-3, 0.5e-3, 2.5e-3]}}}]
-    # mean wait - median alone: 3 - 1 and 2 - 1 ms; the median over ranks
-    assert _sync_s(ranks, oversubscribed=False) == pytest.approx(1.5e-3)
-    assert _sync_s(ranks, oversubscribed=True) == pytest.approx(2.25e-3)  # medians 2 and 2.5 ms
-    idle = [{"collectives": {"sync": {"waits": [1e-3], "alone": [2e-3], "wall": [-1e-3]}}}] * 2
-    assert _sync_s(idle, oversubscribed=False) == _sync_s(idle, oversubscribed=True) == 0.0  # noise around nothing
-    assert _sync_s([{"collectives": {"sync": None}}] * 2, oversubscribed=False) == 0.0  # GPU: not measured
+    ranks = [{"collectives": {"sync": {"wall": [1e-3, 3e-3, 2e-3]}}},
+             {"collectives": {"sync": {"wall": [4e-3, 0.5e-3, 2.5e-3]}}}]
+    assert _sync_s(ranks) == pytest.approx(2.25e-3)  # per-rank medians 2 and 2.5 ms; their median
+    idle = [{"collectives": {"sync": {"wall": [-1e-3, 0.2e-3, -0.5e-3]}}}] * 2
+    assert _sync_s(idle) == 0.0  # noise around nothing
+    assert _sync_s([{"collectives": {"sync": None}}] * 2) == 0.0  # GPU: not measured
 
 
 def test_link_sync_cost_round_trips_defaults_to_zero_and_is_validated():
