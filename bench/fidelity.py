@@ -8,17 +8,21 @@ machine), for at least six uniform strategies per world size:
   on both sides alike), every rank of the job profiles the machine together
   (``graphpass.cost.profiler.run_profile`` inside a running group profiles those ranks in place:
   matmul rate, copy bandwidth, the ranks' contention for the cores, gloo all-reduce alpha/beta on
-  operands fresh from compute, the blocking collective's ``sync_s``), then rank 0 builds a
-  :class:`graphpass.planner.Planner` on that profile while the other ranks wait in a barrier.
+  operands fresh from compute, the blocking collective's ``sync_s``), then every rank builds a
+  :class:`graphpass.planner.Planner` on that profile and rank 0 keeps its prediction.
   Each figure is the median of the samples; their spread and the profiles' figures are printed
   (``--no-profile`` prices every sample with the profile ``Cluster.local(W)`` has cached
   instead). The figures a profile measures moved by tens of percent between a profile taken
   before the window and the window itself on a busy day (link 0.73-1.45 GB/s, matmul rate
-  0.086-0.153 TFLOP/s at 2 ranks over runs 11-16). The Planner is built with
+  0.086-0.153 TFLOP/s at 2 ranks over runs 11-16). The ranks build the Planner at once with
+  ``measure_together=True``: the whole graph at each local batch and the optimizer step are
+  timed on all ranks together, so the ranks' contention for the host is measured on the
+  model's own work (the profile's contention probes then price nothing; they are printed).
+  The Planner is built with
   ``measure_ops=True`` (every op of the captured graph timed on this machine at each local batch
   the strategies run, with the threads per rank that ``gp.launch`` gives ranks, since op-time
-  cache keys include the thread count; scaled by the whole graph's time over its ops' sum and by
-  the profiled contention) and
+  cache keys include the thread count; scaled by the whole graph's time on every rank at once
+  over its ops' sum) and
   ``optimizer_states=2`` (AdamW); ``planner.price(Strategy(...))`` gives
   ``predicted_step_time_s`` and ``predicted_peak_memory_bytes`` (per rank) and a per-block
   breakdown;
@@ -167,7 +171,7 @@ def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> dict[s
         torch.manual_seed(args.seed)
         model = GPT(gpt_config(args))
         planner = Planner(model, cluster, example_inputs=gpt_batches(args, 1)[0],
-                          measure_ops=True, optimizer_states=2)
+                          measure_ops=True, measure_together=True, optimizer_states=2)
         out = {}
         for name, kwargs in STRATEGIES[world]:
             plan = planner.price(gp.Strategy(**kwargs))
@@ -236,9 +240,9 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
 
     The prediction is sampled in the same window: before the first timed round, after the
     last and evenly between, every rank profiles the machine together (`sample_cluster`), then
-    rank 0 runs the planner on that profile (its op timings are measured then) while the other
-    ranks wait in a barrier, so the machine's drift over the minutes of measuring falls on both
-    sides. Returns (measured per row, the predictions, the sampled clusters, profiling and
+    every rank builds the planner on that profile (``measure_together``: its whole-graph and
+    optimizer timings run on all ranks at once) and rank 0 keeps the prediction, so the
+    machine's drift over the minutes of measuring falls on both sides. Returns (measured per row, the predictions, the sampled clusters, profiling and
     planner seconds).
     """
     world = dist.get_world_size()
@@ -251,9 +255,10 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
         nonlocal sampling_s
         start = time.perf_counter()
         cluster = sample_cluster(args, world)
+        predicted = predict(args, world, cluster)
         if dist.get_rank() == 0:
             clusters.append(cluster)
-            predictions.append(predict(args, world, cluster))
+            predictions.append(predicted)
         dist.barrier()
         sampling_s += time.perf_counter() - start
 

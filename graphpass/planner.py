@@ -590,8 +590,27 @@ def _contention(cluster: Cluster, memory_bound: bool = False) -> float:
     return max(1.0, cluster.world_size * threads / cores)
 
 
+def _check_together(cluster: Cluster, measure_ops: bool) -> None:
+    """``measure_together`` needs ``measure_ops`` and a running job of the cluster's ranks on this
+    machine: every rank must build the Planner (the timings are collectives)."""
+    import torch.distributed as dist
+
+    if not measure_ops:
+        raise ValueError("Planner(measure_together=True) times the measured ops on every rank; pass measure_ops=True too")
+    if not cluster.name.startswith("local"):
+        raise ValueError(f"Planner(measure_together=True) measures this machine, but the cluster is {cluster.name!r}; "
+                         "pass Cluster.local()")
+    running = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if running != cluster.world_size:
+        raise ValueError(
+            f"Planner(measure_together=True) runs on every rank of a running job of the cluster's "
+            f"{cluster.world_size} ranks, but " + ("no process group is initialised" if running is None
+                                                   else f"the running group has {running}")
+            + "; call it on every rank under torchrun or graphpass.launch, or drop measure_together")
+
+
 def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float, optimizer_states: int,
-             executable_only: bool, measure: bool = False) -> S.Costing:
+             executable_only: bool, measure: bool = False, together: bool = False) -> S.Costing:
     param_bytes = torch.finfo(profile.param_dtype).bits // 8
     # fp32 training: gradients in fp32, optimizer states in fp32 (the weights are their own master
     # copy). 16-bit weights: mixed precision, gradients in 16 bits, an fp32 master copy plus fp32
@@ -602,9 +621,12 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         from graphpass.cost import profiler
 
         shapes = [profile.tensors[n.name].shape for n in profile.param_nodes if profile.tensors[n.name].requires_grad]
+        # Timed on every rank at once, the step already holds the ranks' contention.
+        contention = 1.0 if together else _contention(cluster, memory_bound=True)
         per_element, per_tensor = (
-            t * _contention(cluster, memory_bound=True)
-            for t in profiler.optimizer_step_times(shapes, profile.param_dtype, optimizer_states, cluster.device.kind))
+            t * contention
+            for t in profiler.optimizer_step_times(shapes, profile.param_dtype, optimizer_states, cluster.device.kind,
+                                                   together=together))
     return S.Costing(
         cluster=cluster,
         batch=batch,
@@ -627,7 +649,13 @@ class Planner:
 
     Args: as :func:`plan`, plus ``measure_ops``: on a local cluster, time every op of the graph
     that the profiler's cache lacks on this machine (:func:`graphpass.cost.profiler.node_times`)
-    instead of pricing it by the roofline.
+    instead of pricing it by the roofline; and ``measure_together`` (with ``measure_ops``): every
+    rank of a running job of the cluster's world size builds this Planner at once, with the same
+    arguments, and the whole graph at each local batch and the optimizer step are timed on all
+    ranks together (:func:`graphpass.cost.profiler.together_median_s`), so the ranks' contention
+    for the host is measured on the model's own work instead of taken from the profile's probes
+    (`DeviceSpec.contention`). Each rank gets the plan; they agree for layouts without tensor
+    parallelism (its rank program's ops are timed by each rank).
     """
 
     def __init__(
@@ -640,9 +668,12 @@ class Planner:
         optimizer_states: int = _ADAM_STATES,
         executable_only: bool = False,
         measure_ops: bool = False,
+        measure_together: bool = False,
     ):
         start = time.perf_counter()
         self.cluster = _resolve_cluster(cluster)
+        if measure_together:
+            _check_together(self.cluster, measure_ops)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         inputs = check_example_inputs(example_inputs)
@@ -661,11 +692,12 @@ class Planner:
             )
         self.batch = int(inputs[0].shape[0])
         captured = capture(model, inputs)
-        times, factor = _op_times(captured.gm, self.cluster, measure_ops, inputs)
-        remeasure = _Remeasure(model, inputs, captured.gm, self.cluster, factor) if measure_ops else None
+        times, factor = _op_times(captured.gm, self.cluster, measure_ops, inputs, measure_together)
+        remeasure = (_Remeasure(model, inputs, captured.gm, self.cluster, factor, measure_together)
+                     if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
-                                measure_ops)
+                                measure_ops, measure_together)
         self.executable_only = executable_only
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
@@ -824,8 +856,8 @@ class _Remeasure:
     """
 
     def __init__(self, model: nn.Module, inputs: Sequence[torch.Tensor], gm: fx.GraphModule, cluster: Cluster,
-                 factor: float):
-        self.model, self.inputs, self.gm, self.cluster = model, inputs, gm, cluster
+                 factor: float, together: bool = False):
+        self.model, self.inputs, self.gm, self.cluster, self.together = model, inputs, gm, cluster, together
         self.full = int(inputs[0].shape[0])
         self._graphs: dict[int, tuple[fx.GraphModule, list[torch.Tensor]] | None] = {}
         self._times: dict[int, dict[str, tuple[float, float]]] = {}
@@ -853,7 +885,7 @@ class _Remeasure:
     def _measure(self, batch: int, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
         """`_op_times` of the graph at ``batch``, once: its times and its whole-graph factor."""
         if batch not in self._times:
-            self._times[batch], self._factors[batch] = _op_times(gm, self.cluster, True, inputs)
+            self._times[batch], self._factors[batch] = _op_times(gm, self.cluster, True, inputs, self.together)
 
     def _factor(self, batch: int, gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> float:
         if batch not in self._factors:
@@ -891,7 +923,7 @@ class _Remeasure:
             return ProgramTimes()
         times = _contended(program, self.cluster,
                            profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective),
-                           self._factor(batch, other, sliced))
+                           self._factor(batch, other, sliced), self.together)
         original = {n.name for n in other.graph.nodes}
         own, added = {}, defaultdict(lambda: (0.0, 0.0))
         for node in program.graph.nodes:
@@ -921,7 +953,7 @@ def _materialize(gm: fx.GraphModule, device: torch.device) -> None:
 
 
 def _op_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
-              inputs: Sequence[torch.Tensor]) -> tuple[dict[str, tuple[float, float]], float]:
+              inputs: Sequence[torch.Tensor], together: bool = False) -> tuple[dict[str, tuple[float, float]], float]:
     """Profiled node times when the cluster is this machine (presets are priced by the roofline),
     as ranks take them in a step, and the whole-graph factor that went into them.
 
@@ -929,24 +961,27 @@ def _op_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
     the whole graph once, to scale the isolated op times to what they take in sequence
     (:func:`graphpass.cost.profiler.isolation_factor`); the profiler logs loudly whatever it
     cannot supply. On CPU, op times are measured by one process while ``world_size`` ranks share
-    the host: each op also takes the contention of its kind (`_contended`).
+    the host: each op also takes the contention of its kind (`_contended`), unless ``together``
+    timed the whole graph on every rank at once (`Planner`'s ``measure_together``).
     """
     if not cluster.name.startswith("local"):
         return {}, 1.0
     from graphpass.cost import profiler
 
     times = profiler.node_times(gm, cluster.device, measure=measure)
-    factor = profiler.isolation_factor(gm, inputs, times) if measure and profiler.is_this_machine(cluster.device) else 1.0
-    return _contended(gm, cluster, times, factor), factor
+    factor = (profiler.isolation_factor(gm, inputs, times, together=together)
+              if measure and profiler.is_this_machine(cluster.device) else 1.0)
+    return _contended(gm, cluster, times, factor, together), factor
 
 
 def _contended(gm: fx.GraphModule, cluster: Cluster, times: Mapping[str, tuple[float, float]],
-               factor: float) -> dict[str, tuple[float, float]]:
+               factor: float, together: bool = False) -> dict[str, tuple[float, float]]:
     """``times`` scaled by ``factor`` and by the ranks' contention for the host (`_contention`):
     an op whose bytes take longer than its FLOPs on this device (the roofline's memory-bound
     side: norms, elementwise ops, copies) the memory-bound figure, as DRAM is what CPU ranks
-    share most; the others the compute figure (GPUs share nothing: both are 1 there)."""
-    compute, memory = _contention(cluster), _contention(cluster, memory_bound=True)
+    share most; the others the compute figure (GPUs share nothing: both are 1 there). A
+    ``factor`` measured ``together`` holds the contention already."""
+    compute, memory = (1.0, 1.0) if together else (_contention(cluster), _contention(cluster, memory_bound=True))
     device = cluster.device
     peak = max(device.peak_tflops.values()) * 1e12 * device.compute_efficiency
     bandwidth = device.memory_bandwidth_gbps * 1e9 * device.memory_efficiency

@@ -427,7 +427,7 @@ def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatc
         return {n.name: (1e-3 + 1e-4 * batch, 2e-3 + 2e-4 * batch)
                 for n in gm.graph.nodes if n.op == "call_function"}
 
-    monkeypatch.setattr(planner_module, "_op_times", lambda gm, cluster, measure, inputs: (
+    monkeypatch.setattr(planner_module, "_op_times", lambda gm, cluster, measure, inputs, together=False: (
         fake_times(gm, cluster, measure, inputs), 1.0))
     batch = zoo.batches("mlp", 1, 16)[0]
     planner = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch, measure_ops=True)
@@ -478,7 +478,7 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
                 if n.op == "call_function" and not (skip and skip(n))}
 
     monkeypatch.setattr(profiler, "node_times", one_ms_each)
-    monkeypatch.setattr(profiler, "isolation_factor", lambda gm, inputs, times: 1.0)
+    monkeypatch.setattr(profiler, "isolation_factor", lambda gm, inputs, times, together=False: 1.0)
     monkeypatch.setattr(planner_module, "_contention", lambda cluster, memory_bound=False: 1.0)
     # 1 ms per op makes attention's many small ops outweigh the linears: not what is tested here
     monkeypatch.setattr(planner_module.GraphProfile, "_check_tp_shares_compute", lambda *args: None)
@@ -521,3 +521,47 @@ def test_memory_bound_ops_take_the_memory_bound_contention():
     scaled = planner_module._contended(gm, cluster, times, 2.0)
     assert scaled[nodes["linear"]] == pytest.approx((2.2e-3, 4.4e-3))
     assert scaled[nodes["add"]] == pytest.approx((3.0e-3, 6.0e-3))
+    # A factor timed on every rank at once holds the contention: the probes' figures stay out.
+    together = planner_module._contended(gm, cluster, times, 2.0, together=True)
+    assert together[nodes["linear"]] == together[nodes["add"]] == pytest.approx((2e-3, 4e-3))
+
+
+def _mlp_and_batch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    return _MeanLoss(model), (torch.randn(32, 64),)
+
+
+class _MeanLoss(torch.nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        return self.body(x).pow(2).mean()
+
+
+def _plan_together() -> tuple[float, float, int]:
+    model, batch = _mlp_and_batch()
+    planner = Planner(model, gp.Cluster.local(), batch, measure_ops=True, measure_together=True)
+    plan = planner.price(gp.Strategy(dp=2))
+    return plan.predicted_step_time_s, plan.predicted_peak_memory_bytes, planner.cluster.world_size
+
+
+def test_ranks_that_measure_together_price_a_data_parallel_plan_alike(rank_pool):
+    """Every rank of a running job builds the Planner at once: the whole graph and the optimizer
+    step are timed on both together (each rank's own op times only weigh the ops against each
+    other), so both get the same step time and peak for a layout without tensor parallelism."""
+    (t0, peak0, world0), (t1, peak1, world1) = rank_pool(2).run(_plan_together, timeout_s=300)
+    assert world0 == world1 == 2
+    assert t0 > 0 and t1 == pytest.approx(t0, rel=1e-9) and peak0 == peak1
+
+
+def test_measure_together_needs_measured_ops_and_a_running_job_of_the_clusters_ranks():
+    model, batch = _mlp_and_batch()
+    with pytest.raises(ValueError, match="measure_ops=True"):
+        Planner(model, gp.Cluster.local(), batch, measure_together=True)
+    with pytest.raises(ValueError, match="no process group is initialised"):
+        Planner(model, gp.Cluster.local(), batch, measure_ops=True, measure_together=True)
+    with pytest.raises(ValueError, match="measures this machine"):
+        Planner(model, "h100-80g:1x8", batch, measure_ops=True, measure_together=True)

@@ -370,6 +370,38 @@ def test_isolation_factor_is_the_whole_graphs_time_over_the_sum_of_its_ops(monke
     assert sorted(grads) == sorted(p.shape for p in gm.parameters())
 
 
+def _slow_on_rank_1() -> float:
+    import time
+
+    import torch.distributed as dist
+
+    return profiler.together_median_s(lambda: time.sleep(0.03 if dist.get_rank() == 1 else 0.0), "cpu",
+                                      warmup=0, repeats=3)
+
+
+def test_timing_together_counts_each_repeat_as_long_as_its_slowest_rank(rank_pool):
+    # Rank 1 sleeps 30 ms a repeat, rank 0 not at all: both report rank 1's time (a lower bound
+    # that holds however slow the machine).
+    t0, t1 = rank_pool(2).run(_slow_on_rank_1, timeout_s=120)
+    assert t0 == t1 >= 0.03
+
+
+def _factor_when_one_rank_cannot_run() -> float:
+    import torch.distributed as dist
+
+    gm = _mlp_graph(16)
+    inputs = (torch.randn(64, 16), torch.randn(64, 16))
+    times = {n.name: (1e-3, 1e-3) for n in gm.graph.nodes if n.op == "call_function"}
+    if dist.get_rank() == 1:
+        times.pop(next(iter(times)))  # rank 1 lacks an op's time: it cannot time the graph
+    return profiler.isolation_factor(gm, inputs, times, together=True)
+
+
+def test_isolation_factor_together_agrees_not_to_run_when_one_rank_cannot(rank_pool):
+    """Ranks decide together, so a rank that cannot run the graph leaves no other waiting."""
+    assert rank_pool(2).run(_factor_when_one_rank_cannot_run, timeout_s=120) == [1.0, 1.0]
+
+
 def test_isolation_factor_leaves_times_alone_when_the_graph_cannot_run(monkeypatch):
     gm = _mlp_graph(16)
     times = {n.name: (1e-3, 1e-3) for n in gm.graph.nodes if n.op == "call_function"}
