@@ -3,14 +3,16 @@
 What is measured: for each world size in ``--world-sizes`` (default 2 and 4 gloo ranks of this
 machine), for at least six uniform strategies per world size:
 
-* **predicted**: ``--samples`` times (default 5) in the timed job (before the first timed round,
-  after the last and evenly between, so that the machine's drift over the measuring window falls
-  on both sides alike), every rank of the job profiles the machine together
+* **predicted**: ``--samples`` times (default 13) in the timed job (before the first timed round
+  and after every round, so that the machine's drift over the measuring window falls on both
+  sides alike: one step of the same strategy took 354-505 ms over ten rounds here), every rank
+  builds a :class:`graphpass.planner.Planner` and rank 0 keeps its prediction. At
+  ``--profiles`` of them (default 3, the first and last included) every rank of the job first
+  profiles the machine together
   (``graphpass.cost.profiler.run_profile`` inside a running group profiles those ranks in place:
   matmul rate, copy bandwidth, the ranks' contention for the cores, gloo all-reduce alpha/beta on
-  operands fresh from compute, the blocking collective's ``sync_s``), then every rank builds a
-  :class:`graphpass.planner.Planner` on that profile and rank 0 keeps its prediction.
-  Each figure is the median of the samples; their spread and the profiles' figures are printed
+  operands fresh from compute, the blocking collective's ``sync_s``); each sample is priced on
+  the latest profile. Each figure is the median of the samples; their spread and the profiles' figures are printed
   (``--no-profile`` prices every sample with the profile ``Cluster.local(W)`` has cached
   instead). The figures a profile measures moved by tens of percent between a profile taken
   before the window and the window itself on a busy day (link 0.73-1.45 GB/s, matmul rate
@@ -59,7 +61,7 @@ and every collective), ``opt`` = ``opt.step`` + ``zero_grad``; ``state`` = param
 The ranks share the machine's cores (``cpu_count // W`` threads each, at least one; at 4 ranks on
 2 cores they oversubscribe, which the profile's measured contention covers). MiB = 2**20 bytes.
 
-    python bench/fidelity.py                       # 2 then 4 ranks (8-10 min here)
+    python bench/fidelity.py                       # 2 then 4 ranks (about 15 min here)
     python bench/fidelity.py --world-sizes 2 --no-profile
 """
 
@@ -124,8 +126,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch (split over the dp ranks)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy first")
     p.add_argument("--steps", type=int, default=12, help="timed steps per strategy")
-    p.add_argument("--samples", type=int, default=5,
-                   help="predictions sampled evenly over the timed rounds, first and last included (default 5)")
+    p.add_argument("--samples", type=int, default=13,
+                   help="predictions sampled evenly over the timed rounds, first and last included "
+                        "(default 13: before the first round and after every round)")
+    p.add_argument("--profiles", type=int, default=3,
+                   help="how many of the samples profile the machine first, evenly, first and last included (default 3)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--no-profile", action="store_true",
                    help="price every sample with the cached profile of each world size instead of "
@@ -140,6 +145,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--batch {args.batch} must be a multiple of every world size (got {w})")
     if not 2 <= args.samples <= args.steps + 1:
         p.error(f"--samples must be between 2 and --steps + 1 = {args.steps + 1} (got {args.samples})")
+    if not 2 <= args.profiles <= args.samples:
+        p.error(f"--profiles must be between 2 and --samples = {args.samples} (got {args.profiles})")
     return args
 
 
@@ -239,22 +246,30 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
     shared machine falls on all strategies alike instead of on the one that happens to run then.
 
     The prediction is sampled in the same window: before the first timed round, after the
-    last and evenly between, every rank profiles the machine together (`sample_cluster`), then
-    every rank builds the planner on that profile (``measure_together``: its whole-graph and
-    optimizer timings run on all ranks at once) and rank 0 keeps the prediction, so the
-    machine's drift over the minutes of measuring falls on both sides. Returns (measured per row, the predictions, the sampled clusters, profiling and
-    planner seconds).
+    last and evenly between (``--samples``), every rank builds the planner (``measure_together``:
+    its whole-graph and optimizer timings run on all ranks at once) and rank 0 keeps the
+    prediction, so the machine's drift over the minutes of measuring falls on both sides. At
+    ``--profiles`` of those samples (evenly, the first and last included) the ranks profile the
+    machine together first (`sample_cluster`); each sample is priced on the latest profile.
+    Returns (measured per row, the predictions, the cluster of each sample, seconds spent
+    profiling and planning).
     """
     world = dist.get_world_size()
     torch.set_num_threads(_threads(world))
     predictions: list[dict] = []
     clusters: list[gp.Cluster] = []
     sampling_s = 0.0
+    # After how many timed rounds each prediction is sampled (0, ..., steps, evenly), and which
+    # samples profile first.
+    at = sorted({round(j * args.steps / (args.samples - 1)) for j in range(args.samples)})
+    profile_at = {at[round(j * (len(at) - 1) / (args.profiles - 1))] for j in range(args.profiles)}
+    cluster: gp.Cluster | None = None
 
-    def sample_prediction() -> None:
-        nonlocal sampling_s
+    def sample_prediction(done: int) -> None:
+        nonlocal sampling_s, cluster
         start = time.perf_counter()
-        cluster = sample_cluster(args, world)
+        if done in profile_at:
+            cluster = sample_cluster(args, world)
         predicted = predict(args, world, cluster)
         if dist.get_rank() == 0:
             clusters.append(cluster)
@@ -267,16 +282,13 @@ def _run_rank(args: argparse.Namespace, rows) -> tuple[dict, list[dict], float]:
     for i in range(args.warmup):
         for run in runs.values():
             run.step(data[i])
-    # After how many timed rounds each prediction is sampled: 0, ..., steps, evenly.
-    at = {round(j * args.steps / (args.samples - 1)) for j in range(args.samples)}
-    if 0 in at:
-        sample_prediction()
+    sample_prediction(0)
     for done, i in enumerate(range(args.warmup, args.warmup + args.steps), 1):
         for run in runs.values():
             dist.barrier()
             run.times.append(run.step(data[i]))
         if done in at:
-            sample_prediction()
+            sample_prediction(done)
     measured = {name: run.memory(data[args.warmup + args.steps]) for name, run in runs.items()}
     return measured, predictions, clusters, sampling_s
 
@@ -360,11 +372,12 @@ def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, flo
 
 
 def _clusters_line(clusters: list[gp.Cluster], cached: bool) -> str:
-    """The figures the samples were priced with: the median over samples, and their range."""
+    """The figures the samples were priced with: the median over the profiles, and their range."""
     def figure(label: str, values: list[float], fmt: str) -> str:
         lo, mid, hi = min(values), statistics.median(values), max(values)
         return f"{label} {mid:{fmt}}" + ("" if lo == hi else f" ({lo:{fmt}}-{hi:{fmt}})")
 
+    clusters = list({c.to_json(): c for c in clusters}.values())  # each profile once
     devices, links = [c.device for c in clusters], [c.intra_node for c in clusters]
     parts = [
         figure("matmul TFLOP/s", [d.peak_tflops["fp32"] for d in devices], ".3f"),

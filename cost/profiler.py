@@ -453,17 +453,20 @@ def _measure_sync(quick: bool) -> dict[str, list[float]]:
     """What one blocking collective costs when it is issued between compute segments beyond the
     same collective issued back to back (``LinkSpec.sync_s``), as raw samples.
 
-    A round times ``k`` segments of `_layer_work` (10-30 ms each here, with the machine's load)
-    each followed by a small blocking all-reduce, then ``k`` of those all-reduces back to back,
+    A round times ``k`` segments of `_layer_work` (5-15 ms each here, with the machine's load:
+    about the compute between a tensor-parallel step's collectives) each followed by a small
+    blocking all-reduce, then ``k`` of those all-reduces back to back,
     then ``k`` segments alone, each run between barriers. Ranks drift apart while they compute,
     so the first to arrive waits for the last, and the collective's threads wake from idle;
     neither shows when collectives run back to back, as the ladder times them. Returns, per
     round, the extra wall time per segment, ``(with - alone - segments) / k`` (``"wall"``).
     Rounds alternate the three, so a slow spell of the machine spreads over all.
     """
-    work = _layer_work(128 if quick else 512, 256)
+    work = _layer_work(128 if quick else 256, 256)
     probe = torch.ones(_SYNC_PROBE_BYTES // 4)
-    k, rounds = (4, 3) if quick else (8, 10)
+    # A round's figure is a difference of three timings, noisy next to the 1-2 ms it measures:
+    # many short rounds (the median is taken) rather than a few long ones.
+    k, rounds = (4, 3) if quick else (8, 24)
     for _ in range(2):
         work()
         dist.all_reduce(probe)
