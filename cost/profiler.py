@@ -1117,6 +1117,7 @@ def node_times(
     measure: bool = False,
     cache_path: str | os.PathLike | None = None,
     skip: Callable[[fx.Node], bool] | None = None,
+    together: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """Profiled ``(forward_s, backward_s)`` per ``call_function`` node, for `graph_compute(measured=)`.
 
@@ -1132,10 +1133,22 @@ def node_times(
         cache_path: The JSON cache; default `op_cache_path(device)`.
         skip: Nodes neither timed nor reported (a rank program's collectives, which the
             transition table prices).
+        together: Every rank of the running default group calls this with the same graph (as
+            `isolation_factor`'s ``together`` does): rank 0 measures what the cache lacks while
+            the others wait, then they read the cache it wrote, so every rank gets the same
+            times, each op timed alone as everywhere else (ranks timing ops at once would each
+            see a different share of the host).
 
     Returns:
         ``{node name: (forward_s, backward_s)}`` for the nodes with a profiled (or view) time.
     """
+    if together and measure:
+        first = dist.get_rank() == 0
+        times = node_times(gm, device, measure=True, cache_path=cache_path, skip=skip) if first else None
+        _wait_for_rank_0()
+        if first:
+            return times
+        measure = False
     path = pathlib.Path(cache_path) if cache_path is not None else op_cache_path(device)
     cache = _read_cache(path)
     grad_nodes = grad_requiring_nodes(gm)
@@ -1168,6 +1181,20 @@ def node_times(
             len(missing), len(nodes), device.name, listed, more,
         )
     return times
+
+
+#: How long ranks wait for rank 0 to time a graph's ops (`node_times` ``together``): minutes
+#: for a large graph's first measurement, beyond a process group's usual collective timeout.
+_MEASURING_TIMEOUT = datetime.timedelta(hours=1)
+
+
+def _wait_for_rank_0() -> None:
+    """A barrier that outlasts rank 0's op measurement (gloo's monitored barrier takes its own
+    timeout; other backends wait as long as their group's timeout)."""
+    if "gloo" in str(dist.get_backend()):
+        dist.monitored_barrier(timeout=_MEASURING_TIMEOUT)
+    else:
+        dist.barrier()
 
 
 def _measure_pending(pending: dict[str, list[fx.Node]], times: dict[str, tuple[float, float]],

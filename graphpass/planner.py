@@ -654,8 +654,8 @@ class Planner:
     arguments, and the whole graph at each local batch and the optimizer step are timed on all
     ranks together (:func:`graphpass.cost.profiler.together_median_s`), so the ranks' contention
     for the host is measured on the model's own work instead of taken from the profile's probes
-    (`DeviceSpec.contention`). Each rank gets the plan; they agree for layouts without tensor
-    parallelism (its rank program's ops are timed by each rank).
+    (`DeviceSpec.contention`); ops are timed alone by rank 0 and shared, so every rank gets the
+    same plan.
     """
 
     def __init__(
@@ -922,7 +922,8 @@ class _Remeasure:
                      tp, batch, type(exc).__name__, exc)
             return ProgramTimes()
         times = _contended(program, self.cluster,
-                           profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective),
+                           profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective,
+                                               together=self.together),
                            self._factor(batch, other, sliced), self.together)
         original = {n.name for n in other.graph.nodes}
         own, added = {}, defaultdict(lambda: (0.0, 0.0))
@@ -968,7 +969,7 @@ def _op_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,
         return {}, 1.0
     from graphpass.cost import profiler
 
-    times = profiler.node_times(gm, cluster.device, measure=measure)
+    times = profiler.node_times(gm, cluster.device, measure=measure, together=together)
     factor = (profiler.isolation_factor(gm, inputs, times, together=together)
               if measure and profiler.is_this_machine(cluster.device) else 1.0)
     return _contended(gm, cluster, times, factor, together), factor
