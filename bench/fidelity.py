@@ -12,8 +12,8 @@ machine), for at least six uniform strategies per world size:
   (``graphpass.cost.profiler.run_profile`` inside a running group profiles those ranks in place:
   matmul rate, copy bandwidth, the ranks' contention for the cores, gloo all-reduce alpha/beta on
   operands fresh from compute, the blocking collective's ``sync_s``); each sample is priced on
-  the latest profile. Each figure is the median of the samples; their spread and the profiles' figures are printed
-  (``--no-profile`` prices every sample with the profile ``Cluster.local(W)`` has cached
+  the latest profile. Each figure is the median of the samples; their spread and the profiles'
+  figures are printed (``--no-profile`` prices every sample with the profile ``Cluster.local(W)`` has cached
   instead). The figures a profile measures moved by tens of percent between a profile taken
   before the window and the window itself on a busy day (link 0.73-1.45 GB/s, matmul rate
   0.086-0.153 TFLOP/s at 2 ranks over runs 11-16). The ranks build the Planner at once with
@@ -59,7 +59,7 @@ and every collective), ``opt`` = ``opt.step`` + ``zero_grad``; ``state`` = param
 ``train_step`` and during ``opt.step`` (as in ``bench/memory.py``).
 
 The ranks share the machine's cores (``cpu_count // W`` threads each, at least one; at 4 ranks on
-2 cores they oversubscribe, which the profile's measured contention covers). MiB = 2**20 bytes.
+2 cores they oversubscribe, which timing the model on every rank at once covers). MiB = 2**20 bytes.
 
     python bench/fidelity.py                       # 2 then 4 ranks (about 15 min here)
     python bench/fidelity.py --world-sizes 2 --no-profile
@@ -160,9 +160,10 @@ def sample_cluster(args: argparse.Namespace, world: int) -> gp.Cluster:
     """This machine as the job's ``world`` ranks, profiled now by all of them together (every rank
     calls this), unless ``--no-profile``: then the cached profile ``Cluster.local`` loads.
 
-    The profile measures the ranks' contention for the cores (``DeviceSpec.contention``), which
-    is what the timed steps see too; the planner scales single-process op times by it. It is
-    written to the temporary directory, not to the cache ``Cluster.local`` reads.
+    The planner prices the link, the blocking collectives' ``sync_s`` and the copy bandwidth
+    from it (its contention probes are printed only: ``measure_together`` times the model on
+    every rank instead). It is written to the temporary directory, not to the cache
+    ``Cluster.local`` reads.
     """
     if args.no_profile:
         return gp.Cluster.local(world)

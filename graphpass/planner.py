@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -573,12 +574,14 @@ def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> Plan:
 # ------------------------------------------------------------------------------------- search
 
 
-def _contention(cluster: Cluster, memory_bound: bool = False) -> float:
+def _contention(cluster: Cluster, memory_bound: bool = False, together: bool = False) -> float:
     """How many times slower one rank's compute runs than one process alone measured it: on CPU,
     the profile's measured `DeviceSpec.contention` (ranks share cores, caches and DRAM; for
     ``memory_bound`` work such as an optimizer step, ``memory_contention``), else the core
     oversubscription alone (ranks x threads per rank, as ``graphpass.launch`` sets them, over
-    the cores)."""
+    the cores). 1 for times measured ``together`` (on every rank at once: they hold it)."""
+    if together:
+        return 1.0
     if cluster.device.kind != "cpu":
         return 1.0
     measured = cluster.device.memory_contention if memory_bound else None
@@ -593,8 +596,6 @@ def _contention(cluster: Cluster, memory_bound: bool = False) -> float:
 def _check_together(cluster: Cluster, measure_ops: bool) -> None:
     """``measure_together`` needs ``measure_ops`` and a running job of the cluster's ranks on this
     machine: every rank must build the Planner (the timings are collectives)."""
-    import torch.distributed as dist
-
     if not measure_ops:
         raise ValueError("Planner(measure_together=True) times the measured ops on every rank; pass measure_ops=True too")
     if not cluster.name.startswith("local"):
@@ -621,8 +622,7 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         from graphpass.cost import profiler
 
         shapes = [profile.tensors[n.name].shape for n in profile.param_nodes if profile.tensors[n.name].requires_grad]
-        # Timed on every rank at once, the step already holds the ranks' contention.
-        contention = 1.0 if together else _contention(cluster, memory_bound=True)
+        contention = _contention(cluster, memory_bound=True, together=together)
         per_element, per_tensor = (
             t * contention
             for t in profiler.optimizer_step_times(shapes, profile.param_dtype, optimizer_states, cluster.device.kind,
@@ -982,7 +982,7 @@ def _contended(gm: fx.GraphModule, cluster: Cluster, times: Mapping[str, tuple[f
     side: norms, elementwise ops, copies) the memory-bound figure, as DRAM is what CPU ranks
     share most; the others the compute figure (GPUs share nothing: both are 1 there). A
     ``factor`` measured ``together`` holds the contention already."""
-    compute, memory = (1.0, 1.0) if together else (_contention(cluster), _contention(cluster, memory_bound=True))
+    compute, memory = _contention(cluster, together=together), _contention(cluster, memory_bound=True, together=together)
     device = cluster.device
     peak = max(device.peak_tflops.values()) * 1e12 * device.compute_efficiency
     bandwidth = device.memory_bandwidth_gbps * 1e9 * device.memory_efficiency

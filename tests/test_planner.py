@@ -479,7 +479,7 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
 
     monkeypatch.setattr(profiler, "node_times", one_ms_each)
     monkeypatch.setattr(profiler, "isolation_factor", lambda gm, inputs, times, together=False: 1.0)
-    monkeypatch.setattr(planner_module, "_contention", lambda cluster, memory_bound=False: 1.0)
+    monkeypatch.setattr(planner_module, "_contention", lambda cluster, memory_bound=False, together=False: 1.0)
     # 1 ms per op makes attention's many small ops outweigh the linears: not what is tested here
     monkeypatch.setattr(planner_module.GraphProfile, "_check_tp_shares_compute", lambda *args: None)
     batch = zoo.batches(name, 1, 8)[0]
