@@ -58,6 +58,7 @@ from graphpass.ops import op_base
 from graphpass.plan import Plan, Strategy
 from graphpass.transitions import transition
 from graphpass.plan_builder import plan_from_choices, plan_from_strategy
+from graphpass.runtime.tensor_parallel import ALONE
 
 log = logging.getLogger(__name__)
 
@@ -905,8 +906,14 @@ class _Remeasure:
         """`ProgramTimes` of the program the tensor-parallel pass emits at ``batch`` samples: the
         pass dry-run on the graph of that batch (`tp_layout`), its fake values re-derived at the
         local shapes, its non-collective ops timed on this machine
-        (`graphpass.cost.profiler.node_times`) and scaled as the original graph's ops at that
-        batch are. Empty (logged) where it cannot be done."""
+        (`graphpass.cost.profiler.node_times`) and scaled by the program's own whole-run factor
+        (`_program_factor`; the original graph's at that batch where the program cannot run).
+        Empty (logged) where it cannot be done.
+
+        The program's own factor matters: its ops are smaller than the original's, and small
+        ops timed alone gain more from warm caches than large ones (on this machine a tp=2
+        program's ops summed to 42% of the whole graph's, not 50%, while the program ran in
+        about half the graph's time)."""
         found = self.graph(batch) if self.cluster.name.startswith("local") else None
         if found is None:
             return ProgramTimes()
@@ -915,16 +922,16 @@ class _Remeasure:
         other, sliced = found
         try:
             program = tp_layout(other, _tp_plan(other, tp, sequence_parallel)).program
-            _materialize(program, sliced[0].device)
+            _materialize(program, other)
             propagate_fake(program, sliced)
         except Exception as exc:  # noqa: BLE001 - the per-node split stands in; said here
             log.info("tp=%d program at batch %d not timed (%s: %s); its compute is the original ops split tp ways",
                      tp, batch, type(exc).__name__, exc)
             return ProgramTimes()
-        times = _contended(program, self.cluster,
-                           profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective,
-                                               together=self.together),
-                           self._factor(batch, other, sliced), self.together)
+        raw = profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective, together=self.together)
+        factor = self._program_factor(program, sliced, tp, batch)
+        times = _contended(program, self.cluster, raw,
+                           self._factor(batch, other, sliced) if factor is None else factor, self.together)
         original = {n.name for n in other.graph.nodes}
         own, added = {}, defaultdict(lambda: (0.0, 0.0))
         for node in program.graph.nodes:
@@ -941,16 +948,52 @@ class _Remeasure:
         return ProgramTimes(own, dict(added))
 
 
-def _materialize(gm: fx.GraphModule, device: torch.device) -> None:
-    """Give a meta skeleton's parameters and buffers uninitialised storage on ``device`` (never
-    written, so never touched), so that fake propagation sees the device the graph asserts."""
+    def _program_factor(self, program: fx.GraphModule, inputs: Sequence[torch.Tensor], tp: int,
+                        batch: int) -> float | None:
+        """The rank program's own `isolation_factor`: the program run whole (on every rank at
+        once when ``together``) with each collective swapped for its one-rank stand-in
+        (`graphpass.runtime.tensor_parallel.ALONE`: its local work, no traffic), over the sum of
+        its ops timed alone, stand-ins included, so that their copies fall on both sides. None
+        (logged) where some op has no time; every rank decides alike, as they share times."""
+        from graphpass.cost import profiler
+
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(program.graph, {}))
+        for node in graph.nodes:
+            if is_collective(node):
+                node.target = ALONE[node.target]
+        rehearsal = fx.GraphModule(program, graph)
+        times = profiler.node_times(rehearsal, self.cluster.device, measure=True, together=self.together)
+        untimed = [n.name for n in graph.nodes if n.op == "call_function" and n.name not in times]
+        if untimed:
+            log.info("tp=%d program at batch %d not timed whole (%s have no time); scaled as the original graph",
+                     tp, batch, ", ".join(untimed[:5]))
+            return None
+        return profiler.isolation_factor(rehearsal, inputs, times, together=self.together)
+
+
+def _materialize(gm: fx.GraphModule, like: fx.GraphModule) -> None:
+    """Give a meta skeleton's parameters and buffers real storage on ``like``'s device: the
+    values of ``like``'s tensor of the same name, cut to the skeleton's (sharded) shape, or
+    zeros. Fake propagation then sees the device the graph asserts, and the program runs on
+    values of the model's ranges (index buffers stay in range); the values are for timing only."""
+    sources = {**dict(like.named_parameters()), **dict(like.named_buffers())}
+    device = next(iter(sources.values())).device if sources else torch.device("cpu")
+
+    def real(name: str, t: torch.Tensor) -> torch.Tensor:
+        src = sources.get(name)
+        if src is None or src.dim() != t.dim() or any(a > b for a, b in zip(t.shape, src.shape)):
+            return torch.zeros_like(t, device=device)
+        return src.detach()[tuple(slice(0, n) for n in t.shape)].clone()
+
+    prefix = {id(m): f"{n}." if n else "" for n, m in gm.named_modules()}
     for module in gm.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                module._parameters[name] = nn.Parameter(real(prefix[id(module)] + name, p), p.requires_grad)
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device=device)
+                module._buffers[name] = real(prefix[id(module)] + name, b)
 
 
 def _op_times(gm: fx.GraphModule, cluster: Cluster, measure: bool,

@@ -217,8 +217,7 @@ def tp_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, axis, vocab_start, ignore_index):
-        group = _group(axis)
+    def forward(ctx, logits, target, group, vocab_start, ignore_index):
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         if group is not None:
@@ -246,11 +245,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         # In place in the saved exp, as Megatron does: the logits' gradient needs no buffer of
         # the logits' size beyond the one forward saved (the graph is not run backward twice).
-        exp, sum_exp, local_target, in_range, valid = ctx.saved_tensors
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        hit = in_range.unsqueeze(-1).to(softmax.dtype)
-        softmax.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
-        return softmax.mul_(((grad / ctx.count) * valid).unsqueeze(-1)), None, None, None, None
+        return _vocab_parallel_cross_entropy_grad(ctx, grad, in_place=True)
+
+
+def _vocab_parallel_cross_entropy_grad(ctx, grad: torch.Tensor, in_place: bool) -> tuple[Any, ...]:
+    exp, sum_exp, local_target, in_range, valid = ctx.saved_tensors
+    softmax = exp.div_(sum_exp.unsqueeze(-1)) if in_place else exp.div(sum_exp.unsqueeze(-1))
+    hit = in_range.unsqueeze(-1).to(softmax.dtype)
+    softmax.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
+    return softmax.mul_(((grad / ctx.count) * valid).unsqueeze(-1)), None, None, None, None
+
+
+class _VocabParallelCrossEntropyAlone(_VocabParallelCrossEntropy):
+    """Its one-rank stand-in (`ALONE`): backward out of place, as a profiler runs it repeatedly."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _vocab_parallel_cross_entropy_grad(ctx, grad, in_place=False)
 
 
 def vocab_parallel_cross_entropy(
@@ -264,8 +275,49 @@ def vocab_parallel_cross_entropy(
     """
     if is_fake(logits):
         return logits.new_empty((), dtype=torch.float32)
-    out = _VocabParallelCrossEntropy.apply(logits, target, axis, vocab_start, ignore_index)
+    out = _VocabParallelCrossEntropy.apply(logits, target, _group(axis), vocab_start, ignore_index)
     return out.to(logits.dtype)
 
 
 TP_OPS: tuple[Any, ...] = (tp_copy, tp_all_reduce, tp_all_gather, tp_reduce_scatter, tp_scatter, vocab_parallel_cross_entropy)
+
+
+# ---- each op as one rank runs it with no other rank ----
+# A rank's program timed whole in one process (the planner prices a tensor-parallel program by
+# running it) needs every op's result, shapes and strides as the real op gives them, without the
+# communication. Each stand-in does the op's local work: a gather lays out ``size`` copies, a
+# reduce-scatter keeps a contiguous chunk, the vocabulary-parallel loss runs its passes over
+# this rank's logits; values do not matter.
+
+
+def _alone_copy(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _alone_all_reduce(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _alone_all_gather(x: torch.Tensor, axis: str, size: int, dim: int, grad: str = "slice") -> torch.Tensor:
+    return torch.cat([x] * size, dim=dim)
+
+
+def _alone_chunk(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
+    return x.narrow(dim, 0, x.shape[dim] // size).contiguous()
+
+
+def _alone_vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, axis: str, size: int, vocab_start: int, ignore_index: int = -100
+) -> torch.Tensor:
+    return _VocabParallelCrossEntropyAlone.apply(logits, target, None, vocab_start, ignore_index).to(logits.dtype)
+
+
+#: ``{op: its stand-in}`` for every op of `TP_OPS`: same arguments, this rank's local work only.
+ALONE: dict[Any, Any] = {
+    tp_copy: _alone_copy,
+    tp_all_reduce: _alone_all_reduce,
+    tp_all_gather: _alone_all_gather,
+    tp_reduce_scatter: _alone_chunk,
+    tp_scatter: _alone_chunk,
+    vocab_parallel_cross_entropy: _alone_vocab_parallel_cross_entropy,
+}

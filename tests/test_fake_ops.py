@@ -1,5 +1,7 @@
 """Fake and real agree: every runtime collective op, run for real on 2 gloo ranks and under
-``FakeTensorMode`` on the same inputs, returns the same shapes, dtypes and strides.
+``FakeTensorMode`` on the same inputs, returns the same shapes, dtypes and strides; so does its
+one-rank stand-in (``ALONE``, what the planner runs when it times a rank's program in one
+process), whose result must also carry the gradient back to the op's input.
 
 The pass runner verifies graphs on fake tensors, so an op whose real result has other strides
 (a ``movedim`` view where the fake op returns a contiguous tensor) passes verification and then
@@ -16,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphpass.runtime import collectives as ops
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.tensor_parallel import ALONE
 
 
 def _cases():
@@ -62,11 +65,20 @@ def _compare_fake_and_real() -> list[str]:
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in real_args)
                 fake = op(*fake_args, **kwargs)
+            where = f"{op.__name__}{kwargs} on {[_signature(a) for a in real_args if isinstance(a, torch.Tensor)]}"
             if _signature(real) != _signature(fake):
-                mismatches.append(f"{op.__name__}{kwargs} on {[_signature(a) for a in real_args if isinstance(a, torch.Tensor)]}: "
-                                  f"real {_signature(real)} fake {_signature(fake)}")
+                mismatches.append(f"{where}: real {_signature(real)} fake {_signature(fake)}")
+            if op in ALONE:
+                alone = ALONE[op](*real_args, **kwargs)
+                if _signature(alone) != _signature(real):
+                    mismatches.append(f"{where}: real {_signature(real)} alone {_signature(alone)}")
+                (grad,) = torch.autograd.grad(alone.float().sum(), real_args[0])
+                if grad.shape != real_args[0].shape:
+                    mismatches.append(f"{where}: alone's gradient {tuple(grad.shape)}")
     missing = [op.__name__ for op in ops.COLLECTIVE_OPS if op not in covered and op is not ops.grad_sync_begin]
-    return mismatches + [f"no case for {name}" for name in missing]
+    unmatched = [op.__name__ for op in ops.TP_OPS if op not in ALONE]
+    return (mismatches + [f"no case for {name}" for name in missing]
+            + [f"no stand-in in ALONE for {name}" for name in unmatched])
 
 
 @pytest.mark.timeout(120)

@@ -467,7 +467,9 @@ def test_each_blocking_collective_pays_the_links_measured_synchronisation_cost()
 def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatch, name):
     """With measure_ops the planner times the program the tensor-parallel pass emits, not the
     original graph split tp ways: each op at its local shapes, plus the ops the pass adds (a row
-    linear's bias after its all-reduce), never the collectives (the transition table's)."""
+    linear's bias after its all-reduce), never the collectives (the transition table's); all
+    scaled by the program's own whole-run factor, the program run for real with each collective
+    swapped for its one-rank stand-in."""
     from graphpass.cost import profiler
     from graphpass.passes.collectives import is_collective
     from graphpass.passes.tensor_parallel import layout as tp_layout
@@ -477,8 +479,22 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
         return {n.name: (1e-3, 2e-3) for n in gm.graph.nodes
                 if n.op == "call_function" and not (skip and skip(n))}
 
+    from graphpass.runtime.tensor_parallel import ALONE
+
+    ran = []
+
+    def factor(gm, inputs, times, together=False):
+        """1.0 for the captured graphs; for the rank program (its collectives swapped for
+        stand-ins) 3.0, once the program has run for real at its local shapes."""
+        if not any(n.op == "call_function" and n.target in ALONE.values() for n in gm.graph.nodes):
+            return 1.0
+        assert not any(is_collective(n) for n in gm.graph.nodes)
+        outputs = [t for t in profiler._flat_tensors(gm(*inputs)) if t.is_floating_point()]
+        ran.append(all(bool(torch.isfinite(t).all()) for t in outputs) and bool(outputs))
+        return 3.0
+
     monkeypatch.setattr(profiler, "node_times", one_ms_each)
-    monkeypatch.setattr(profiler, "isolation_factor", lambda gm, inputs, times, together=False: 1.0)
+    monkeypatch.setattr(profiler, "isolation_factor", factor)
     monkeypatch.setattr(planner_module, "_contention", lambda cluster, memory_bound=False, together=False: 1.0)
     # 1 ms per op makes attention's many small ops outweigh the linears: not what is tested here
     monkeypatch.setattr(planner_module.GraphProfile, "_check_tp_shares_compute", lambda *args: None)
@@ -493,9 +509,10 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
     assert added, "the pass adds ops of its own (bias adds after row linears)"
     blocks = planner.blocks(Layout(gp.Strategy(tp=2).mesh, 1, False))
     forward = sum(b.times[8][0] for b in blocks)
-    # kept and added ops at 1 ms each (not halved); an op the program replaces by a runtime op
-    # (the vocab-parallel loss) keeps its original time split 2 ways
-    assert forward == pytest.approx(1e-3 * (len(kept) + len(added)) + 0.5e-3 * len(erased))
+    # kept and added ops at 1 ms each (not halved) times the program's factor; an op the program
+    # replaces by a runtime op (the vocab-parallel loss) keeps its original time split 2 ways
+    assert ran == [True]
+    assert forward == pytest.approx(3e-3 * (len(kept) + len(added)) + 0.5e-3 * len(erased))
 
 
 def test_memory_bound_ops_take_the_memory_bound_contention():
