@@ -189,6 +189,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=64))
+    if name == "gpt_deep":  # enough layers for 4 pipeline stages
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, n_embd=64))
     if name == "encoder":
         return EncoderLM()
     if name == "mlp":

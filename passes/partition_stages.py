@@ -1,0 +1,195 @@
+"""Pipeline stages: the one captured graph cut at layer boundaries into sequential stage graphs.
+
+A stage graph is an ordinary ``fx.GraphModule`` whose attributes keep the original parameter
+names. ``torch.distributed.pipelining`` runs stages as a chain (stage ``s`` receives exactly
+what stage ``s - 1`` returns, and only stage 0 gets the step's inputs), so:
+
+- stage 0 takes every graph input; stage ``s > 0`` takes, in order of definition, every tensor
+  defined before it (graph inputs included) that it or a later stage reads: a value that skips a
+  stage is carried through it (a later stage's targets, a residual read two stages on);
+- stage ``s`` returns what stage ``s + 1`` takes, and the last stage returns the graph's own
+  outputs (the loss);
+- a parameter or buffer read by several stages (tied embedding and LM head) is kept in each of
+  them under its one name: whoever runs the stages sums its gradient over the stages that share
+  it (:func:`shared_parameters`);
+- so is every node that reads only parameters, buffers or nothing (the gradient-sync handle, a
+  collective over a parameter group and its items, a constant): it is copied into each stage
+  that uses it, never sent. A collective over a parameter group used by several stages is an
+  error: the passes that group parameters must group them per stage.
+
+The cut works on the captured graph and on the graph after the other passes alike (their
+collectives then fall into the stage whose ops they serve).
+
+The cut is positional: stage ``s`` holds the ``call_function`` nodes from its first node up to
+the next stage's first node, in the graph's (topological) order, so any cut is a valid program.
+:func:`stage_starts` places the cuts at layer boundaries (``meta.LAYER``), the layers split
+evenly; the planner places them where its predicted stage times balance.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from graphpass import meta
+from graphpass.ops import op_name
+from graphpass.passes.collectives import is_collective
+
+#: ``Plan.stages`` of a graph that is not cut.
+WHOLE = ("*",)
+
+
+def layer_starts(gm: fx.GraphModule) -> list[tuple[int, str]]:
+    """``(layer, name of its first node)`` for every repeated layer, in graph order."""
+    seen: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        layer = node.meta.get(meta.LAYER) if node.op == "call_function" else None
+        if layer is not None and layer not in seen:
+            seen[layer] = node.name
+    return list(seen.items())  # in graph order: each layer where its first op is
+
+
+def stage_starts(gm: fx.GraphModule, stages: int, *, field: str = "Strategy.pp") -> tuple[str, ...]:
+    """The first node of each of ``stages`` stages that split the repeated layers evenly (the
+    earlier stages take one more layer where they do not divide); the first stage also runs what
+    precedes the layers (embeddings), the last what follows them (final norm, head, loss).
+
+    Raises:
+        ValueError: the graph has no repeated layers, or fewer than ``stages``; names ``field``.
+    """
+    if stages == 1:
+        return WHOLE
+    layers = layer_starts(gm)
+    if not layers:
+        raise ValueError(
+            f"{field}={stages}: the model has no repeated layers to cut into pipeline stages (graphpass "
+            "cuts at the layers of an nn.ModuleList or nn.Sequential, e.g. 'h.0', 'h.1', ...); use "
+            f"{field}=1"
+        )
+    if len(layers) < stages:
+        raise ValueError(
+            f"{field}={stages} is larger than the model's {len(layers)} repeated layers "
+            f"(layers {layers[0][0]} ... {layers[-1][0]}); use {field} <= {len(layers)}"
+        )
+    base, extra = divmod(len(layers), stages)
+    starts, index = [], 0
+    for s in range(stages):
+        starts.append("*" if s == 0 else layers[index][1])
+        index += base + (1 if s < extra else 0)
+    return tuple(starts)
+
+
+def cut_stages(gm: fx.GraphModule, starts: Sequence[str]) -> list[fx.GraphModule]:
+    """The stage graphs of ``gm`` cut before each node named in ``starts`` (``starts[0]`` is
+    ``"*"``, the graph's start); see the module docstring for what each takes and returns.
+
+    Raises:
+        ValueError: a start that is not a ``call_function`` node of ``gm``, or starts out of order.
+        NotImplementedError: a value that is not a tensor crosses a stage boundary.
+    """
+    position = _position(gm)
+    if not starts or starts[0] != "*":
+        raise ValueError(f"Plan.stages must start with '*' (the graph's start), got {tuple(starts)!r}")
+    cuts = []
+    for name in starts[1:]:
+        node = next((n for n in gm.graph.nodes if n.name == name), None)
+        if node is None or node.op != "call_function":
+            raise ValueError(f"Plan.stages names {name!r}, which is not an op of the captured graph")
+        cuts.append(position[name])
+    if cuts != sorted(set(cuts)):
+        raise ValueError(f"Plan.stages {tuple(starts)!r} are not in graph order")
+    bounds = [0, *cuts, len(position) + 1]
+    nodes = list(gm.graph.nodes)
+    output = nodes[-1]
+    last = len(starts) - 1
+
+    def stage_of(node: fx.Node) -> int:
+        if node.op == "output":
+            return last
+        index = position[node.name]
+        return max(s for s in range(len(starts)) if bounds[s] <= index)
+
+    # Nodes that read only parameters, buffers or nothing (a gradient-sync handle, a collective
+    # over a parameter group and its items, a constant): copied into every stage that uses them,
+    # as parameters are, never carried across a boundary.
+    attached: set[fx.Node] = set()
+    for node in nodes:
+        if node.op == "get_attr" or (node.op == "call_function" and all(a in attached for a in node.all_input_nodes)):
+            attached.add(node)
+    used_in: dict[fx.Node, set[int]] = {}
+    for node in reversed(nodes):
+        if node in attached:
+            here = set().union(*(used_in.get(u, set()) for u in node.users))
+            if not here and node.op == "call_function":  # unused (a shape assertion): where it is
+                here = {stage_of(node)}
+            used_in[node] = here
+            if len(here) > 1 and node.op == "call_function" and is_collective(node) and not node.meta.get(meta.OPAQUE):
+                raise ValueError(
+                    f"pipeline stages: {node.name} ({op_name(node)}) moves parameters used by stages {sorted(here)}; "
+                    "a parameter group must not span a stage boundary (group the parameters per stage)"
+                )
+        elif node.op != "placeholder":
+            used_in[node] = {stage_of(node)}
+
+    ops = [n for n in nodes if n.op == "call_function" and n not in attached]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    # The last stage that reads each value (an op or a graph input): it is carried up to there.
+    last_use: dict[fx.Node, int] = {}
+    for user in [*ops, output]:
+        for value in user.all_input_nodes:
+            if value not in attached:
+                last_use[value] = max(last_use.get(value, -1), stage_of(user))
+    defined = {n: (0 if n.op == "placeholder" else stage_of(n)) for n in [*placeholders, *ops]}
+    values = [*placeholders, *ops]
+    graphs = []
+    for s in range(len(starts)):
+        takes = placeholders if s == 0 else [n for n in values if defined[n] < s and last_use.get(n, -1) >= s]
+        members = [n for n in nodes if n.op in ("get_attr", "call_function") and s in used_in[n]]
+        returns = None if s == last else [n for n in values if defined[n] <= s and last_use.get(n, -1) > s]
+        for value in [*takes, *(returns or ())]:
+            if value.op != "placeholder" and not isinstance(value.meta.get(meta.VAL), torch.Tensor):
+                raise NotImplementedError(
+                    f"pipeline stage {s}: {value.name} ({type(value.meta.get(meta.VAL)).__name__}) crosses a "
+                    "stage boundary and is not a tensor; torch.distributed.pipelining sends tensors only"
+                )
+        graphs.append(_stage_graph(gm, s, takes, members, returns, output))
+    return graphs
+
+
+def _stage_graph(gm: fx.GraphModule, s: int, takes: list[fx.Node], members: list[fx.Node],
+                 returns: list[fx.Node] | None, output: fx.Node) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for value in takes:
+        env[value] = graph.placeholder(value.name)
+        env[value].meta.update(value.meta)
+    for node in members:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        env[node].meta[meta.STAGE] = s
+    if returns is None:
+        out = graph.output(fx.node.map_arg(output.args[0], lambda n: env[n]))
+        out.meta.update(output.meta)
+    else:
+        graph.output(tuple(env[n] for n in returns))
+    stage = fx.GraphModule(gm, graph, class_name=f"Stage{s}")
+    stage.graph.lint()
+    return stage
+
+
+def shared_parameters(stages: Sequence[fx.GraphModule]) -> dict[str, list[int]]:
+    """Attribute name → the stages that read it, for every parameter read by more than one."""
+    users: dict[str, list[int]] = {}
+    for s, stage in enumerate(stages):
+        for node in stage.graph.nodes:
+            if node.op == "get_attr" and meta.get(node, meta.ATTR_KIND, None) == "parameter":
+                users.setdefault(node.target, []).append(s)
+    return {target: ss for target, ss in users.items() if len(ss) > 1}
+
+
+def _position(gm: fx.GraphModule) -> dict[str, int]:
+    return {n.name: i for i, n in enumerate(gm.graph.nodes)}
+
+
+__all__ = ["WHOLE", "cut_stages", "layer_starts", "shared_parameters", "stage_starts"]
