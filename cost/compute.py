@@ -17,7 +17,7 @@ graph captured from a meta-device 175B model is priced without allocating anythi
   ``dP``, ``dQ``, ``dK``; the recomputation of ``S`` in flash attention is not counted). Other ops
   cost ``_PER_ELEMENT``'s backward factor per element. An op none of whose inputs needs a
   gradient has no backward. Which values need gradients comes from a one-pass dataflow
-  (:func:`grad_requiring_nodes`: parameters and everything computed from them, never placeholders);
+  (:func:`graphpass.grads.grad_requiring_nodes`: parameters and everything computed from them, never placeholders);
   :func:`node_flops` on its own assumes every floating input needs one.
 * **Bytes.** Forward bytes read plus written: every tensor input and output, except that views
   move nothing and an embedding reads only the rows it gathers. Backward moves about twice the
@@ -48,6 +48,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from graphpass import meta
+from graphpass.grads import grad_requiring_nodes
 from graphpass.ops import op_base
 # The default efficiencies live with DeviceSpec (its fields default to them); re-exported here.
 from graphpass.cluster import DEFAULT_EFFICIENCY, DEFAULT_MEMORY_EFFICIENCY, DeviceSpec
@@ -59,7 +60,6 @@ __all__ = [
     "node_flops",
     "node_bytes",
     "roofline_time_s",
-    "grad_requiring_nodes",
     "graph_compute",
     "total_flops",
     "DEFAULT_EFFICIENCY",
@@ -334,21 +334,6 @@ def roofline_time_s(
 
 
 # ------------------------------------------------------------------------------------ graphs
-
-
-def grad_requiring_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value needs a gradient in training: parameters and every floating-point value
-    computed from one. Placeholders (data) and buffers never do."""
-    out: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            kind = meta.get(node, meta.ATTR_KIND, None)
-            if kind == "parameter" or kind is None and _is_float(_val(node)):
-                out.add(node)
-        elif node.op == "call_function" and _is_float(_val(node)):
-            if any(isinstance(a, fx.Node) and a in out for a in node.all_input_nodes):
-                out.add(node)
-    return out
 
 
 def graph_compute(

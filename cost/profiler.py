@@ -94,7 +94,8 @@ from graphpass.cluster import (
     profile_path,
 )
 from graphpass.cost.collectives import Link, all_gather_time, reduce_scatter_time
-from graphpass.cost.compute import _VIEWS, grad_requiring_nodes
+from graphpass.cost.compute import _VIEWS
+from graphpass.grads import grad_requiring_nodes
 from graphpass.cost.memory import format_bytes
 from graphpass.ops import op_base
 
@@ -964,7 +965,7 @@ def op_key(node: fx.Node, device: DeviceSpec, grad_nodes: Collection[fx.Node] | 
     Args:
         node: A ``call_function`` node whose inputs carry fake values.
         device: The device the time is for; a CPU key also names the current torch thread count.
-        grad_nodes: `graphpass.cost.compute.grad_requiring_nodes` of the node's graph (computed
+        grad_nodes: `graphpass.grads.grad_requiring_nodes` of the node's graph (computed
             when None; pass it when keying many nodes).
 
     Example: ``aten.addmm.default(f32[64]+grad,f32[8,16],f32[16,64]s(1,16)+grad; ) @cpu/2t``.

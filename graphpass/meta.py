@@ -46,6 +46,10 @@ SPLIT = "gp.split"
 GRAD_PARTIAL = "gp.grad_partial"
 #: Pipeline stage index of the node.
 STAGE = "gp.stage"
+#: For a stage graph's placeholders (and the values it returns): whether the value needs a
+#: gradient (:func:`graphpass.grads.grad_requiring_nodes` of the whole graph), which the
+#: pipeline engine needs to know of what it receives and sends.
+REQUIRES_GRAD = "gp.requires_grad"
 #: For collective nodes: the mesh axis they communicate over.
 AXIS = "gp.axis"
 #: For the graph's output node: which output is the loss the runtime differentiates.

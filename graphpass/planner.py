@@ -48,9 +48,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpass import meta
 from graphpass.capture import capture, check_example_inputs, propagate_fake
+from graphpass.grads import grad_requiring_nodes
 from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
-from graphpass.cost.compute import grad_requiring_nodes, node_bytes, node_flops
+from graphpass.cost.compute import node_bytes, node_flops
 from graphpass.passes.collectives import is_collective
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
+from graphpass.grads import grad_requiring_nodes
 from graphpass.ops import op_name
 from graphpass.passes.collectives import is_collective
 
@@ -143,6 +144,7 @@ def cut_stages(gm: fx.GraphModule, starts: Sequence[str]) -> list[fx.GraphModule
                 last_use[value] = max(last_use.get(value, -1), stage_of(user))
     defined = {n: (0 if n.op == "placeholder" else stage_of(n)) for n in [*placeholders, *ops]}
     values = [*placeholders, *ops]
+    grads = grad_requiring_nodes(gm)
     graphs = []
     for s in range(len(starts)):
         takes = placeholders if s == 0 else [n for n in values if defined[n] < s and last_use.get(n, -1) >= s]
@@ -154,20 +156,23 @@ def cut_stages(gm: fx.GraphModule, starts: Sequence[str]) -> list[fx.GraphModule
                     f"pipeline stage {s}: {value.name} ({type(value.meta.get(meta.VAL)).__name__}) crosses a "
                     "stage boundary and is not a tensor; torch.distributed.pipelining sends tensors only"
                 )
-        graphs.append(_stage_graph(gm, s, takes, members, returns, output))
+        graphs.append(_stage_graph(gm, s, takes, members, returns, output, grads))
     return graphs
 
 
 def _stage_graph(gm: fx.GraphModule, s: int, takes: list[fx.Node], members: list[fx.Node],
-                 returns: list[fx.Node] | None, output: fx.Node) -> fx.GraphModule:
+                 returns: list[fx.Node] | None, output: fx.Node, grads: set[fx.Node]) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for value in takes:
         env[value] = graph.placeholder(value.name)
         env[value].meta.update(value.meta)
+        env[value].meta[meta.REQUIRES_GRAD] = value in grads
     for node in members:
         env[node] = graph.node_copy(node, lambda n: env[n])
         env[node].meta[meta.STAGE] = s
+    for value in returns or ():
+        env[value].meta[meta.REQUIRES_GRAD] = value in grads
     if returns is None:
         out = graph.output(fx.node.map_arg(output.args[0], lambda n: env[n]))
         out.meta.update(output.meta)
