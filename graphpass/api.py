@@ -17,14 +17,17 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from graphpass import meta
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import PIPELINE
-from graphpass.plan import Plan, Strategy
+from graphpass.passes.partition_stages import cut_stages, shared_parameters
+from graphpass.plan import Plan, Strategy, check_schedule
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.module import (
     DistributedModule,
     batch_shards,
@@ -66,15 +69,46 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
         if strategy.strategy is not None:
             strategy.strategy.check(world_size)
         if strategy.mesh.pp > 1:
-            raise NotImplementedError(
-                f"the Plan uses pipeline stages (mesh {dict(strategy.mesh)}); graphpass cannot execute "
-                "those yet (partition_stages is not built). Plan with graphpass.plan(..., "
-                "executable_only=True) for a plan compile runs"
-            )
+            _check_pipeline_plan(strategy)
         return strategy.strategy, strategy, []
     raise TypeError(
         f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {type(strategy).__name__}"
     )
+
+
+def _check_pipeline_plan(plan: Plan) -> None:
+    """Raise NotImplementedError for what pipeline stages do not run with yet."""
+    with_pp = [what for what, used in (("dp", plan.mesh.dp > 1), ("tp", plan.mesh.tp > 1), ("ZeRO", bool(plan.zero)),
+                                       ("split", bool(plan.split)), ("recompute", bool(plan.recompute))) if used]
+    if with_pp:
+        raise NotImplementedError(
+            f"the Plan runs pipeline stages (mesh {dict(plan.mesh)}) with {', '.join(with_pp)}, which graphpass "
+            "does not execute yet (pipeline stages run on their own so far). Plan with graphpass.plan(..., "
+            "executable_only=True) for a plan compile runs"
+        )
+    check_schedule(plan.schedule, plan.mesh.pp, plan.microbatches, "Plan")
+
+
+def _pipeline_stage(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh, device: torch.device):
+    """This rank's stage graph of ``gm`` and a builder of its pipeline program."""
+    stages = cut_stages(gm, plan.stages)
+    index, num = mesh.axis_rank("pp"), len(stages)
+    group = mesh.group("pp")
+    # Parameters read by several stages (tied embedding and LM head): one group per set of
+    # stages sharing one, made by every rank in the same order (creating a group is collective).
+    shared = []
+    for target, users in sorted(shared_parameters(stages).items()):
+        ranks = [dist.get_global_rank(group, s) for s in users]
+        together = dist.new_group(ranks)
+        if index in users:
+            shared.append((target, together))
+    stage = stages[index]
+
+    def program(loss_index: int, report_index: int) -> PipelineProgram:
+        return PipelineProgram(stage, index, num, group, plan.schedule, plan.microbatches, loss_index,
+                               report_index, shared, device)
+
+    return stage, program
 
 
 def _check_plan_nodes(plan: Plan, gm: fx.GraphModule) -> None:
@@ -164,15 +198,18 @@ def compile(  # noqa: A001 - the public name the contract uses
         log.info("graphpass dumps written to %s", dumper.root)
 
     _release_replaced(gm, originals)
-    return DistributedModule(
-        gm,
-        plan,
-        process_mesh,
-        records,
-        [t.shape for t in local_inputs],
-        model,
-        captured.route,
-    )
+    if plan.mesh.pp == 1:
+        return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
+                                 captured.route)
+    output = gm.graph.find_nodes(op="output")[0]
+    stage, program = _pipeline_stage(gm, plan, process_mesh, torch.device(device_type))
+    dumper.graph(len(records) + 1, "partition_stages", stage,
+                 f"after {len(records) + 1:02d} partition_stages | stage {process_mesh.axis_rank('pp')} of {plan.mesh.pp} "
+                 f"| nodes {len(stage.graph.nodes)}")
+    return DistributedModule(stage, plan, process_mesh, records, [t.shape for t in local_inputs], model,
+                             captured.route, pipeline=program,
+                             input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
+                             roles=meta.get(output, meta.ROLE))
 
 
 def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int) -> Plan:

@@ -121,12 +121,38 @@ class Strategy:
                 f"the cluster has world_size={world_size}; choose degrees whose product is {world_size}"
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
-        if self.pp != 1:
-            raise NotImplementedError(
-                f"Strategy.pp={self.pp!r} is not implemented yet: pipeline stages come with the "
-                "partition_stages pass; leave pp=1 (dp, tp, zero, split, microbatches, "
-                "sequence_parallel and recompute work)"
-            )
+        if self.pp > 1:
+            with_pp = [name for name, used in (("dp", self.dp > 1), ("tp", self.tp > 1), ("zero", self.zero > 0),
+                                              ("split", self.split > 1), ("recompute", self.recompute)) if used]
+            if with_pp:
+                raise NotImplementedError(
+                    f"Strategy.pp={self.pp} with {', '.join(f'{n}={getattr(self, n)!r}' for n in with_pp)} is not "
+                    "implemented yet: pipeline stages run on their own so far (pp, microbatches and a "
+                    "'gpipe' or '1f1b' schedule)"
+                )
+            check_schedule(self.schedule, self.pp, self.microbatches, "Strategy")
+
+
+#: The pipeline schedules graphpass runs today (the others of :data:`SCHEDULES` raise).
+RUNNING_SCHEDULES = ("gpipe", "1f1b")
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, owner: str) -> None:
+    """Raise unless ``schedule`` can run ``pp`` stages on ``microbatches`` microbatches.
+
+    Raises:
+        NotImplementedError: a schedule graphpass does not run yet.
+        ValueError: 1F1B with fewer microbatches than stages.
+    """
+    if schedule not in RUNNING_SCHEDULES:
+        raise NotImplementedError(
+            f"{owner}.schedule={schedule!r} is not implemented yet; graphpass runs {RUNNING_SCHEDULES}"
+        )
+    if schedule == "1f1b" and microbatches < pp:
+        raise ValueError(
+            f"{owner}.schedule='1f1b' needs at least as many microbatches as stages: {owner}.microbatches="
+            f"{microbatches} < pp={pp}; use {owner}.microbatches >= {pp} (or schedule='gpipe')"
+        )
 
 
 def placement_from_str(text: str) -> Placement:
@@ -175,6 +201,7 @@ class Plan:
             the op runs as k slices whose weights are separate (separately gathered) parameters.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
         microbatches: microbatches per step (pipeline / gradient accumulation).
+        schedule: the pipeline schedule (one of :data:`SCHEDULES`), with ``pp`` in the mesh.
         tp_parts: for the weight (and bias) of a fused projection that is column-parallel on
             ``tp`` (one linear making q, k and v, or gate and up): the sizes of its parts along
             the sharded dim. Each part is sharded on its own, so rank r holds chunk r of every
@@ -201,6 +228,7 @@ class Plan:
     sequence_parallel: bool = False
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     microbatches: int = 1
+    schedule: str = "1f1b"
     tp_parts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
@@ -235,6 +263,8 @@ class Plan:
                 )
         if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
             raise ValueError(f"Plan.microbatches must be a positive int, got {self.microbatches!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         for node, parts in self.tp_parts.items():
             if not parts or not all(isinstance(n, int) and n > 0 for n in parts):
                 raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")

@@ -15,6 +15,7 @@ import torch.fx as fx
 from graphpass import meta
 from graphpass.megatron import megatron_layout
 from graphpass.mesh import Mesh
+from graphpass.passes.partition_stages import stage_starts
 from graphpass.passes.split_operators import default_split
 from graphpass.plan import Choice, Plan, Strategy
 
@@ -76,6 +77,8 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     return Plan(
         mesh=mesh,
         placements=placements,
+        stages=stage_starts(gm, mesh.pp, field="Strategy.pp" if strategy is not None else "Plan.mesh['pp']"),
+        schedule=strategy.schedule if strategy is not None else "1f1b",
         strategy=strategy,
         zero=zero,
         recompute=tuple(sorted(layers)),

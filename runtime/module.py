@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from graphpass import meta
 from graphpass.plan import Plan
 from graphpass.runtime import grad_sync
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.step import StepProgram, accumulation_schedule
 from graphpass.runtime.tensor_parallel import gather_tp_parameters
 from graphpass.runtime.zero import gather_full_parameters
@@ -84,6 +85,10 @@ class DistributedModule(nn.Module):
         local_input_shapes: Sequence[torch.Size],
         state_dict_source: nn.Module,
         capture_route: str,
+        *,
+        pipeline: Callable[[int, int], PipelineProgram] | None = None,
+        input_names: Sequence[str] | None = None,
+        roles: Mapping[str, int] | None = None,
     ):
         super().__init__()
         self.graph_module = graph_module
@@ -91,17 +96,21 @@ class DistributedModule(nn.Module):
         self.history = list(history)
         self.capture_route = capture_route
         self._mesh = process_mesh
-        self._input_names = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
+        # A pipeline stage's graph takes what the previous stage sends: the step's inputs and
+        # the loss's roles are the whole graph's, given here.
+        self._input_names = list(input_names) if input_names is not None else [
+            n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._local_shapes = [torch.Size(s) for s in local_input_shapes]  # of one microbatch
         self._shards = batch_shards(plan, self._input_names)
         self._is_batch = batch_inputs(plan, self._input_names)
         output = graph_module.graph.find_nodes(op="output")[0]
-        self._roles = dict(meta.get(output, meta.ROLE))
+        self._roles = dict(roles) if roles is not None else dict(meta.get(output, meta.ROLE))
         self.num_microbatches = plan.microbatches
         self._report = self._roles.get("loss_report", self._roles["loss"])
+        self._pipeline = pipeline(self._roles["loss"], self._report) if pipeline is not None else None
         self._program = StepProgram(
             [graph_module], self._roles["loss"], self._report, accumulation_schedule(self.num_microbatches)
-        )
+        ) if pipeline is None else None
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
         self._extra_state = {
@@ -157,6 +166,13 @@ class DistributedModule(nn.Module):
             else:
                 tensor = self._extra_state[key]
             out[key] = tensor.detach().clone()
+        if self._pipeline is not None:  # each stage holds its own layers: take theirs
+            owned = {k: v for k, v in out.items() if self._attr_of_key.get(k) is not None}
+            stages: list = [None] * self._mesh.axis_size("pp")
+            dist.all_gather_object(stages, owned, group=self._mesh.group("pp"))
+            for theirs in stages:
+                out.update({k: v for k, v in theirs.items() if self._attr_of_key.get(k) is None})
+            out = {k: out[k] for k in self._state_keys}
         return out
 
     def _gather_sharded(self) -> dict[str, torch.Tensor]:
@@ -251,12 +267,16 @@ class DistributedModule(nn.Module):
         caller's optimizer can step right away. With ``plan.microbatches = k`` the share runs as
         k microbatches whose gradients are accumulated and synchronised once.
         """
-        microbatches = self.microbatches(*global_batch)
         with mesh_lib.active(self._mesh):
-            return self._program.run(microbatches)
+            if self._pipeline is not None:  # the engine's schedule cuts the microbatches
+                return self._pipeline.run(self.local_batch(*global_batch))
+            return self._program.run(self.microbatches(*global_batch))
 
     def forward(self, *global_batch: torch.Tensor) -> torch.Tensor:
         """The global-batch loss without a backward pass (for evaluation)."""
+        if self._pipeline is not None:
+            raise NotImplementedError("forward (evaluation) of a pipelined program is not implemented yet; "
+                                      "train_step runs pipelines")
         microbatches = self.microbatches(*global_batch)
         with mesh_lib.active(self._mesh), torch.no_grad():
             losses = [self.graph_module(*mb)[self._report] for mb in microbatches]

@@ -1,0 +1,124 @@
+"""Pipeline stages run by ``torch.distributed.pipelining``'s schedules.
+
+Each rank of the ``pp`` axis runs one stage graph (``graphpass.passes.partition_stages``) as a
+``PipelineStage`` whose send/receive metadata comes from the stage graph's fake values (no
+run-time shape inference), and the engine's schedule (GPipe or 1F1B) drives its microbatch
+forwards and backwards. graphpass adds what the engine does not know:
+
+- the step's scaling: each microbatch's loss is a mean over its rows, and the loss the engine
+  differentiates is that loss divided by the microbatch count (``scale_grads=False``: one
+  scaling, here, never a second one in the engine);
+- the gradient collectives inside a stage graph (dp buckets, ZeRO groups) synchronise once per
+  step: every forward runs under the step's :class:`~graphpass.runtime.grad_sync.Accumulation`
+  and the engine's ``last_backward`` marks the stage's last backward, as the step program does;
+- a parameter read by several stages (tied embedding and LM head) has its gradient summed over
+  the ranks that hold it, once per step;
+- the reported loss, the mean over the microbatches, is sent from the last stage to every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from graphpass import meta
+from graphpass.runtime.grad_sync import Accumulation, accumulating
+from graphpass.runtime.regather import rebuild_saved_tensors
+
+#: The schedules graphpass runs, by ``Strategy.schedule`` / ``Plan.schedule``.
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose forwards run under the step's gradient accumulation and whose
+    last backward of the step launches the stage's gradient reductions."""
+
+    accumulation: Accumulation | None = None
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        self.accumulation.last_backward = False
+        with accumulating(self.accumulation), rebuild_saved_tensors():
+            return super().forward_maybe_with_nosync(*args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        self.accumulation.last_backward = last_backward
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+
+def _example(node: fx.Node, grad: bool) -> torch.Tensor:
+    val = node.meta[meta.VAL]
+    return torch.empty(val.shape, dtype=val.dtype).requires_grad_(grad)
+
+
+class PipelineProgram:
+    """One rank's stage of a pipeline, run by an engine schedule; one gradient sync per step.
+
+    Args:
+        stage: this rank's stage graph.
+        stage_index, num_stages: its place in the pipeline (its ``pp`` coordinate, the ``pp`` size).
+        group: the ``pp`` process group.
+        schedule: a key of :data:`SCHEDULES`.
+        num_microbatches: microbatches per step.
+        loss_index, report_index: the last stage's outputs to differentiate and to report.
+        shared: groups of the ``pp`` group's ranks (global ranks) sharing a parameter, with the
+            parameter's attribute name on this rank: ``[(target, ranks_group), ...]``.
+        device: where the stage runs.
+    """
+
+    def __init__(self, stage: fx.GraphModule, stage_index: int, num_stages: int, group: dist.ProcessGroup,
+                 schedule: str, num_microbatches: int, loss_index: int, report_index: int,
+                 shared: Sequence[tuple[str, dist.ProcessGroup]], device: torch.device):
+        if schedule not in SCHEDULES:
+            raise NotImplementedError(
+                f"pipeline schedule {schedule!r} is not implemented yet; graphpass runs {sorted(SCHEDULES)}"
+            )
+        self.stage_module, self.num_microbatches = stage, num_microbatches
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.group, self.last_rank = group, dist.get_global_rank(group, num_stages - 1)
+        self.shared = list(shared)
+        self.loss_index, self.report_index = loss_index, report_index
+        inputs = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        output = stage.graph.find_nodes(op="output")[0]
+        outputs = list(output.args[0])
+        self.stage = _Stage(
+            stage, stage_index, num_stages, device,
+            input_args=tuple(_example(n, bool(n.meta.get(meta.REQUIRES_GRAD))) for n in inputs),
+            output_args=tuple(_example(n, not self.is_last and bool(n.meta.get(meta.REQUIRES_GRAD)))
+                              for n in outputs),
+            group=group,
+        )
+        self._reports: list[torch.Tensor] = []
+        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=num_microbatches,
+                                            loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, outputs, target) -> torch.Tensor:
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        self._reports.append(outputs[self.report_index].detach())
+        return outputs[self.loss_index] / self.num_microbatches
+
+    def run(self, local_inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Train one step on this pipeline replica's share (given on every rank; only the first
+        stage reads it); the mean reported loss, on every rank (detached)."""
+        self.stage.accumulation = Accumulation(self.num_microbatches)
+        self._reports = []
+        if self.is_first:
+            self.schedule.step(*local_inputs, return_outputs=False)
+        elif self.is_last:
+            self.schedule.step(target=torch.zeros(self.num_microbatches), return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        for target, group in self.shared:
+            p = self.stage_module.get_parameter(target)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+        loss = torch.stack(self._reports).mean() if self.is_last else torch.zeros(())
+        dist.broadcast(loss, self.last_rank, group=self.group)
+        return loss
+
+
+__all__ = ["PipelineProgram", "SCHEDULES"]

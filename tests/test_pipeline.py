@@ -1,0 +1,80 @@
+"""Pipeline stages run by torch.distributed.pipelining: parity with one process on the whole batch.
+
+``Strategy(pp=p, microbatches=k, schedule=...)`` cuts the graph into ``p`` stages (even by
+layers), one per rank, and the engine's schedule runs ``k`` microbatches through them. Losses
+and ``full_state_dict()`` after 3 SGD-with-momentum steps must match one process on the whole
+batch. Tolerances as in test_accumulation.py: the pipeline only changes the order of fp32
+additions (each microbatch's mean scaled by 1/k and summed into ``.grad``; a tied weight's two
+stage gradients summed by an all-reduce), ~1e-7 relative; rtol 1e-5 / atol 1e-6 catch any real
+error (a gradient scaled twice is off by k, a tied weight's missing half by far more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import graphpass as gp
+import zoo
+from graphpass.plan import Plan
+
+RTOL, ATOL = 1e-5, 1e-6
+BATCH, STEPS = 8, 3
+
+# (model, microbatches, schedule) per world size: tied (gpt, hf_gpt2) and untied (hf_llama)
+# embeddings, both schedules, 4 stages on the 4-layer GPT.
+CASES = {
+    2: [("gpt", 2, "gpipe"), ("gpt", 4, "1f1b"), ("hf_llama", 2, "1f1b"), ("hf_gpt2", 4, "gpipe")],
+    4: [("gpt_deep", 4, "1f1b"), ("gpt_deep", 2, "gpipe")],
+}
+
+
+def _train_pipelined(name: str, k: int, schedule: str) -> tuple:
+    world = dist.get_world_size()
+    data = zoo.batches(name, STEPS, BATCH)
+    dmodel = zoo.compile(zoo.build(name), data[0], gp.Strategy(pp=world, microbatches=k, schedule=schedule))
+    losses = zoo.train_compiled(dmodel, data)
+    stage_params = sorted(n for n, _ in dmodel.named_parameters())
+    return losses, dmodel.full_state_dict(), stage_params
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pipeline_stages_match_one_process_on_the_whole_batch(rank_pool, world_size):
+    pool = rank_pool(world_size)
+    for name, k, schedule in CASES[world_size]:
+        ref_losses, ref_state = zoo.train_reference(name, steps=STEPS, batch=BATCH)[:2]
+        results = pool.run(_train_pipelined, name, k, schedule, timeout_s=300)
+        for rank, (losses, state, params) in enumerate(results):
+            zoo.assert_matches_reference(f"{name} pp={world_size} m={k} {schedule} rank {rank}", losses, state,
+                                         ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+        # Each rank holds its own stage's parameters; only a tied embedding / LM head is on two.
+        held = [set(params) for _, _, params in results]
+        assert all(held)
+        for a in range(world_size):
+            for b in range(a + 1, world_size):
+                assert len(held[a] & held[b]) <= 1, (a, b, held[a] & held[b])
+
+
+def test_bad_pipeline_strategies_name_the_field_and_sizes():
+    with pytest.raises(ValueError, match=r"Strategy.schedule='1f1b' needs at least as many microbatches as stages: "
+                                         r"Strategy.microbatches=2 < pp=4"):
+        gp.Strategy(pp=4, microbatches=2, schedule="1f1b").check(4)
+    with pytest.raises(NotImplementedError, match="Strategy.schedule='interleaved_1f1b' is not implemented yet"):
+        gp.Strategy(pp=2, microbatches=2, schedule="interleaved_1f1b").check(2)
+    with pytest.raises(NotImplementedError, match=r"Strategy.pp=2 with dp=2, zero=3 is not implemented yet"):
+        gp.Strategy(pp=2, dp=2, zero=3, microbatches=2).check(4)
+    gp.Strategy(pp=2, microbatches=1, schedule="gpipe").check(2)  # GPipe runs any count
+
+
+def test_more_stages_than_layers_is_refused_at_compile_naming_the_sizes():
+    from graphpass.capture import capture
+    from graphpass.plan_builder import plan_from_strategy
+
+    data = zoo.batches("gpt", 1, BATCH)
+    gm = capture(zoo.build("gpt"), data[0]).gm  # 2 layers
+    with pytest.raises(ValueError, match=r"Strategy.pp=4 is larger than the model's 2 repeated layers"):
+        plan_from_strategy(gm, gp.Strategy(pp=4, microbatches=4), ["test"])
+    plan = plan_from_strategy(gm, gp.Strategy(pp=2, microbatches=2, schedule="gpipe"), ["test"])
+    assert len(plan.stages) == 2 and plan.schedule == "gpipe"
+    assert Plan.from_json(plan.to_json()) == plan
