@@ -78,12 +78,12 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
 
 def _check_pipeline_plan(plan: Plan) -> None:
     """Raise NotImplementedError for what pipeline stages do not run with yet."""
-    with_pp = [what for what, used in (("dp", plan.mesh.dp > 1), ("tp", plan.mesh.tp > 1), ("ZeRO", bool(plan.zero)),
+    with_pp = [what for what, used in (("tp", plan.mesh.tp > 1), ("ZeRO", bool(plan.zero)),
                                        ("split", bool(plan.split)), ("recompute", bool(plan.recompute))) if used]
     if with_pp:
         raise NotImplementedError(
             f"the Plan runs pipeline stages (mesh {dict(plan.mesh)}) with {', '.join(with_pp)}, which graphpass "
-            "does not execute yet (pipeline stages run on their own so far). Plan with graphpass.plan(..., "
+            "does not execute yet (pipeline stages run with data parallelism so far). Plan with graphpass.plan(..., "
             "executable_only=True) for a plan compile runs"
         )
     check_schedule(plan.schedule, plan.mesh.pp, plan.microbatches, "Plan")
@@ -97,11 +97,12 @@ def _pipeline_stage(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh, 
     # Parameters read by several stages (tied embedding and LM head): one group per set of
     # stages sharing one, made by every rank in the same order (creating a group is collective).
     shared = []
+    pipelines = sorted({tuple(plan.mesh.group_ranks("pp", r)) for r in range(plan.mesh.world_size)})
     for target, users in sorted(shared_parameters(stages).items()):
-        ranks = [dist.get_global_rank(group, s) for s in users]
-        together = dist.new_group(ranks)
-        if index in users:
-            shared.append((target, together))
+        for ranks in pipelines:  # every pipeline replica (one per dp x tp coordinate)
+            together = dist.new_group([ranks[s] for s in users])
+            if mesh.rank in ranks and index in users:
+                shared.append((target, together))
     stage = stages[index]
 
     def program(loss_index: int, report_index: int) -> PipelineProgram:

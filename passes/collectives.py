@@ -16,7 +16,7 @@ gather then a scatter); ``emit_tp_copy`` "tp Replicate into sharded compute";
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch.fx as fx
 
@@ -42,22 +42,30 @@ def _first_use_position(node: fx.Node, order: dict[fx.Node, int]) -> int:
 
 
 def bucket_params(
-    params: Sequence[fx.Node], bucket_cap_bytes: int, order: dict[fx.Node, int]
+    params: Sequence[fx.Node], bucket_cap_bytes: int, order: dict[fx.Node, int],
+    stage_of: Callable[[fx.Node], int] | None = None,
 ) -> list[list[fx.Node]]:
     """Group parameters into buckets in the order their gradients become ready.
 
     Backward visits the graph in reverse, so the parameter whose first use is latest gets its
     gradient first. Buckets are filled in that order up to ``bucket_cap_bytes`` (a parameter
-    larger than the cap gets a bucket of its own).
+    larger than the cap gets a bucket of its own). With ``stage_of`` (the pipeline stage of a
+    node), a bucket never holds parameters of two stages.
     """
     ready_order = sorted(params, key=lambda p: -_first_use_position(p, order))
     buckets: list[list[fx.Node]] = []
-    size = 0
+    size, stage = 0, None
+
+    def stage_of_param(p: fx.Node):
+        first = min(p.users, key=lambda u: order[u], default=None)
+        return stage_of(first) if stage_of is not None and first is not None else None
+
     for p in ready_order:
         nbytes = _val_bytes(p)
-        if not buckets or size + nbytes > bucket_cap_bytes:
+        p_stage = stage_of_param(p)
+        if not buckets or size + nbytes > bucket_cap_bytes or p_stage != stage:
             buckets.append([])
-            size = 0
+            size, stage = 0, p_stage
         buckets[-1].append(p)
         size += nbytes
     return buckets
@@ -132,6 +140,7 @@ def emit_grad_all_reduce(
     bucket_cap_bytes: int,
     created_by: str,
     scale: float | None = None,
+    stage_of: Callable[[fx.Node], int] | None = None,
 ) -> list[fx.Node]:
     """Make the gradients of ``params`` (Partial on ``axis``) Replicate by bucketed all-reduce.
 
@@ -152,7 +161,7 @@ def emit_grad_all_reduce(
             {"bucket": index} if scale is None else {"bucket": index, "scale": scale},
             axis, "Replicate()", created_by,
         )
-        for index, bucket in enumerate(bucket_params(params, bucket_cap_bytes, order))
+        for index, bucket in enumerate(bucket_params(params, bucket_cap_bytes, order, stage_of))
     ]
 
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from graphpass import meta
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
+from graphpass.passes.partition_stages import stage_index
 from graphpass.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,12 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
     if not by_axes and batch is None:
         log.info("%s: no batch-sharded axis and no partial gradients; nothing to do", NAME)
         return gm
+    # Pipeline stages: each stage's parameters are bucketed on their own (the cut follows).
+    stage_of = stage_index(gm, plan.stages) if len(plan.stages) > 1 else None
     for axis, params in by_axes.items():
         # Average over the batch axis (the loss is a per-rank mean), sum over tp (partial sums).
-        buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME, scale=1.0 / dp)
+        buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME, scale=1.0 / dp,
+                                                   stage_of=stage_of)
         log.info("%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis)
     if batch is not None:
         output = gm.graph.find_nodes(op="output")[0]

@@ -28,7 +28,8 @@ evenly; the planner places them where its predicted stage times balance.
 
 from __future__ import annotations
 
-from typing import Sequence
+import bisect
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -36,6 +37,8 @@ import torch.fx as fx
 from graphpass import meta
 from graphpass.grads import grad_requiring_nodes
 from graphpass.ops import op_name
+from graphpass.pass_manager import PassContext, graph_pass
+from graphpass.plan import Plan
 from graphpass.passes.collectives import is_collective
 
 #: ``Plan.stages`` of a graph that is not cut.
@@ -82,6 +85,59 @@ def stage_starts(gm: fx.GraphModule, stages: int, *, field: str = "Strategy.pp")
     return tuple(starts)
 
 
+def stage_index(gm: fx.GraphModule, starts: Sequence[str]) -> Callable[[fx.Node], int]:
+    """``node -> the stage it runs in`` for the cut before each node named in ``starts`` (by
+    position in the graph as it is now; the output runs in the last stage).
+
+    Raises:
+        ValueError: a start that is not a ``call_function`` node of ``gm``, or starts out of order.
+    """
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if not starts or starts[0] != "*":
+        raise ValueError(f"Plan.stages must start with '*' (the graph's start), got {tuple(starts)!r}")
+    by_name = {n.name: n for n in gm.graph.nodes}
+    cuts = []
+    for name in starts[1:]:
+        node = by_name.get(name)
+        if node is None or node.op != "call_function":
+            raise ValueError(f"Plan.stages names {name!r}, which is not an op of the captured graph")
+        cuts.append(position[node])
+    if cuts != sorted(set(cuts)):
+        raise ValueError(f"Plan.stages {tuple(starts)!r} are not in graph order")
+
+    def stage_of(node: fx.Node) -> int:
+        if node.op == "output":
+            return len(cuts)
+        return bisect.bisect_right(cuts, position[node])
+
+    return stage_of
+
+
+@graph_pass("partition_stages", provides=("stages",))
+def partition_stages(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
+    """Prepare the graph for its cut into ``plan.stages`` (made once every pass has run): a
+    parameter or buffer read by several stages gets one ``get_attr`` node per stage, so that
+    the passes after this one group and synchronise each stage's use on that stage (the
+    runtime then sums a shared parameter's gradient over the stages that hold it)."""
+    if len(plan.stages) == 1:
+        return gm
+    stage_of = stage_index(gm, plan.stages)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        by_stage: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            by_stage.setdefault(stage_of(user), []).append(user)
+        for s in sorted(by_stage)[1:]:
+            first = min(by_stage[s], key=position.__getitem__)
+            with gm.graph.inserting_before(first):
+                copy = gm.graph.get_attr(node.target)
+            copy.meta.update(node.meta)
+            for user in by_stage[s]:
+                user.replace_input_with(node, copy)
+    gm.recompile()
+    return gm
+
+
 def cut_stages(gm: fx.GraphModule, starts: Sequence[str]) -> list[fx.GraphModule]:
     """The stage graphs of ``gm`` cut before each node named in ``starts`` (``starts[0]`` is
     ``"*"``, the graph's start); see the module docstring for what each takes and returns.
@@ -90,27 +146,10 @@ def cut_stages(gm: fx.GraphModule, starts: Sequence[str]) -> list[fx.GraphModule
         ValueError: a start that is not a ``call_function`` node of ``gm``, or starts out of order.
         NotImplementedError: a value that is not a tensor crosses a stage boundary.
     """
-    position = _position(gm)
-    if not starts or starts[0] != "*":
-        raise ValueError(f"Plan.stages must start with '*' (the graph's start), got {tuple(starts)!r}")
-    cuts = []
-    for name in starts[1:]:
-        node = next((n for n in gm.graph.nodes if n.name == name), None)
-        if node is None or node.op != "call_function":
-            raise ValueError(f"Plan.stages names {name!r}, which is not an op of the captured graph")
-        cuts.append(position[name])
-    if cuts != sorted(set(cuts)):
-        raise ValueError(f"Plan.stages {tuple(starts)!r} are not in graph order")
-    bounds = [0, *cuts, len(position) + 1]
+    stage_of = stage_index(gm, starts)
     nodes = list(gm.graph.nodes)
     output = nodes[-1]
     last = len(starts) - 1
-
-    def stage_of(node: fx.Node) -> int:
-        if node.op == "output":
-            return last
-        index = position[node.name]
-        return max(s for s in range(len(starts)) if bounds[s] <= index)
 
     # Nodes that read only parameters, buffers or nothing (a gradient-sync handle, a collective
     # over a parameter group and its items, a constant): copied into every stage that uses them,
@@ -193,8 +232,5 @@ def shared_parameters(stages: Sequence[fx.GraphModule]) -> dict[str, list[int]]:
     return {target: ss for target, ss in users.items() if len(ss) > 1}
 
 
-def _position(gm: fx.GraphModule) -> dict[str, int]:
-    return {n.name: i for i, n in enumerate(gm.graph.nodes)}
-
-
-__all__ = ["WHOLE", "cut_stages", "layer_starts", "shared_parameters", "stage_starts"]
+__all__ = ["WHOLE", "cut_stages", "layer_starts", "partition_stages", "shared_parameters", "stage_index",
+           "stage_starts"]

@@ -159,3 +159,29 @@ class _TwoLinears(torch.nn.Module):
 
     def forward(self, x):
         return self.second(self.first(x).relu()).mean()
+
+
+def test_after_every_pass_each_stage_synchronises_its_own_parameters():
+    """With pp x dp the passes run on the whole graph, then it is cut: partition_stages gave the
+    tied embedding / LM head one node per stage, so every gradient bucket holds one stage's
+    parameters, and each stage gets its own copy of the gradient-sync handle."""
+    import graphpass as gp
+    from graphpass.pass_manager import PassContext, run_passes
+    from graphpass.passes import PIPELINE
+    from graphpass.plan_builder import plan_from_strategy
+    from graphpass.runtime import collectives as ops
+
+    gm, inputs = _captured("gpt")
+    plan = plan_from_strategy(gm, gp.Strategy(pp=2, dp=2, microbatches=2), ["test"])
+    gm, _ = run_passes(gm, plan, PassContext(rank=0, world_size=4, example_inputs=tuple(inputs)), PIPELINE)
+    tied = [n for n in gm.graph.nodes if n.op == "get_attr" and len(meta.get(n, meta.STATE_KEYS, ())) > 1]
+    assert len(tied) == 2 and tied[0].target == tied[1].target  # one node per stage reading it
+    stages = cut_stages(gm, plan.stages)
+    for s, stage in enumerate(stages):
+        calls = [n for n in stage.graph.nodes if n.op == "call_function"]
+        assert sum(n.target is ops.grad_sync_begin for n in calls) == 1, s
+        buckets = [n for n in calls if n.target is ops.all_reduce_grads]
+        assert buckets, s
+        bucketed = {a.target for b in buckets for a in b.args[1:]}
+        held = {n.target for n in stage.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND) == "parameter"}
+        assert bucketed == held, s  # every parameter of the stage, and only those

@@ -21,18 +21,19 @@ from graphpass.plan import Plan
 RTOL, ATOL = 1e-5, 1e-6
 BATCH, STEPS = 8, 3
 
-# (model, microbatches, schedule) per world size: tied (gpt, hf_gpt2) and untied (hf_llama)
-# embeddings, both schedules, 4 stages on the 4-layer GPT.
+# (model, microbatches, schedule, dp) per world size: tied (gpt, hf_gpt2) and untied (hf_llama)
+# embeddings, both schedules, 4 stages on the 4-layer GPT, 2 stages x dp 2.
 CASES = {
-    2: [("gpt", 2, "gpipe"), ("gpt", 4, "1f1b"), ("hf_llama", 2, "1f1b"), ("hf_gpt2", 4, "gpipe")],
-    4: [("gpt_deep", 4, "1f1b"), ("gpt_deep", 2, "gpipe")],
+    2: [("gpt", 2, "gpipe", 1), ("gpt", 4, "1f1b", 1), ("hf_llama", 2, "1f1b", 1), ("hf_gpt2", 4, "gpipe", 1)],
+    4: [("gpt_deep", 4, "1f1b", 1), ("gpt_deep", 2, "gpipe", 1), ("gpt", 2, "1f1b", 2), ("hf_llama", 4, "gpipe", 2)],
 }
 
 
-def _train_pipelined(name: str, k: int, schedule: str) -> tuple:
+def _train_pipelined(name: str, k: int, schedule: str, dp: int) -> tuple:
     world = dist.get_world_size()
     data = zoo.batches(name, STEPS, BATCH)
-    dmodel = zoo.compile(zoo.build(name), data[0], gp.Strategy(pp=world, microbatches=k, schedule=schedule))
+    strategy = gp.Strategy(pp=world // dp, dp=dp, microbatches=k, schedule=schedule)
+    dmodel = zoo.compile(zoo.build(name), data[0], strategy)
     losses = zoo.train_compiled(dmodel, data)
     stage_params = sorted(n for n, _ in dmodel.named_parameters())
     return losses, dmodel.full_state_dict(), stage_params
@@ -42,17 +43,22 @@ def _train_pipelined(name: str, k: int, schedule: str) -> tuple:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pipeline_stages_match_one_process_on_the_whole_batch(rank_pool, world_size):
     pool = rank_pool(world_size)
-    for name, k, schedule in CASES[world_size]:
+    for name, k, schedule, dp in CASES[world_size]:
         ref_losses, ref_state = zoo.train_reference(name, steps=STEPS, batch=BATCH)[:2]
-        results = pool.run(_train_pipelined, name, k, schedule, timeout_s=300)
+        results = pool.run(_train_pipelined, name, k, schedule, dp, timeout_s=300)
         for rank, (losses, state, params) in enumerate(results):
-            zoo.assert_matches_reference(f"{name} pp={world_size} m={k} {schedule} rank {rank}", losses, state,
-                                         ref_losses, ref_state, rtol=RTOL, atol=ATOL)
-        # Each rank holds its own stage's parameters; only a tied embedding / LM head is on two.
-        held = [set(params) for _, _, params in results]
+            zoo.assert_matches_reference(f"{name} pp={world_size // dp} dp={dp} m={k} {schedule} rank {rank}",
+                                         losses, state, ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+        # Each rank holds its own stage's parameters (the ranks of one pipeline replica are
+        # consecutive on the pp x dp mesh only for dp=1: compare stage 0 with the last stage
+        # through the mesh); only a tied embedding / LM head is on two stages.
+        pp = world_size // dp
+        mesh = gp.Strategy(pp=pp, dp=dp, microbatches=k, schedule=schedule).mesh
+        replica = mesh.group_ranks("pp", 0)
+        held = [set(results[r][2]) for r in replica]
         assert all(held)
-        for a in range(world_size):
-            for b in range(a + 1, world_size):
+        for a in range(pp):
+            for b in range(a + 1, pp):
                 assert len(held[a] & held[b]) <= 1, (a, b, held[a] & held[b])
 
 
@@ -62,8 +68,8 @@ def test_bad_pipeline_strategies_name_the_field_and_sizes():
         gp.Strategy(pp=4, microbatches=2, schedule="1f1b").check(4)
     with pytest.raises(NotImplementedError, match="Strategy.schedule='interleaved_1f1b' is not implemented yet"):
         gp.Strategy(pp=2, microbatches=2, schedule="interleaved_1f1b").check(2)
-    with pytest.raises(NotImplementedError, match=r"Strategy.pp=2 with dp=2, zero=3 is not implemented yet"):
-        gp.Strategy(pp=2, dp=2, zero=3, microbatches=2).check(4)
+    with pytest.raises(NotImplementedError, match=r"Strategy.pp=2 with tp=2, zero=3 is not implemented yet"):
+        gp.Strategy(pp=2, tp=2, dp=2, zero=3, microbatches=2).check(8)
     gp.Strategy(pp=2, microbatches=1, schedule="gpipe").check(2)  # GPipe runs any count
 
 

@@ -16,8 +16,8 @@ def test_strategy_degrees_must_multiply_to_world_size():
 
 
 def test_unbuilt_strategy_fields_raise_not_implemented_naming_the_field():
-    with pytest.raises(NotImplementedError, match=r"Strategy\.pp=2 with dp=2 is not implemented yet"):
-        gp.Strategy(pp=2, dp=2, microbatches=2).check(4)
+    with pytest.raises(NotImplementedError, match=r"Strategy\.pp=2 with tp=2 is not implemented yet"):
+        gp.Strategy(pp=2, tp=2, microbatches=2).check(4)
     gp.Strategy(pp=2, microbatches=2).check(2)  # pipeline stages on their own run
     gp.Strategy(microbatches=4).check(1)  # gradient accumulation runs
 
