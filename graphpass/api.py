@@ -22,7 +22,7 @@ from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
 from graphpass.pass_manager import PassContext, run_passes
-from graphpass.passes import PIPELINE
+from graphpass.passes import passes_for
 from graphpass.passes.partition_stages import cut_stages, shared_parameters
 from graphpass.plan import Plan, Strategy, check_schedule
 from graphpass.plan_builder import plan_from_strategy
@@ -193,7 +193,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     dumper = Dumper(resolve_dump_dir(dump_dir), rank)
     dumper.graph(0, "capture", gm, f"after 00 capture via {captured.route}{', reused' if captured.reused else ''} ({captured.seconds * 1e3:.1f} ms) | nodes {len(gm.graph.nodes)}")
     ctx = PassContext(rank=rank, world_size=world_size, example_inputs=local_inputs)
-    gm, records = run_passes(gm, plan, ctx, PIPELINE, on_record=dumper.record)
+    gm, records = run_passes(gm, plan, ctx, passes_for(plan), on_record=dumper.record)
     dumper.finish(plan, captured.route, captured.seconds, records)
     if dumper.root is not None and rank == 0:
         log.info("graphpass dumps written to %s", dumper.root)

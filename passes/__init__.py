@@ -4,6 +4,7 @@ A pass never measures, solves or communicates. :data:`PIPELINE` is the order
 :func:`graphpass.compile` runs them in.
 """
 
+from graphpass.plan import Plan
 from graphpass.passes.insert_collectives import insert_collectives
 from graphpass.passes.partition_stages import partition_stages
 from graphpass.passes.recompute import recompute
@@ -11,15 +12,23 @@ from graphpass.passes.shard_parameters import shard_parameters
 from graphpass.passes.split_operators import split_operators
 from graphpass.passes.tensor_parallel import tensor_parallel
 
-#: The passes ``graphpass.compile`` runs, in order. partition_stages comes first: it gives a
-#: parameter that several pipeline stages read one node per stage, so the passes after it group
-#: and synchronise each stage's use on its own; compile cuts the stages once every pass has run.
-#: Later capabilities (offload) slot in as they land. split_operators comes next: its slices are the
+#: The passes ``graphpass.compile`` runs, in order (a pipelined plan runs `passes_for`'s).
+#: split_operators comes first: its slices are the
 #: parameters that shard_parameters then shards and gathers one by one. tensor_parallel runs
 #: before shard_parameters (DESIGN.md lists them the other way round): it must see parameters
 #: as direct get_attr inputs of their ops, and ZeRO then shards each rank's tp chunk over dp,
 #: which is how ZeRO inside dp composes with tp on a 2-D mesh. insert_collectives adds the
-#: data-parallel gradient sync last, over whatever parameters remain replicated.
-PIPELINE = (partition_stages, split_operators, tensor_parallel, shard_parameters, insert_collectives, recompute)
+#: data-parallel gradient sync last, over whatever parameters remain replicated. Later
+#: capabilities (offload) slot in as they land.
+PIPELINE = (split_operators, tensor_parallel, shard_parameters, insert_collectives, recompute)
 
-__all__ = ["PIPELINE", "insert_collectives", "partition_stages", "recompute", "shard_parameters", "split_operators", "tensor_parallel"]
+
+def passes_for(plan: Plan) -> tuple:
+    """The passes that compile ``plan``: :data:`PIPELINE`, after partition_stages when the plan
+    has pipeline stages (it gives a parameter that several stages read one node per stage, so
+    the passes after it group and synchronise each stage's use on its own; compile cuts the
+    stages once every pass has run)."""
+    return (partition_stages, *PIPELINE) if len(plan.stages) > 1 else PIPELINE
+
+
+__all__ = ["PIPELINE", "insert_collectives", "partition_stages", "passes_for", "recompute", "shard_parameters", "split_operators", "tensor_parallel"]

@@ -167,13 +167,13 @@ def test_after_every_pass_each_stage_synchronises_its_own_parameters():
     parameters, and each stage gets its own copy of the gradient-sync handle."""
     import graphpass as gp
     from graphpass.pass_manager import PassContext, run_passes
-    from graphpass.passes import PIPELINE
+    from graphpass.passes import passes_for
     from graphpass.plan_builder import plan_from_strategy
     from graphpass.runtime import collectives as ops
 
     gm, inputs = _captured("gpt")
     plan = plan_from_strategy(gm, gp.Strategy(pp=2, dp=2, microbatches=2), ["test"])
-    gm, _ = run_passes(gm, plan, PassContext(rank=0, world_size=4, example_inputs=tuple(inputs)), PIPELINE)
+    gm, _ = run_passes(gm, plan, PassContext(rank=0, world_size=4, example_inputs=tuple(inputs)), passes_for(plan))
     tied = [n for n in gm.graph.nodes if n.op == "get_attr" and len(meta.get(n, meta.STATE_KEYS, ())) > 1]
     assert len(tied) == 2 and tied[0].target == tied[1].target  # one node per stage reading it
     stages = cut_stages(gm, plan.stages)

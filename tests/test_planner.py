@@ -315,8 +315,8 @@ def test_a_priced_strategy_that_does_not_fit_says_so(small_planner):
     assert plan.strategy == gp.Strategy(dp=8)
 
 
-def test_compile_rejects_a_pipeline_plan(small_planner):
-    plan = small_planner.price(gp.Strategy(dp=4, pp=2, microbatches=2))
+def test_compile_rejects_a_pipeline_plan_with_tensor_parallelism(small_planner):
+    plan = small_planner.price(gp.Strategy(dp=2, tp=2, pp=2, microbatches=2))
     with pytest.raises(NotImplementedError, match="pipeline stages"):
         resolve_strategy(plan, 8)  # what compile calls first with a given Plan
 
