@@ -204,6 +204,12 @@ def compile(  # noqa: A001 - the public name the contract uses
                                  captured.route)
     output = gm.graph.find_nodes(op="output")[0]
     stage, program = _pipeline_stage(gm, plan, process_mesh, torch.device(device_type))
+    # This rank keeps only its stage's tensors (the other stages' ranks hold theirs).
+    held = {n.target for n in stage.graph.nodes if n.op == "get_attr"}
+    for target in {n.target for n in gm.graph.nodes if n.op == "get_attr"} - held:
+        tensor = _attr(gm, target)
+        if tensor.device.type != "meta":
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     dumper.graph(len(records) + 1, "partition_stages", stage,
                  f"after {len(records) + 1:02d} partition_stages | stage {process_mesh.axis_rank('pp')} of {plan.mesh.pp} "
                  f"| nodes {len(stage.graph.nodes)}")

@@ -33,7 +33,12 @@ def _train_pipelined(name: str, k: int, schedule: str, dp: int) -> tuple:
     world = dist.get_world_size()
     data = zoo.batches(name, STEPS, BATCH)
     strategy = gp.Strategy(pp=world // dp, dp=dp, microbatches=k, schedule=schedule)
-    dmodel = zoo.compile(zoo.build(name), data[0], strategy)
+    model = zoo.build(name)
+    total = sum(p.numel() for p in model.parameters())
+    dmodel = zoo.compile(model, data[0], strategy)
+    # The rank keeps only its stage's weights: the others' storage is released, as ZeRO's is.
+    kept = sum(p.numel() for p in model.parameters())
+    assert kept == sum(p.numel() for p in dmodel.parameters()) < total, (kept, total)
     losses = zoo.train_compiled(dmodel, data)
     stage_params = sorted(n for n, _ in dmodel.named_parameters())
     return losses, dmodel.full_state_dict(), stage_params
