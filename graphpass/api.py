@@ -78,12 +78,12 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
 
 def _check_pipeline_plan(plan: Plan) -> None:
     """Raise NotImplementedError for what pipeline stages do not run with yet."""
-    with_pp = [what for what, used in (("tp", plan.mesh.tp > 1), ("ZeRO", bool(plan.zero)),
-                                       ("split", bool(plan.split)), ("recompute", bool(plan.recompute))) if used]
+    with_pp = [what for what, used in (("tp", plan.mesh.tp > 1), ("split", bool(plan.split)),
+                                       ("recompute", bool(plan.recompute))) if used]
     if with_pp:
         raise NotImplementedError(
             f"the Plan runs pipeline stages (mesh {dict(plan.mesh)}) with {', '.join(with_pp)}, which graphpass "
-            "does not execute yet (pipeline stages run with data parallelism so far). Plan with graphpass.plan(..., "
+            "does not execute yet (pipeline stages run with data parallelism and ZeRO so far). Plan with graphpass.plan(..., "
             "executable_only=True) for a plan compile runs"
         )
     check_schedule(plan.schedule, plan.mesh.pp, plan.microbatches, "Plan")

@@ -122,13 +122,13 @@ class Strategy:
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
         if self.pp > 1:
-            with_pp = [name for name, used in (("tp", self.tp > 1), ("zero", self.zero > 0),
-                                              ("split", self.split > 1), ("recompute", self.recompute)) if used]
+            with_pp = [name for name, used in (("tp", self.tp > 1), ("split", self.split > 1),
+                                              ("recompute", self.recompute)) if used]
             if with_pp:
                 raise NotImplementedError(
                     f"Strategy.pp={self.pp} with {', '.join(f'{n}={getattr(self, n)!r}' for n in with_pp)} is not "
-                    "implemented yet: pipeline stages run with data parallelism so far (pp, dp, "
-                    "microbatches and a 'gpipe' or '1f1b' schedule)"
+                    "implemented yet: pipeline stages run with data parallelism and ZeRO so far (pp, dp, "
+                    "zero, microbatches and a 'gpipe' or '1f1b' schedule)"
                 )
             check_schedule(self.schedule, self.pp, self.microbatches, "Strategy")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -57,6 +58,11 @@ def _check_zero_entries(gm: fx.GraphModule, plan: Plan) -> dict[str, tuple[fx.No
                 "ZeRO stages apply to parameter get_attr nodes"
             )
         out[name] = (node, stage)
+        # A parameter several pipeline stages read has one node per stage (partition_stages):
+        # each takes the stage of the node the plan names.
+        for other in nodes.values():
+            if other is not node and other.op == "get_attr" and other.target == node.target:
+                out.setdefault(other.name, (other, stage))
     return out
 
 
@@ -70,10 +76,16 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         return gm
     index = plan.mesh.coordinate(ctx.rank, AXIS)
     by_stage: dict[int, list[fx.Node]] = {}
+    full_of: dict[str, torch.Tensor] = {}  # target -> its full tensor, sharded once per target
     for name, (node, stage) in targets.items():
         module_path, _, attr = node.target.rpartition(".")
         owner = gm.get_submodule(module_path)
-        full = getattr(owner, attr)
+        if node.target in full_of:  # another stage's node of a parameter sharded already
+            node.meta[meta.SHARD] = {"axis": AXIS, "dim": 0, "shape": list(full_of[node.target].shape), "stage": stage}
+            node.meta[meta.PLACEMENT] = {AXIS: "Shard(0)"}
+            by_stage.setdefault(stage, []).append(node)
+            continue
+        full = full_of[node.target] = getattr(owner, attr)
         if full.dim() == 0:
             raise ValueError(
                 f"ZeRO shards parameters along dim 0, but {node.target!r} (node {name!r}) is 0-dim; "
