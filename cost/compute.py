@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from graphpass import meta
-from graphpass.grads import grad_requiring_nodes
+from graphpass.grads import grad_requiring_nodes, is_float, tensors
 from graphpass.ops import op_base
 # The default efficiencies live with DeviceSpec (its fields default to them); re-exported here.
 from graphpass.cluster import DEFAULT_EFFICIENCY, DEFAULT_MEMORY_EFFICIENCY, DeviceSpec
@@ -151,20 +151,9 @@ def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
     return _val(node.kwargs.get(name, default))
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
 def _input_tensors(node: fx.Node) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
-    fx.node.map_arg((node.args, node.kwargs), lambda n: out.extend(_tensors(_val(n))) or n)
+    fx.node.map_arg((node.args, node.kwargs), lambda n: out.extend(tensors(_val(n))) or n)
     return out
 
 
@@ -173,18 +162,14 @@ def _nbytes(t: torch.Tensor) -> float:
 
 
 def _numel(value: Any) -> float:
-    return float(sum(t.numel() for t in _tensors(value)))
-
-
-def _is_float(value: Any) -> bool:
-    return any(t.is_floating_point() or t.is_complex() for t in _tensors(value))
+    return float(sum(t.numel() for t in tensors(value)))
 
 
 def _needs_grad(arg: Any, grad_nodes: Collection[fx.Node] | None) -> bool:
     if not isinstance(arg, fx.Node):
         return False
     if grad_nodes is None:
-        return _is_float(_val(arg))
+        return is_float(_val(arg))
     return arg in grad_nodes
 
 
@@ -281,7 +266,7 @@ def node_bytes(node: fx.Node) -> float:
     out = _val(node)
     if name in _VIEWS:
         return 0.0
-    written = float(sum(_nbytes(t) for t in _tensors(out)))
+    written = float(sum(_nbytes(t) for t in tensors(out)))
     if name == "embedding":
         indices = _arg(node, 1, "indices")
         return 2.0 * written + (_nbytes(indices) if isinstance(indices, torch.Tensor) else 0.0)

@@ -22,24 +22,27 @@ def grad_requiring_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             kind = meta.get(node, meta.ATTR_KIND, None)
-            if kind == "parameter" or kind is None and _is_float(node.meta.get(meta.VAL)):
+            if kind == "parameter" or kind is None and is_float(node.meta.get(meta.VAL)):
                 out.add(node)
-        elif node.op == "call_function" and _is_float(node.meta.get(meta.VAL)):
+        elif node.op == "call_function" and is_float(node.meta.get(meta.VAL)):
             if any(a in out for a in node.all_input_nodes):
                 out.add(node)
     return out
 
 
-def _is_float(value: Any) -> bool:
-    return any(t.is_floating_point() or t.is_complex() for t in _tensors(value))
+def is_float(value: Any) -> bool:
+    """Whether ``value`` (a tensor, or nested tuples/lists/dicts of them) holds a floating or
+    complex tensor."""
+    return any(t.is_floating_point() or t.is_complex() for t in tensors(value))
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or nested tuples/lists/dicts of them), in order."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors(item)
