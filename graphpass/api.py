@@ -24,7 +24,7 @@ from graphpass.dump import Dumper, resolve_dump_dir
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import passes_for
 from graphpass.passes.partition_stages import cut_stages, shared_parameters
-from graphpass.plan import Plan, Strategy, check_schedule
+from graphpass.plan import Plan, Strategy, check_pipeline
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.pipeline import PipelineProgram
@@ -77,16 +77,9 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
 
 
 def _check_pipeline_plan(plan: Plan) -> None:
-    """Raise NotImplementedError for what pipeline stages do not run with yet."""
-    with_pp = [what for what, used in (("tp", plan.mesh.tp > 1), ("split", bool(plan.split)),
-                                       ("recompute", bool(plan.recompute))) if used]
-    if with_pp:
-        raise NotImplementedError(
-            f"the Plan runs pipeline stages (mesh {dict(plan.mesh)}) with {', '.join(with_pp)}, which graphpass "
-            "does not execute yet (pipeline stages run with data parallelism and ZeRO so far). Plan with graphpass.plan(..., "
-            "executable_only=True) for a plan compile runs"
-        )
-    check_schedule(plan.schedule, plan.mesh.pp, plan.microbatches, "Plan")
+    """Raise for what pipeline stages do not run with yet (`check_pipeline`)."""
+    check_pipeline("Plan", plan.mesh.pp, plan.schedule, plan.microbatches,
+                   {"tp": plan.mesh.tp > 1 and plan.mesh.tp, "split": sorted(plan.split), "recompute": plan.recompute})
 
 
 def _pipeline_stage(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh, device: torch.device):
@@ -207,9 +200,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     # This rank keeps only its stage's tensors (the other stages' ranks hold theirs).
     held = {n.target for n in stage.graph.nodes if n.op == "get_attr"}
     for target in {n.target for n in gm.graph.nodes if n.op == "get_attr"} - held:
-        tensor = _attr(gm, target)
-        if tensor.device.type != "meta":
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        _release(_attr(gm, target))
     dumper.graph(len(records) + 1, "partition_stages", stage,
                  f"after {len(records) + 1:02d} partition_stages | stage {process_mesh.axis_rank('pp')} of {plan.mesh.pp} "
                  f"| nodes {len(stage.graph.nodes)}")
@@ -281,8 +272,14 @@ def _release_replaced(gm: fx.GraphModule, originals: dict[str, torch.Tensor]) ->
     released so that the rank holds only its shards; ``full_state_dict()`` gathers them back.
     """
     for target, original in originals.items():
-        if _attr(gm, target) is not original and original.device.type != "meta":
-            original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+        if _attr(gm, target) is not original:
+            _release(original)
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s storage (it keeps its dtype and device, with no elements)."""
+    if tensor.device.type != "meta":
+        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def _check_microbatches(inputs: Sequence[torch.Tensor], names: Sequence[str], dp: int, k: int, field: str) -> None:

@@ -122,28 +122,31 @@ class Strategy:
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
         if self.pp > 1:
-            with_pp = [name for name, used in (("tp", self.tp > 1), ("split", self.split > 1),
-                                              ("recompute", self.recompute)) if used]
-            if with_pp:
-                raise NotImplementedError(
-                    f"Strategy.pp={self.pp} with {', '.join(f'{n}={getattr(self, n)!r}' for n in with_pp)} is not "
-                    "implemented yet: pipeline stages run with data parallelism and ZeRO so far (pp, dp, "
-                    "zero, microbatches and a 'gpipe' or '1f1b' schedule)"
-                )
-            check_schedule(self.schedule, self.pp, self.microbatches, "Strategy")
+            check_pipeline("Strategy", self.pp, self.schedule, self.microbatches,
+                           {"tp": self.tp > 1 and self.tp, "split": self.split > 1 and self.split,
+                            "recompute": self.recompute})
 
 
 #: The pipeline schedules graphpass runs today (the others of :data:`SCHEDULES` raise).
 RUNNING_SCHEDULES = ("gpipe", "1f1b")
 
 
-def check_schedule(schedule: str, pp: int, microbatches: int, owner: str) -> None:
-    """Raise unless ``schedule`` can run ``pp`` stages on ``microbatches`` microbatches.
+def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, others: Mapping[str, Any]) -> None:
+    """Raise unless ``pp`` stages can run as asked: ``others`` are the other fields of ``owner``
+    (``Strategy`` or ``Plan``) that pipelines do not compose with yet, each unused when falsy.
 
     Raises:
-        NotImplementedError: a schedule graphpass does not run yet.
+        NotImplementedError: a field pipelines do not compose with yet, or a schedule graphpass
+            does not run yet.
         ValueError: 1F1B with fewer microbatches than stages.
     """
+    used = {name: value for name, value in others.items() if value}
+    if used:
+        raise NotImplementedError(
+            f"{owner}.pp={pp} with {', '.join(f'{k}={v!r}' for k, v in used.items())} is not implemented yet: "
+            "pipeline stages run with data parallelism and ZeRO so far (pp, dp, zero, microbatches and a "
+            "'gpipe' or '1f1b' schedule)"
+        )
     if schedule not in RUNNING_SCHEDULES:
         raise NotImplementedError(
             f"{owner}.schedule={schedule!r} is not implemented yet; graphpass runs {RUNNING_SCHEDULES}"

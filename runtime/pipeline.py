@@ -29,7 +29,8 @@ from graphpass import meta
 from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
 
-#: The schedules graphpass runs, by ``Strategy.schedule`` / ``Plan.schedule``.
+#: The engine's schedule for each of ``graphpass.plan.RUNNING_SCHEDULES`` (which ``Strategy`` and
+#: ``Plan`` are checked against before compile gets here).
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -61,7 +62,7 @@ class PipelineProgram:
         stage: this rank's stage graph.
         stage_index, num_stages: its place in the pipeline (its ``pp`` coordinate, the ``pp`` size).
         group: the ``pp`` process group.
-        schedule: a key of :data:`SCHEDULES`.
+        schedule: a key of :data:`SCHEDULES` (checked by ``graphpass.plan.check_pipeline``).
         num_microbatches: microbatches per step.
         loss_index, report_index: the last stage's outputs to differentiate and to report.
         shared: groups of the ``pp`` group's ranks (global ranks) sharing a parameter, with the
@@ -72,10 +73,6 @@ class PipelineProgram:
     def __init__(self, stage: fx.GraphModule, stage_index: int, num_stages: int, group: dist.ProcessGroup,
                  schedule: str, num_microbatches: int, loss_index: int, report_index: int,
                  shared: Sequence[tuple[str, dist.ProcessGroup]], device: torch.device):
-        if schedule not in SCHEDULES:
-            raise NotImplementedError(
-                f"pipeline schedule {schedule!r} is not implemented yet; graphpass runs {sorted(SCHEDULES)}"
-            )
         self.stage_module, self.num_microbatches = stage, num_microbatches
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.group, self.last_rank = group, dist.get_global_rank(group, num_stages - 1)

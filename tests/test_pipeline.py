@@ -79,6 +79,11 @@ def test_bad_pipeline_strategies_name_the_field_and_sizes():
     with pytest.raises(NotImplementedError, match=r"Strategy.pp=2 with tp=2, recompute=True is not implemented yet"):
         gp.Strategy(pp=2, tp=2, dp=2, recompute=True, microbatches=2).check(8)
     gp.Strategy(pp=2, microbatches=1, schedule="gpipe").check(2)  # GPipe runs any count
+    # The runtime has an engine schedule for every schedule the checks let through.
+    from graphpass.plan import RUNNING_SCHEDULES
+    from graphpass.runtime.pipeline import SCHEDULES
+
+    assert set(SCHEDULES) == set(RUNNING_SCHEDULES)
 
 
 def test_more_stages_than_layers_is_refused_at_compile_naming_the_sizes():
