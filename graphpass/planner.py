@@ -908,7 +908,7 @@ class _Remeasure:
         pass dry-run on the graph of that batch (`tp_layout`), its fake values re-derived at the
         local shapes, its non-collective ops timed on this machine
         (`graphpass.cost.profiler.node_times`) and scaled by the program's own whole-run factor
-        (`_program_factor`; the original graph's at that batch where the program cannot run).
+        (`_timed_whole`; the original graph's at that batch where the program cannot run).
         Empty (logged) where it cannot be done.
 
         The program's own factor matters: its ops are smaller than the original's, and small
@@ -929,8 +929,7 @@ class _Remeasure:
             log.info("tp=%d program at batch %d not timed (%s: %s); its compute is the original ops split tp ways",
                      tp, batch, type(exc).__name__, exc)
             return ProgramTimes()
-        raw = profiler.node_times(program, self.cluster.device, measure=True, skip=is_collective, together=self.together)
-        factor = self._program_factor(program, sliced, tp, batch)
+        raw, factor = self._timed_whole(program, sliced, tp, batch)
         times = _contended(program, self.cluster, raw,
                            self._factor(batch, other, sliced) if factor is None else factor, self.together)
         original = {n.name for n in other.graph.nodes}
@@ -949,28 +948,33 @@ class _Remeasure:
         return ProgramTimes(own, dict(added))
 
 
-    def _program_factor(self, program: fx.GraphModule, inputs: Sequence[torch.Tensor], tp: int,
-                        batch: int) -> float | None:
-        """The rank program's own `isolation_factor`: the program run whole (on every rank at
-        once when ``together``) with each collective swapped for its one-rank stand-in
+    def _timed_whole(self, program: fx.GraphModule, inputs: Sequence[torch.Tensor], tp: int,
+                     batch: int) -> tuple[dict[str, tuple[float, float]], float | None]:
+        """The rank program's non-collective op times (`graphpass.cost.profiler.node_times`) and
+        its own `isolation_factor`: the program run whole (on every rank at once when
+        ``together``) with each collective swapped for its one-rank stand-in
         (`graphpass.runtime.tensor_parallel.ALONE`: its local work, no traffic), over the sum of
-        its ops timed alone, stand-ins included, so that their copies fall on both sides. None
-        (logged) where some op has no time; every rank decides alike, as they share times."""
+        its ops timed alone, stand-ins included, so that their copies fall on both sides. The
+        factor is None (logged) where some op has no time; every rank decides alike, as they
+        share times."""
         from graphpass.cost import profiler
 
         graph = fx.Graph()
         graph.output(graph.graph_copy(program.graph, {}))
+        stand_ins = set()
         for node in graph.nodes:
             if is_collective(node):
                 node.target = ALONE[node.target]
+                stand_ins.add(node.name)
         rehearsal = fx.GraphModule(program, graph)
         times = profiler.node_times(rehearsal, self.cluster.device, measure=True, together=self.together)
+        own = {name: t for name, t in times.items() if name not in stand_ins}
         untimed = [n.name for n in graph.nodes if n.op == "call_function" and n.name not in times]
         if untimed:
             log.info("tp=%d program at batch %d not timed whole (%s have no time); scaled as the original graph",
                      tp, batch, ", ".join(untimed[:5]))
-            return None
-        return profiler.isolation_factor(rehearsal, inputs, times, together=self.together)
+            return own, None
+        return own, profiler.isolation_factor(rehearsal, inputs, times, together=self.together)
 
 
 def _materialize(gm: fx.GraphModule, like: fx.GraphModule) -> None:
