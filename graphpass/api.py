@@ -69,40 +69,56 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
         if strategy.strategy is not None:
             strategy.strategy.check(world_size)
         if strategy.mesh.pp > 1:
-            _check_pipeline_plan(strategy)
+            check_pipeline("Plan", strategy.mesh.pp, strategy.schedule, strategy.microbatches,
+                           strategy.virtual_stages)
         return strategy.strategy, strategy, []
     raise TypeError(
         f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {type(strategy).__name__}"
     )
 
 
-def _check_pipeline_plan(plan: Plan) -> None:
-    """Raise for what pipeline stages do not run with yet (`check_pipeline`)."""
-    check_pipeline("Plan", plan.mesh.pp, plan.schedule, plan.microbatches,
-                   {"tp": plan.mesh.tp > 1 and plan.mesh.tp, "split": sorted(plan.split), "recompute": plan.recompute})
-
-
-def _pipeline_stage(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh, device: torch.device):
-    """This rank's stage graph of ``gm`` and a builder of its pipeline program."""
+def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh, device: torch.device):
+    """This rank's stage graphs of ``gm`` with their indices (rank ``r`` of ``pp`` runs stages
+    ``r, r + pp, ...``) and a builder of its pipeline program."""
     stages = cut_stages(gm, plan.stages)
-    index, num = mesh.axis_rank("pp"), len(stages)
+    pp, index = plan.mesh.pp, mesh.axis_rank("pp")
+    mine = [(s, stages[s]) for s in range(index, len(stages), pp)]
     group = mesh.group("pp")
-    # Parameters read by several stages (tied embedding and LM head): one group per set of
-    # stages sharing one, made by every rank in the same order (creating a group is collective).
+    # Parameters read by stages on several ranks (tied embedding and LM head): one group per
+    # set of ranks sharing one, made by every rank in the same order (creating a group is
+    # collective). Stages on one rank share the parameter object itself.
     shared = []
     pipelines = sorted({tuple(plan.mesh.group_ranks("pp", r)) for r in range(plan.mesh.world_size)})
     for target, users in sorted(shared_parameters(stages).items()):
+        holders = sorted({s % pp for s in users})
+        if len(holders) < 2:
+            continue
         for ranks in pipelines:  # every pipeline replica (one per dp x tp coordinate)
-            together = dist.new_group([ranks[s] for s in users])
-            if mesh.rank in ranks and index in users:
+            together = dist.new_group([ranks[h] for h in holders])
+            if mesh.rank in ranks and index in holders:
                 shared.append((target, together))
-    stage = stages[index]
 
     def program(loss_index: int, report_index: int) -> PipelineProgram:
-        return PipelineProgram(stage, index, num, group, plan.schedule, plan.microbatches, loss_index,
+        return PipelineProgram(mine, len(stages), group, plan.schedule, plan.microbatches, loss_index,
                                report_index, shared, device)
 
-    return stage, program
+    return mine, program
+
+
+def _rank_state(gm: fx.GraphModule, stages: Sequence[fx.GraphModule]) -> fx.GraphModule:
+    """What this rank's stages read, in one module: the stage itself when there is one, else a
+    graph of their ``get_attr`` nodes (metadata included), which is how the
+    ``DistributedModule`` finds the rank's parameters, shards and state keys."""
+    if len(stages) == 1:
+        return stages[0]
+    graph, seen = fx.Graph(), set()
+    for stage in stages:
+        for node in stage.graph.nodes:
+            if node.op == "get_attr" and node.target not in seen:
+                seen.add(node.target)
+                graph.node_copy(node)
+    graph.output(None)
+    return fx.GraphModule(gm, graph, class_name="RankStages")
 
 
 def _check_plan_nodes(plan: Plan, gm: fx.GraphModule) -> None:
@@ -196,16 +212,18 @@ def compile(  # noqa: A001 - the public name the contract uses
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
                                  captured.route)
     output = gm.graph.find_nodes(op="output")[0]
-    stage, program = _pipeline_stage(gm, plan, process_mesh, torch.device(device_type))
-    # This rank keeps only its stage's tensors (the other stages' ranks hold theirs).
-    held = {n.target for n in stage.graph.nodes if n.op == "get_attr"}
+    mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type))
+    # This rank keeps only its stages' tensors (the other stages' ranks hold theirs).
+    held = {n.target for _, stage in mine for n in stage.graph.nodes if n.op == "get_attr"}
     for target in {n.target for n in gm.graph.nodes if n.op == "get_attr"} - held:
         _release(_attr(gm, target))
-    dumper.graph(len(records) + 1, "partition_stages", stage,
-                 f"after {len(records) + 1:02d} partition_stages | stage {process_mesh.axis_rank('pp')} of {plan.mesh.pp} "
-                 f"| nodes {len(stage.graph.nodes)}")
-    return DistributedModule(stage, plan, process_mesh, records, [t.shape for t in local_inputs], model,
-                             captured.route, pipeline=program,
+    for s, stage in mine:
+        name = "partition_stages" if len(mine) == 1 else f"partition_stages_{s}"
+        dumper.graph(len(records) + 1, name, stage,
+                     f"after {len(records) + 1:02d} partition_stages | stage {s} of {len(plan.stages)} "
+                     f"(pp rank {process_mesh.axis_rank('pp')} of {plan.mesh.pp}) | nodes {len(stage.graph.nodes)}")
+    return DistributedModule(_rank_state(gm, [stage for _, stage in mine]), plan, process_mesh, records,
+                             [t.shape for t in local_inputs], model, captured.route, pipeline=program,
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
                              roles=meta.get(output, meta.ROLE))
 
@@ -276,9 +294,10 @@ def _release_replaced(gm: fx.GraphModule, originals: dict[str, torch.Tensor]) ->
             _release(original)
 
 
-def _release(tensor: torch.Tensor) -> None:
-    """Free ``tensor``'s storage (it keeps its dtype and device, with no elements)."""
-    if tensor.device.type != "meta":
+def _release(tensor: torch.Tensor | nn.Module) -> None:
+    """Free ``tensor``'s storage (it keeps its dtype and device, with no elements); a module
+    attribute (a recompute region) holds no tensors of its own."""
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
         tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 

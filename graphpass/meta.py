@@ -46,6 +46,9 @@ SPLIT = "gp.split"
 GRAD_PARTIAL = "gp.grad_partial"
 #: Pipeline stage index of the node.
 STAGE = "gp.stage"
+#: For a ``get_attr`` node that partition_stages added for a later stage's use of a parameter
+#: or buffer: the name of the captured node it copies, under which the plan places it.
+PLAN_NAME = "gp.plan_name"
 #: For a stage graph's placeholders (and the values it returns): whether the value needs a
 #: gradient (:func:`graphpass.grads.grad_requiring_nodes` of the whole graph), which the
 #: pipeline engine needs to know of what it receives and sends.
@@ -75,6 +78,11 @@ def get(node: fx.Node, key: str, default: Any = _MISSING) -> Any:
         f"node {node.name!r} ({node.op} {node.target}) has no meta[{key!r}]; "
         "it was created without copy_meta or before the analysis that sets it"
     )
+
+
+def plan_name(node: fx.Node) -> str:
+    """The name the plan knows ``node`` by: its own, or the captured node's it copies."""
+    return node.meta.get(PLAN_NAME, node.name)
 
 
 def copy_meta(src: fx.Node, dst: fx.Node, *, exclude: tuple[str, ...] = (VAL,)) -> None:

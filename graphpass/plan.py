@@ -63,6 +63,8 @@ class Strategy:
         split: OSDP operator-splitting factor for large linears.
         microbatches: microbatches per step (pipeline / gradient accumulation).
         schedule: pipeline schedule, one of :data:`SCHEDULES`.
+        virtual_stages: stages per pipeline rank (``"interleaved_1f1b"``: at least 2; the model is
+            cut into ``pp * virtual_stages`` stages, rank ``r`` running stages ``r, r + pp, ...``).
         recompute: activation checkpointing of every layer.
         sequence_parallel: with ``tp > 1``, shard norm/dropout/residual activations along the
             sequence (Megatron-LM sequence parallelism).
@@ -77,9 +79,10 @@ class Strategy:
     schedule: str = "1f1b"
     recompute: bool = False
     sequence_parallel: bool = False
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "split", "microbatches"):
+        for name in ("dp", "tp", "pp", "split", "microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Strategy.{name} must be a positive int, got {value!r}")
@@ -122,31 +125,25 @@ class Strategy:
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
         if self.pp > 1:
-            check_pipeline("Strategy", self.pp, self.schedule, self.microbatches,
-                           {"tp": self.tp > 1 and self.tp, "split": self.split > 1 and self.split,
-                            "recompute": self.recompute})
+            check_pipeline("Strategy", self.pp, self.schedule, self.microbatches, self.virtual_stages)
 
 
 #: The pipeline schedules graphpass runs today (the others of :data:`SCHEDULES` raise).
-RUNNING_SCHEDULES = ("gpipe", "1f1b")
+RUNNING_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+#: The schedules that run several stages per rank.
+INTERLEAVED = ("interleaved_1f1b",)
 
 
-def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, others: Mapping[str, Any]) -> None:
-    """Raise unless ``pp`` stages can run as asked: ``others`` are the other fields of ``owner``
-    (``Strategy`` or ``Plan``) that pipelines do not compose with yet, each unused when falsy.
+def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtual_stages: int) -> None:
+    """Raise unless ``pp`` ranks can run ``virtual_stages`` stages each as ``owner`` asks
+    (``Strategy`` or ``Plan``; a Plan's virtual stages are its stages per pipeline rank).
 
     Raises:
-        NotImplementedError: a field pipelines do not compose with yet, or a schedule graphpass
-            does not run yet.
-        ValueError: 1F1B with fewer microbatches than stages.
+        NotImplementedError: a schedule graphpass does not run yet.
+        ValueError: 1F1B with fewer microbatches than stages; an interleaved schedule with one
+            stage per rank, or microbatches it cannot group into rounds of ``pp``; several
+            stages per rank with a schedule that runs one.
     """
-    used = {name: value for name, value in others.items() if value}
-    if used:
-        raise NotImplementedError(
-            f"{owner}.pp={pp} with {', '.join(f'{k}={v!r}' for k, v in used.items())} is not implemented yet: "
-            "pipeline stages run with data parallelism and ZeRO so far (pp, dp, zero, microbatches and a "
-            "'gpipe' or '1f1b' schedule)"
-        )
     if schedule not in RUNNING_SCHEDULES:
         raise NotImplementedError(
             f"{owner}.schedule={schedule!r} is not implemented yet; graphpass runs {RUNNING_SCHEDULES}"
@@ -155,6 +152,25 @@ def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, others
         raise ValueError(
             f"{owner}.schedule='1f1b' needs at least as many microbatches as stages: {owner}.microbatches="
             f"{microbatches} < pp={pp}; use {owner}.microbatches >= {pp} (or schedule='gpipe')"
+        )
+    if schedule in INTERLEAVED:
+        if virtual_stages < 2:
+            raise ValueError(
+                f"{owner}.schedule={schedule!r} interleaves several stages per rank, but {owner}.virtual_stages="
+                f"{virtual_stages}; use virtual_stages >= 2 (or schedule='1f1b' for one stage per rank)"
+            )
+        # The engine runs microbatches in rounds of up to pp; the rounds must be equal.
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            raise ValueError(
+                f"{owner}.schedule={schedule!r} runs microbatches in {rounds} equal rounds of about pp={pp}, "
+                f"which {owner}.microbatches={microbatches} does not divide into; use a multiple of pp={pp} "
+                f"or fewer microbatches than {2 * pp}"
+            )
+    elif virtual_stages != 1:
+        raise ValueError(
+            f"{owner}.virtual_stages={virtual_stages} needs an interleaved schedule ({', '.join(INTERLEAVED)}); "
+            f"{owner}.schedule={schedule!r} runs one stage per rank"
         )
 
 
@@ -274,6 +290,9 @@ class Plan:
             if not isinstance(self.placement(node, "tp"), Shard):
                 raise ValueError(f"Plan.tp_parts names {node!r}, which is not Shard(d) on a 'tp' axis; "
                                  "fused parts apply to column-parallel weights")
+        if self.mesh.pp > 1 and len(self.stages) % self.mesh.pp:
+            raise ValueError(f"Plan.stages has {len(self.stages)} stages, which pp={self.mesh.pp} ranks cannot share "
+                             "equally; give pp x virtual stages per rank")
         for layer in self.recompute:
             if not isinstance(layer, int) or layer < 0:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
@@ -282,6 +301,11 @@ class Plan:
     def world_size(self) -> int:
         """Product of the mesh sizes."""
         return self.mesh.world_size
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per ``pp`` rank (several under an interleaved schedule)."""
+        return max(1, len(self.stages) // self.mesh.pp)
 
     def placement(self, node: str, axis: str) -> Placement:
         """Placement of ``node`` on ``axis`` (Replicate when the plan does not mention it)."""

@@ -77,7 +77,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     return Plan(
         mesh=mesh,
         placements=placements,
-        stages=stage_starts(gm, mesh.pp, field="Strategy.pp" if strategy is not None else "Plan.mesh['pp']"),
+        stages=_stages(gm, mesh.pp, strategy),
         schedule=strategy.schedule if strategy is not None else "1f1b",
         strategy=strategy,
         zero=zero,
@@ -88,3 +88,12 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         tp_parts=tp_parts,
         reasons=tuple(reasons),
     )
+
+
+def _stages(gm: fx.GraphModule, pp: int, strategy: Strategy | None) -> tuple[str, ...]:
+    """The even cut into ``pp`` stages per virtual stage of the strategy."""
+    if strategy is None:
+        return stage_starts(gm, pp, field="Plan.mesh['pp']")
+    if strategy.virtual_stages == 1:
+        return stage_starts(gm, pp, field="Strategy.pp")
+    return stage_starts(gm, pp * strategy.virtual_stages, field="Strategy.pp x Strategy.virtual_stages")

@@ -65,7 +65,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
         partial = n.meta.get(meta.GRAD_PARTIAL)
         if zero_sharded:
             continue  # shard_parameters reduces its gradient (summing partial axes first)
-        group = ([batch] if batch and plan.placement(n.name, batch) == Replicate() else []) + ([partial] if partial else [])
+        group = ([batch] if batch and plan.placement(meta.plan_name(n), batch) == Replicate() else []) + ([partial] if partial else [])
         if group:
             by_axes.setdefault(",".join(group), []).append(n)
     if not by_axes and batch is None:

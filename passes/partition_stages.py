@@ -89,19 +89,29 @@ def stage_index(gm: fx.GraphModule, starts: Sequence[str]) -> Callable[[fx.Node]
     """``node -> the stage it runs in`` for the cut before each node named in ``starts`` (by
     position in the graph as it is now; the output runs in the last stage).
 
+    Once :func:`partition_stages` has run, the ops carry their stage (``meta.STAGE``; the later
+    passes copy it onto the nodes they put in place of others, as they copy the layer), and the
+    cut before stage ``s`` is at the first op tagged ``s`` or later: the start names may be gone
+    by then (recompute replaces a layer by one checkpoint call, tensor parallelism a linear).
+
     Raises:
         ValueError: a start that is not a ``call_function`` node of ``gm``, or starts out of order.
     """
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     if not starts or starts[0] != "*":
         raise ValueError(f"Plan.stages must start with '*' (the graph's start), got {tuple(starts)!r}")
-    by_name = {n.name: n for n in gm.graph.nodes}
-    cuts = []
-    for name in starts[1:]:
-        node = by_name.get(name)
-        if node is None or node.op != "call_function":
-            raise ValueError(f"Plan.stages names {name!r}, which is not an op of the captured graph")
-        cuts.append(position[node])
+    tagged = [(position[n], n.meta[meta.STAGE]) for n in gm.graph.nodes
+              if n.op == "call_function" and meta.STAGE in n.meta]
+    if tagged:
+        cuts = [min((p for p, tag in tagged if tag >= s), default=len(position)) for s in range(1, len(starts))]
+    else:
+        by_name = {n.name: n for n in gm.graph.nodes}
+        cuts = []
+        for name in starts[1:]:
+            node = by_name.get(name)
+            if node is None or node.op != "call_function":
+                raise ValueError(f"Plan.stages names {name!r}, which is not an op of the captured graph")
+            cuts.append(position[node])
     if cuts != sorted(set(cuts)):
         raise ValueError(f"Plan.stages {tuple(starts)!r} are not in graph order")
 
@@ -115,13 +125,18 @@ def stage_index(gm: fx.GraphModule, starts: Sequence[str]) -> Callable[[fx.Node]
 
 @graph_pass("partition_stages", provides=("stages",))
 def partition_stages(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
-    """Prepare the graph for its cut into ``plan.stages`` (made once every pass has run): a
-    parameter or buffer read by several stages gets one ``get_attr`` node per stage, so that
-    the passes after this one group and synchronise each stage's use on that stage (the
-    runtime then sums a shared parameter's gradient over the stages that hold it)."""
+    """Prepare the graph for its cut into ``plan.stages`` (made once every pass has run): every
+    op is tagged with its stage (``meta.STAGE``, which the later passes carry onto the nodes
+    they create in place of others), and a parameter or buffer read by several stages gets one
+    ``get_attr`` node per stage, so that the passes after this one group and synchronise each
+    stage's use on that stage (the runtime then sums a shared parameter's gradient over the
+    stages that hold it)."""
     if len(plan.stages) == 1:
         return gm
     stage_of = stage_index(gm, plan.stages)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.meta[meta.STAGE] = stage_of(node)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
         by_stage: dict[int, list[fx.Node]] = {}
@@ -132,6 +147,7 @@ def partition_stages(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
             with gm.graph.inserting_before(first):
                 copy = gm.graph.get_attr(node.target)
             copy.meta.update(node.meta)
+            copy.meta[meta.PLAN_NAME] = meta.plan_name(node)
             for user in by_stage[s]:
                 user.replace_input_with(node, copy)
     gm.recompile()

@@ -130,6 +130,7 @@ class _Walker:
         self.parts: dict[fx.Node, tuple[int, ...]] = {}  # fused weights/biases -> part sizes
         self.merged_from: dict[fx.Node, fx.Node] = {}  # a view making a MergedShard -> its Shard input
         self.after: dict[fx.Node, list[fx.Node]] = {}  # nodes a rule added, to visit after the node
+        self.sharded: dict[str, fx.Node] = {}  # attribute target -> the get_attr node that sharded it
         for node in self.graph.nodes:
             shape = _shape(node)
             if shape is not None:
@@ -283,9 +284,17 @@ class _Walker:
     def shard_attribute(self, node: fx.Node) -> Placement:
         if meta.get(node, meta.ATTR_KIND, None) == "module":
             return R
-        placement = self.plan.placement(node.name, AXIS)
+        placement = self.plan.placement(meta.plan_name(node), AXIS)
         if not isinstance(placement, Shard):
             return R
+        first = self.sharded.get(node.target)
+        if first is not None:  # another pipeline stage's node of a parameter sharded already
+            for key in (meta.TP_SHARD, meta.PLACEMENT):
+                node.meta[key] = first.meta[key]
+            if first in self.parts:
+                self.parts[node] = self.parts[first]
+            return self.place[first]
+        self.sharded[node.target] = node
         module_path, _, attr = node.target.rpartition(".")
         owner = self.gm.get_submodule(module_path)
         full = getattr(owner, attr)
@@ -296,7 +305,7 @@ class _Walker:
                 f"{node.target!r} (module {module_path}, shape {tuple(full.shape)}); choose tp dividing "
                 f"{full.shape[dim]} or leave this parameter replicated"
             )
-        parts = tuple(self.plan.tp_parts.get(node.name, ()))
+        parts = tuple(self.plan.tp_parts.get(meta.plan_name(node), ()))
         if parts:
             if sum(parts) != full.shape[dim] or any(n % self.size for n in parts):
                 raise TensorParallelError(

@@ -1,9 +1,10 @@
 """Pipeline stages run by ``torch.distributed.pipelining``'s schedules.
 
-Each rank of the ``pp`` axis runs one stage graph (``graphpass.passes.partition_stages``) as a
-``PipelineStage`` whose send/receive metadata comes from the stage graph's fake values (no
-run-time shape inference), and the engine's schedule (GPipe or 1F1B) drives its microbatch
-forwards and backwards. graphpass adds what the engine does not know:
+Each rank of the ``pp`` axis runs one stage graph (``graphpass.passes.partition_stages``), or
+several under an interleaved schedule, each as a ``PipelineStage`` whose send/receive metadata
+comes from the stage graph's fake values (no run-time shape inference), and the engine's
+schedule (GPipe, 1F1B, interleaved 1F1B) drives their microbatch forwards and backwards.
+graphpass adds what the engine does not know:
 
 - the step's scaling: each microbatch's loss is a mean over its rows, and the loss the engine
   differentiates is that loss divided by the microbatch count (``scale_grads=False``: one
@@ -12,7 +13,8 @@ forwards and backwards. graphpass adds what the engine does not know:
   step: every forward runs under the step's :class:`~graphpass.runtime.grad_sync.Accumulation`
   and the engine's ``last_backward`` marks the stage's last backward, as the step program does;
 - a parameter read by several stages (tied embedding and LM head) has its gradient summed over
-  the ranks that hold it, once per step;
+  the ranks that hold it, once per step (stages on one rank share the one parameter object, so
+  their uses already sum into its ``.grad``);
 - the reported loss, the mean over the microbatches, is sent from the last stage to every rank.
 """
 
@@ -23,7 +25,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from graphpass import meta
 from graphpass.runtime.grad_sync import Accumulation, accumulating
@@ -31,7 +34,7 @@ from graphpass.runtime.regather import rebuild_saved_tensors
 
 #: The engine's schedule for each of ``graphpass.plan.RUNNING_SCHEDULES`` (which ``Strategy`` and
 #: ``Plan`` are checked against before compile gets here).
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
 class _Stage(PipelineStage):
@@ -56,41 +59,59 @@ def _example(node: fx.Node, grad: bool) -> torch.Tensor:
 
 
 class PipelineProgram:
-    """One rank's stage of a pipeline, run by an engine schedule; one gradient sync per step.
+    """One rank's stages of a pipeline, run by an engine schedule; one gradient sync per step.
 
     Args:
-        stage: this rank's stage graph.
-        stage_index, num_stages: its place in the pipeline (its ``pp`` coordinate, the ``pp`` size).
+        stages: this rank's stage graphs with their indices in the pipeline (one, or several
+            under an interleaved schedule: rank ``r`` of ``pp`` runs stages ``r, r + pp, ...``).
+        num_stages: the number of stages in the pipeline.
         group: the ``pp`` process group.
         schedule: a key of :data:`SCHEDULES` (checked by ``graphpass.plan.check_pipeline``).
         num_microbatches: microbatches per step.
         loss_index, report_index: the last stage's outputs to differentiate and to report.
-        shared: groups of the ``pp`` group's ranks (global ranks) sharing a parameter, with the
-            parameter's attribute name on this rank: ``[(target, ranks_group), ...]``.
-        device: where the stage runs.
+        shared: ``(attribute name, group)`` for every parameter this rank shares with other
+            ranks of its pipeline (a tied embedding and LM head): its gradient is summed there.
+        device: where the stages run.
     """
 
-    def __init__(self, stage: fx.GraphModule, stage_index: int, num_stages: int, group: dist.ProcessGroup,
+    def __init__(self, stages: Sequence[tuple[int, fx.GraphModule]], num_stages: int, group: dist.ProcessGroup,
                  schedule: str, num_microbatches: int, loss_index: int, report_index: int,
                  shared: Sequence[tuple[str, dist.ProcessGroup]], device: torch.device):
-        self.stage_module, self.num_microbatches = stage, num_microbatches
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.group, self.last_rank = group, dist.get_global_rank(group, num_stages - 1)
+        self.stage_modules = [module for _, module in stages]
+        self.num_microbatches = num_microbatches
+        indices = [index for index, _ in stages]
+        self.is_first, self.is_last = 0 in indices, num_stages - 1 in indices
+        pp = dist.get_world_size(group)
+        self.group, self.last_rank = group, dist.get_global_rank(group, (num_stages - 1) % pp)
         self.shared = list(shared)
         self.loss_index, self.report_index = loss_index, report_index
-        inputs = [n for n in stage.graph.nodes if n.op == "placeholder"]
-        output = stage.graph.find_nodes(op="output")[0]
-        outputs = list(output.args[0])
-        self.stage = _Stage(
-            stage, stage_index, num_stages, device,
+        self.stages = [self._stage(module, index, num_stages, group, device) for index, module in stages]
+        self._reports: list[torch.Tensor] = []
+        engine = SCHEDULES[schedule]
+        self.schedule = engine(self.stages if issubclass(engine, PipelineScheduleMulti) else self.stages[0],
+                               n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    @staticmethod
+    def _stage(module: fx.GraphModule, index: int, num_stages: int, group: dist.ProcessGroup,
+               device: torch.device) -> _Stage:
+        inputs = [n for n in module.graph.nodes if n.op == "placeholder"]
+        outputs = list(module.graph.find_nodes(op="output")[0].args[0])
+        last = index == num_stages - 1
+        return _Stage(
+            module, index, num_stages, device,
             input_args=tuple(_example(n, bool(n.meta.get(meta.REQUIRES_GRAD))) for n in inputs),
-            output_args=tuple(_example(n, not self.is_last and bool(n.meta.get(meta.REQUIRES_GRAD)))
-                              for n in outputs),
+            output_args=tuple(_example(n, not last and bool(n.meta.get(meta.REQUIRES_GRAD))) for n in outputs),
             group=group,
         )
-        self._reports: list[torch.Tensor] = []
-        self.schedule = SCHEDULES[schedule](self.stage, n_microbatches=num_microbatches,
-                                            loss_fn=self._loss, scale_grads=False)
+
+    def _parameter(self, target: str) -> torch.nn.Parameter:
+        """The parameter named ``target`` (one object, whichever of this rank's stages reads it)."""
+        for module in self.stage_modules:
+            try:
+                return module.get_parameter(target)
+            except AttributeError:
+                continue
+        raise KeyError(f"no stage on this rank holds {target!r}")
 
     def _loss(self, outputs, target) -> torch.Tensor:
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -100,16 +121,14 @@ class PipelineProgram:
     def run(self, local_inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Train one step on this pipeline replica's share (given on every rank; only the first
         stage reads it); the mean reported loss, on every rank (detached)."""
-        self.stage.accumulation = Accumulation(self.num_microbatches)
+        for stage in self.stages:
+            stage.accumulation = Accumulation(self.num_microbatches)
         self._reports = []
-        if self.is_first:
-            self.schedule.step(*local_inputs, return_outputs=False)
-        elif self.is_last:
-            self.schedule.step(target=torch.zeros(self.num_microbatches), return_outputs=False)
-        else:
-            self.schedule.step(return_outputs=False)
-        for target, group in self.shared:
-            p = self.stage_module.get_parameter(target)
+        args = tuple(local_inputs) if self.is_first else ()
+        target = torch.zeros(self.num_microbatches) if self.is_last else None
+        self.schedule.step(*args, target=target, return_outputs=False)
+        for target_name, group in self.shared:
+            p = self._parameter(target_name)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)

@@ -16,16 +16,17 @@ def test_strategy_degrees_must_multiply_to_world_size():
 
 
 def test_unbuilt_strategy_fields_raise_not_implemented_naming_the_field():
-    with pytest.raises(NotImplementedError, match=r"Strategy\.pp=2 with tp=2 is not implemented yet"):
-        gp.Strategy(pp=2, tp=2, microbatches=2).check(4)
-    gp.Strategy(pp=2, microbatches=2).check(2)  # pipeline stages on their own run
+    with pytest.raises(NotImplementedError, match=r"Strategy\.schedule='zero_bubble' is not implemented yet"):
+        gp.Strategy(pp=2, tp=2, microbatches=2, schedule="zero_bubble").check(4)
+    gp.Strategy(pp=2, tp=2, microbatches=2, recompute=True).check(4)  # pipelines compose with the rest
     gp.Strategy(microbatches=4).check(1)  # gradient accumulation runs
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"dp": 0}, "Strategy.dp must be a positive int"), ({"zero": 4}, "Strategy.zero must be 0, 1, 2 or 3"),
-     ({"schedule": "bogus"}, "Strategy.schedule must be one of"), ({"tp": 1.5}, "Strategy.tp")],
+     ({"schedule": "bogus"}, "Strategy.schedule must be one of"), ({"tp": 1.5}, "Strategy.tp"),
+     ({"virtual_stages": 0}, "Strategy.virtual_stages must be a positive int")],
 )
 def test_strategy_rejects_bad_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):

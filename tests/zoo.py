@@ -207,14 +207,16 @@ def build(name: str, seed: int = 0) -> nn.Module:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )
         return HFCausalLM(GPT2LMHeadModel(config))
-    if name in ("hf_llama", "hf_llama_mha", "hf_llama_mqa"):
+    if name in ("hf_llama", "hf_llama_mha", "hf_llama_mqa", "hf_llama_deep"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         # hf_llama uses grouped-query attention (2 kv heads for 4 query heads); hf_llama_mha has
-        # 4 kv heads; hf_llama_mqa one kv head and eager (matmul) attention.
-        kv_heads = {"hf_llama": 2, "hf_llama_mha": 4, "hf_llama_mqa": 1}[name]
+        # 4 kv heads; hf_llama_mqa one kv head and eager (matmul) attention; hf_llama_deep is
+        # hf_llama with 4 layers (for 4 pipeline stages).
+        kv_heads = {"hf_llama": 2, "hf_llama_mha": 4, "hf_llama_mqa": 1, "hf_llama_deep": 2}[name]
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4 if name == "hf_llama_deep" else 2,
             num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
             bos_token_id=0, eos_token_id=0, pad_token_id=0,
             attn_implementation="eager" if name == "hf_llama_mqa" else "sdpa",
