@@ -46,7 +46,7 @@ __all__ = [
 
 _ZERO_STAGES = (0, 1, 2, 3)
 _RECOMPUTE = ("none", "selective", "full")
-_SCHEDULES = ("1f1b", "gpipe")
+_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
 
 def _positive(name: str, value: float) -> None:
@@ -284,26 +284,39 @@ def interleaved_bubble_fraction(stages: int, microbatches: int, chunks: int) -> 
 
 
 def in_flight_microbatches(
-    stages: int, microbatches: int, stage_index: int, schedule: str = "1f1b"
-) -> int:
+    stages: int, microbatches: int, stage_index: int, schedule: str = "1f1b", virtual_stages: int = 1
+) -> float:
     """Microbatches whose activations a stage holds at its peak.
 
     GPipe runs every forward before any backward, so each stage holds all m microbatches
     (Huang et al. 2019). 1F1B (PipeDream-Flush, Narayanan et al. 2021, section 2.2.1) warms up
     with p − stage_index forwards and then alternates one forward with one backward, so stage i
-    holds at most min(p − i, m): the first stage p, the last one.
+    holds at most min(p − i, m): the first stage p, the last one. Interleaved 1F1B with ``v``
+    stages per rank (``stage_index`` then counts the ``p * v`` stages; rank ``r = stage_index %
+    p`` runs ``r, r + p, ...``) warms up with ``(v − 1) * m_round + 2 (p − 1 − r)`` stage
+    forwards before its first backward (torch.distributed.pipelining's ``_get_warmup_ops``,
+    ``m_round`` the microbatches of one round, ``m / max(1, m // p)``), at most ``m * v``: the
+    rank holds that many stage-microbatches plus the one in flight, on average that over ``v``
+    per stage (a fraction).
 
     Multiply by the activation bytes of one microbatch on that stage (e.g.
     ``megatron_activation_bytes`` times the stage's layers) for the stage's activation peak.
     """
     _positive_int("stages", stages)
     _positive_int("microbatches", microbatches)
-    if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < stages:
-        raise ValueError(f"stage_index must be in [0, {stages}), got {stage_index!r}")
+    _positive_int("virtual_stages", virtual_stages)
+    total = stages * virtual_stages
+    if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < total:
+        raise ValueError(f"stage_index must be in [0, {total}), got {stage_index!r}")
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
     if schedule == "gpipe":
         return microbatches
+    if schedule == "interleaved_1f1b":
+        rank = stage_index % stages
+        per_round = microbatches // max(1, microbatches // stages)
+        warmup = (virtual_stages - 1) * per_round + 2 * (stages - 1 - rank)
+        return min(warmup + 1, microbatches * virtual_stages) / virtual_stages
     return min(stages - stage_index, microbatches)
 
 

@@ -180,10 +180,21 @@ class Layout:
     mesh: Mesh
     microbatches: int = 1
     sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @classmethod
     def of(cls, pp: int, dp: int, tp: int, microbatches: int = 1, sequence_parallel: bool = False) -> "Layout":
         return cls(Mesh.of(pp=pp, dp=dp, tp=tp), microbatches, sequence_parallel)
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: ``pp`` ranks times the stages each runs (interleaved schedules)."""
+        return self.mesh.pp * self.virtual_stages
+
+    def rank_of(self, stage: int) -> int:
+        """The ``pp`` rank that runs ``stage`` (rank ``r`` runs ``r, r + pp, ...``)."""
+        return stage % self.mesh.pp
 
     def __str__(self) -> str:
         text = f"pp={self.mesh.pp} dp={self.mesh.dp} tp={self.mesh.tp}"
@@ -191,6 +202,8 @@ class Layout:
             text += f" m={self.microbatches}"
         if self.sequence_parallel:
             text += " sp"
+        if self.mesh.pp > 1 and self.schedule != "1f1b":
+            text += f" {self.schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return text
 
 
@@ -208,8 +221,6 @@ class Costing:
         overlap: fraction of data-parallel communication that hides behind compute when there is
             compute to hide behind (1 on GPUs with separate copy/NCCL streams; on CPU gloo shares
             the cores with compute, so less).
-        executable_only: enumerate only what graphpass's runtime executes today (no pipeline, no
-            microbatching, no split with tp).
         optimizer_s_per_param: measured optimizer-step seconds per parameter element on this
             machine (None: priced as memory traffic, ``2p + g + 2o`` bytes at the bandwidth).
         optimizer_s_per_tensor: measured seconds per parameter tensor of the same step (the
@@ -224,7 +235,6 @@ class Costing:
     grad_bytes_per_param: float
     optimizer_bytes_per_param: float
     overlap: float = 1.0
-    executable_only: bool = False
     optimizer_s_per_param: float | None = None
     optimizer_s_per_tensor: float = 0.0
     bucket_cap_bytes: float = 25 * 2**20  # DDP's default, as Plan's
@@ -293,8 +303,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, *,
-           executable_only: bool = False) -> list[Layout]:
+def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int) -> list[Layout]:
     """Every mesh the search considers (see the module docstring); ``tps`` are the tp degrees the
     model's layout allows."""
     world = cluster.world_size
@@ -303,7 +312,7 @@ def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, *,
         if world % tp or cluster.devices_per_node % tp:
             continue
         for pp in _divisors(world // tp):
-            if pp > min(num_blocks, _MAX_PP) or (executable_only and pp > 1):
+            if pp > min(num_blocks, _MAX_PP):
                 continue
             dp = world // (tp * pp)
             if batch % dp:
@@ -489,15 +498,17 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
 # ------------------------------------------------------------------------------------- stages
 
 
-def _stage_flight(layout: Layout, stage: int) -> int:
-    return in_flight_microbatches(layout.mesh.pp, layout.microbatches, stage) if layout.mesh.pp > 1 else 1
+def _stage_flight(layout: Layout, stage: int) -> float:
+    if layout.mesh.pp == 1:
+        return 1
+    return in_flight_microbatches(layout.mesh.pp, layout.microbatches, stage, layout.schedule, layout.virtual_stages)
 
 
 def partition(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, comms: _Collectives,
               options: Sequence[Sequence[tuple[Choice, Priced]]]) -> list[list[int]] | None:
     """Contiguous stages minimising the slowest stage's fastest-choice time, each stage's memory
     lower bound within the budget; None when no split fits."""
-    n, p = len(blocks), layout.mesh.pp
+    n, p = len(blocks), layout.num_stages
     if p == 1:
         return [list(range(n))]
     fastest = [min(pr.time_s for _, pr in opts) for opts in options]
@@ -632,20 +643,31 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
     """Step time and per-stage peaks of a full assignment (the formula in the module docstring)."""
     b = local_batch(layout, costing.batch)
     scale = b / costing.batch
-    stage_times, tails, peaks, exposed = [], [], [], []
+    chunk_times = []
     for s, indices in enumerate(stages):
         t = sum(priced[i].time_s for i in indices)
         if s + 1 < len(stages):  # activation forward, its gradient back
             t += 2 * comms.time("pp", "send_recv", blocks[indices[-1]].output_bytes * scale)
+        chunk_times.append(t)
+    # What each pp rank runs: one stage, or several under an interleaved schedule.
+    ranks = [[s for s in range(len(stages)) if layout.rank_of(s) == r] for r in range(min(layout.mesh.pp, len(stages)))]
+    stage_times, tails, peaks, exposed = [], [], [], []
+    for held in ranks:
+        indices = [i for s in held for i in stages[s]]
         # The end of backward waits for every asynchronous data-parallel collective at once.
         comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
             blocks, indices, choices, layout, costing, comms) + comms.sync("dp")
         tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
         exposed.append(max(0.0, comm))
-        stage_times.append(t)
-        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(layout, s), costing))
+        stage_times.append(sum(chunk_times[s] for s in held))
+        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(layout, held[0]), costing))
     m = layout.microbatches
-    step = sum(stage_times) + (m - 1) * max(stage_times) + max(tails)
+    if layout.virtual_stages > 1:
+        # Interleaved 1F1B (Narayanan et al. 2021, section 2.2): the bubble shrinks to p - 1
+        # chunk times, at the price of v times as many sends (in the chunk times above).
+        step = m * max(stage_times) + (layout.mesh.pp - 1) * max(chunk_times) + max(tails)
+    else:  # GPipe and 1F1B: the same bubble, (p - 1) stage times when the stages are equal
+        step = sum(stage_times) + (m - 1) * max(stage_times) + max(tails)
     return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)
 
 

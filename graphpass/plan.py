@@ -234,6 +234,8 @@ class Plan:
             working set, post block only).
         predicted_step_time_s: the cost model's step time, None until the planner prices it.
         predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
+        predicted_stage_peaks_bytes: the cost model's peak on each ``pp`` rank (its stages), in
+            order; ``()`` until priced.
         reasons: human-readable lines saying why the plan is what it is (shown by ``explain``).
     """
 
@@ -251,6 +253,7 @@ class Plan:
     tp_parts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
+    predicted_stage_peaks_bytes: tuple[int, ...] = ()
     breakdown: tuple[Mapping[str, Any], ...] = ()
     reasons: tuple[str, ...] = ()
 
@@ -322,6 +325,7 @@ class Plan:
         data["stages"] = list(self.stages)
         data["zero"] = dict(self.zero)
         data["recompute"] = list(self.recompute)
+        data["predicted_stage_peaks_bytes"] = list(self.predicted_stage_peaks_bytes)
         data["split"] = {k: dict(v) for k, v in self.split.items()}
         data["tp_parts"] = {k: list(v) for k, v in self.tp_parts.items()}
         data["reasons"] = list(self.reasons)
@@ -345,6 +349,7 @@ class Plan:
         kwargs["stages"] = tuple(kwargs.get("stages", ("*",)))
         kwargs["reasons"] = tuple(kwargs.get("reasons", ()))
         kwargs["recompute"] = tuple(kwargs.get("recompute", ()))
+        kwargs["predicted_stage_peaks_bytes"] = tuple(kwargs.get("predicted_stage_peaks_bytes", ()))
         kwargs["breakdown"] = tuple(dict(row) for row in kwargs.get("breakdown", ()))
         kwargs["tp_parts"] = {k: tuple(v) for k, v in kwargs.get("tp_parts", {}).items()}
         return cls(**kwargs)

@@ -613,7 +613,7 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
 
 
 def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float, optimizer_states: int,
-             executable_only: bool, measure: bool = False, together: bool = False) -> S.Costing:
+             measure: bool = False, together: bool = False) -> S.Costing:
     param_bytes = torch.finfo(profile.param_dtype).bits // 8
     # fp32 training: gradients in fp32, optimizer states in fp32 (the weights are their own master
     # copy). 16-bit weights: mixed precision, gradients in 16 bits, an fp32 master copy plus fp32
@@ -638,7 +638,6 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         # NCCL runs on its own streams and hides behind compute; gloo on CPU ranks competes with
         # compute for the same cores, so nothing is assumed hidden there.
         overlap=1.0 if cluster.device.kind == "cuda" else 0.0,
-        executable_only=executable_only,
         optimizer_s_per_param=per_element,
         optimizer_s_per_tensor=per_tensor,
     )
@@ -698,7 +697,7 @@ class Planner:
         remeasure = (_Remeasure(model, inputs, captured.gm, self.cluster, factor, measure_together)
                      if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
-        self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states, executable_only,
+        self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                 measure_ops, measure_together)
         self.executable_only = executable_only
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
@@ -738,7 +737,8 @@ class Planner:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a graphpass.Strategy, got {type(strategy).__name__}")
         strategy.check(self.cluster.world_size) if self.executable_only else _check_degrees(strategy, self.cluster)
-        layout = S.Layout(strategy.mesh, strategy.microbatches, strategy.sequence_parallel)
+        layout = S.Layout(strategy.mesh, strategy.microbatches, strategy.sequence_parallel, strategy.schedule,
+                          strategy.virtual_stages)
         if self.batch % (strategy.dp * strategy.microbatches):
             raise ValueError(
                 f"the global batch of {self.batch} samples does not split into dp={strategy.dp} x "
@@ -770,8 +770,7 @@ class Planner:
         if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
             raise ValueError(f"time_limit_s must be a positive number of seconds or None, got {time_limit_s!r}")
         start = time.perf_counter()
-        mesh_list = S.meshes(self.cluster, self.batch, _TP_DEGREES, len(self.profile.blocks),
-                             executable_only=self.executable_only)
+        mesh_list = S.meshes(self.cluster, self.batch, _TP_DEGREES, len(self.profile.blocks))
         if not mesh_list:
             raise ValueError(
                 f"no mesh of {self.cluster.world_size} devices divides the global batch of {self.batch} "
@@ -808,8 +807,9 @@ def plan(
         memory_budget: per-device bytes (or ``"70GiB"``); default 90% of the device's memory.
         time_limit_s: stop searching after this long and keep the best plan found.
         optimizer_states: fp32 states per parameter (2 for Adam/AdamW, 1 for SGD with momentum).
-        executable_only: search only what ``graphpass.compile`` executes today (no pipeline
-            stages; gradient accumulation is searched); ``compile(strategy="auto")`` sets it.
+        executable_only: check a given ``strategy`` as ``graphpass.compile`` does (a field it does
+            not run yet raises); ``compile(strategy="auto")`` sets it. The search itself only
+            picks what compile runs (pipelines under 1F1B).
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -1089,7 +1089,8 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     layout = cand.layout
     mesh = layout.mesh
     choices = {n.name: choice for gblock, choice in zip(profile.blocks, cand.choices) for n in (*gblock.nodes, *gblock.params)}
-    stages = tuple(profile.blocks[stage[0]].nodes[0].name for stage in cand.stages) if mesh.pp > 1 else ("*",)
+    # Stage s starts at its first block's first op (the first stage at the graph's start).
+    stages = ("*", *(profile.blocks[stage[0]].nodes[0].name for stage in cand.stages[1:]))
     breakdown = []
     for s, indices in enumerate(cand.stages):
         for i in indices:
@@ -1110,5 +1111,7 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
         stages=stages,
         predicted_step_time_s=cand.step_time_s,
         predicted_peak_memory_bytes=int(cand.peak_memory_bytes),
+        predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
+        schedule=layout.schedule,
         breakdown=tuple(breakdown),
     )

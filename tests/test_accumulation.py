@@ -128,8 +128,9 @@ def test_a_schedule_with_a_backward_before_its_forward_is_refused():
         StepProgram([lambda: ()], 0, 0, [Action("forward", 0), Action("backward", 1), Action("forward", 1)])
 
 
-def test_the_executable_search_offers_gradient_accumulation():
+def test_the_search_offers_gradient_accumulation_and_pipelines():
     cluster = gp.Cluster.preset("a100-80g", nodes=1, gpus_per_node=2)
-    found = {(m.mesh.dp, m.microbatches) for m in S.meshes(cluster, 16, [1], 4, executable_only=True)}
-    assert {(2, 1), (2, 2), (2, 4), (2, 8)} <= found
-    assert all(m.mesh.pp == 1 for m in S.meshes(cluster, 16, [1], 4, executable_only=True))
+    found = {(m.mesh.pp, m.mesh.dp, m.microbatches) for m in S.meshes(cluster, 16, [1], 4)}
+    assert {(1, 2, 1), (1, 2, 2), (1, 2, 4), (1, 2, 8)} <= found
+    # Pipelines run 1F1B: at least as many microbatches as stages.
+    assert {(2, 1, 2), (2, 1, 4)} <= found and all(m >= pp for pp, _, m in found)

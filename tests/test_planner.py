@@ -315,10 +315,12 @@ def test_a_priced_strategy_that_does_not_fit_says_so(small_planner):
     assert plan.strategy == gp.Strategy(dp=8)
 
 
-def test_compile_rejects_a_pipeline_plan_with_tensor_parallelism(small_planner):
+def test_compile_takes_a_3d_pipeline_plan_and_refuses_an_unbuilt_schedule(small_planner):
     plan = small_planner.price(gp.Strategy(dp=2, tp=2, pp=2, microbatches=2))
-    with pytest.raises(NotImplementedError, match="pipeline stages"):
-        resolve_strategy(plan, 8)  # what compile calls first with a given Plan
+    assert resolve_strategy(plan, 8)[1] is plan  # what compile calls first with a given Plan
+    assert len(plan.stages) == 2 and plan.stages[0] == "*" and len(plan.predicted_stage_peaks_bytes) == 2
+    with pytest.raises(NotImplementedError, match="Plan.schedule='zero_bubble' is not implemented yet"):
+        resolve_strategy(dataclasses.replace(plan, schedule="zero_bubble"), 8)
 
 
 # ------------------------------------------------------------------------------ compile auto
