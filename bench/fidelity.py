@@ -110,6 +110,9 @@ STRATEGIES = {
         ("dp 2 recompute", dict(dp=2, recompute=True)),
         ("dp 2 microbatches 2", dict(dp=2, microbatches=2)),
         ("dp 2 zero-3 microbatches 2", dict(dp=2, zero=3, microbatches=2)),
+        ("pp 2 1f1b microbatches 2", dict(pp=2, microbatches=2)),
+        ("pp 2 gpipe microbatches 4", dict(pp=2, microbatches=4, schedule="gpipe")),
+        ("pp 2 interleaved v 2 m 4", dict(pp=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
     ),
     4: (
         ("dp 4", dict(dp=4)),
@@ -119,6 +122,9 @@ STRATEGIES = {
         ("dp 4 recompute", dict(dp=4, recompute=True)),
         ("dp 2 tp 2 zero-3", dict(dp=2, tp=2, zero=3)),
         ("dp 4 microbatches 2", dict(dp=4, microbatches=2)),
+        ("pp 4 1f1b microbatches 4", dict(pp=4, microbatches=4)),
+        ("pp 2 dp 2 1f1b microbatches 2", dict(pp=2, dp=2, microbatches=2)),
+        ("pp 2 tp 2 1f1b microbatches 2", dict(pp=2, tp=2, microbatches=2)),
     ),
 }
 

@@ -162,10 +162,10 @@ def _run_rank(args: argparse.Namespace, schedule: str, m: int) -> dict:
     rows = args.batch // m
     width = args.block_size
     example = (torch.zeros(rows, width, dtype=torch.long) if rank == 0
-               else torch.zeros(rows, width, args.n_embd))
+               else torch.zeros(rows, width, args.n_embd, requires_grad=True))  # its gradient is sent back
     stage = PipelineStage(module, rank, p, torch.device("cpu"), input_args=(example,),
                           output_args=(torch.zeros(rows, width, args.vocab_size) if rank == p - 1
-                                       else torch.zeros(rows, width, args.n_embd),))
+                                       else torch.zeros(rows, width, args.n_embd, requires_grad=True),))
     engine = SCHEDULES[schedule](stage, n_microbatches=m, loss_fn=_loss, scale_grads=True)
     hand_opt = torch.optim.SGD(module.parameters(), lr=args.lr)
 

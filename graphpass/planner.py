@@ -53,6 +53,7 @@ from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
 from graphpass.cost.compute import node_bytes, node_flops
 from graphpass.passes.collectives import is_collective
+from graphpass.passes.partition_stages import stage_starts
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout
 from graphpass.ops import op_base
@@ -747,7 +748,8 @@ class Planner:
         blocks = self.blocks(layout)
         if blocks is None:
             raise ValueError(self._rejected[strategy.tp])
-        cand = S.evaluate(blocks, layout, S.uniform_choices(blocks, strategy.choice), costing)
+        cand = S.evaluate(blocks, layout, S.uniform_choices(blocks, strategy.choice), costing,
+                          self._even_stages(layout.num_stages) if layout.num_stages > 1 else None)
         if cand is None:
             raise ValueError(
                 f"Strategy pp={strategy.pp} needs at least {strategy.pp} blocks; the model has {len(self.profile.blocks)}"
@@ -759,6 +761,15 @@ class Planner:
                 f"{budget / 2**30:.2f} GiB"
             )
         return _to_plan(self.profile, blocks, cand, costing, strategy, reasons, start)
+
+    def _even_stages(self, stages: int) -> list[list[int]]:
+        """The blocks of each stage of the cut ``compile`` makes for a uniform Strategy (the
+        layers split evenly, :func:`~graphpass.passes.partition_stages.stage_starts`)."""
+        starts = stage_starts(self.profile.gm, stages)
+        first = [next(i for i, b in enumerate(self.profile.blocks) if any(n.name == start for n in b.nodes))
+                 for start in starts[1:]]
+        bounds = [0, *first, len(self.profile.blocks)]
+        return [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
 
     def auto(self, time_limit_s: float | None = None, memory_budget: int | float | str | None = None) -> Plan:
         """Search every mesh and per-block choice; the fastest plan that fits ``memory_budget``
