@@ -29,7 +29,7 @@ def compile_and_train():
     model = zoo.build("gpt")
     data = zoo.batches("gpt", 2, 4)
     dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0])
-    return dmodel.plan.mesh["dp"], zoo.train_compiled(dmodel, data)
+    return dict(dmodel.plan.mesh), zoo.train_compiled(dmodel, data)
 
 
 if __name__ == "__main__":

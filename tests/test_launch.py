@@ -5,6 +5,7 @@ Functions run on ranks are module-level so that they pickle.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import pathlib
@@ -208,16 +209,17 @@ def test_launch_under_torchrun_joins_its_group_instead_of_spawning():
     pids_line = next(line for line in out.splitlines() if line.startswith("PIDS"))
     rank_pids, rank0_pid = pids_line.split("]")[0], pids_line.split("]")[1]
     assert rank0_pid.strip() in rank_pids
-    # graphpass.compile inside torchrun: data parallel over torchrun's 2 ranks, and the loss
-    # of each step matches one process (tolerance: fp32 reduction order, see test_dp.py).
+    # graphpass.compile inside torchrun: the planner's plan over torchrun's 2 ranks (data
+    # parallel or pipeline stages), and the loss of each step matches one process (tolerance:
+    # fp32 reduction order, see test_dp.py).
     import ast
 
     import zoo
 
     trained = ast.literal_eval(next(line for line in out.splitlines() if line.startswith("TRAINED"))[8:])
     ref_losses, _, _ = zoo.train_reference("gpt", steps=2, batch=4)
-    for dp, losses in trained:
-        assert dp == 2
+    for mesh, losses in trained:
+        assert math.prod(mesh.values()) == 2, mesh
         assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 

@@ -119,3 +119,33 @@ def test_more_stages_than_layers_is_refused_at_compile_naming_the_sizes():
     plan = plan_from_strategy(gm, gp.Strategy(pp=2, microbatches=2, schedule="gpipe"), ["test"])
     assert len(plan.stages) == 2 and plan.schedule == "gpipe"
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def _train_auto_with_memory(name: str, memory_bytes: int) -> tuple:
+    import dataclasses
+
+    data = zoo.batches(name, STEPS, BATCH)
+    local = gp.Cluster.local()
+    cluster = dataclasses.replace(local, device=dataclasses.replace(local.device, memory_bytes=memory_bytes))
+    dmodel = gp.compile(zoo.build(name), cluster, example_inputs=data[0])  # strategy='auto'
+    losses = zoo.train_compiled(dmodel, data)
+    return losses, dmodel.full_state_dict(), dmodel.plan.to_json()
+
+
+@pytest.mark.timeout(300)
+def test_auto_runs_the_pipeline_the_planner_picks_under_a_tight_memory_budget(rank_pool):
+    """On 2 ranks with 2.8 MB of memory each (the planner's budget is 90% of it; the default,
+    unprofiled figures of this machine price the plans), no data-parallel plan of the 4-layer
+    GPT fits (the smallest, dp 2 with 4 microbatches, needs over 3.5 MB with Adam's state);
+    the planner picks 2 stages at the boundary it balances, and the plan trains with parity."""
+    memory = int(2.8e6 / 0.9)
+    pool = rank_pool(2)
+    ref_losses, ref_state = zoo.train_reference("gpt_deep", steps=STEPS, batch=BATCH)[:2]
+    results = pool.run(_train_auto_with_memory, "gpt_deep", memory, timeout_s=240)
+    plans = {plan for _, _, plan in results}
+    assert len(plans) == 1
+    plan = Plan.from_json(plans.pop())
+    assert plan.mesh.pp == 2 and len(plan.stages) == 2 and plan.schedule == "1f1b", plan.explain()
+    assert plan.predicted_peak_memory_bytes <= 2.8e6 and len(plan.predicted_stage_peaks_bytes) == 2
+    for rank, (losses, state, _) in enumerate(results):
+        zoo.assert_matches_reference(f"auto pp rank {rank}", losses, state, ref_losses, ref_state, rtol=RTOL, atol=ATOL)
