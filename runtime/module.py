@@ -275,8 +275,8 @@ class DistributedModule(nn.Module):
     def forward(self, *global_batch: torch.Tensor) -> torch.Tensor:
         """The global-batch loss without a backward pass (for evaluation)."""
         if self._pipeline is not None:
-            raise NotImplementedError("forward (evaluation) of a pipelined program is not implemented yet; "
-                                      "train_step runs pipelines")
+            with mesh_lib.active(self._mesh):
+                return self._pipeline.run(self.local_batch(*global_batch), train=False)
         microbatches = self.microbatches(*global_batch)
         with mesh_lib.active(self._mesh), torch.no_grad():
             losses = [self.graph_module(*mb)[self._report] for mb in microbatches]

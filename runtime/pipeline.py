@@ -118,20 +118,29 @@ class PipelineProgram:
         self._reports.append(outputs[self.report_index].detach())
         return outputs[self.loss_index] / self.num_microbatches
 
-    def run(self, local_inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    def run(self, local_inputs: Sequence[torch.Tensor], train: bool = True) -> torch.Tensor:
         """Train one step on this pipeline replica's share (given on every rank; only the first
-        stage reads it); the mean reported loss, on every rank (detached)."""
+        stage reads it), or with ``train=False`` only run its forwards (the engine's ``eval``,
+        without autograd); the mean reported loss, on every rank (detached)."""
         for stage in self.stages:
             stage.accumulation = Accumulation(self.num_microbatches)
         self._reports = []
         args = tuple(local_inputs) if self.is_first else ()
         target = torch.zeros(self.num_microbatches) if self.is_last else None
+        if not train:
+            with torch.no_grad():
+                self.schedule.eval(*args, target=target, return_outputs=False)
+            return self._mean_report()
         self.schedule.step(*args, target=target, return_outputs=False)
         for target_name, group in self.shared:
             p = self._parameter(target_name)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
+        return self._mean_report()
+
+    def _mean_report(self) -> torch.Tensor:
+        """The mean of the microbatches' reported losses, sent from the last stage to every rank."""
         loss = torch.stack(self._reports).mean() if self.is_last else torch.zeros(())
         dist.broadcast(loss, self.last_rank, group=self.group)
         return loss

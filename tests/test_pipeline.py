@@ -56,7 +56,9 @@ def _train_pipelined(name: str, fields: dict) -> tuple:
     # storage is released.
     kept = sum(p.numel() for p in model.parameters())
     assert kept <= sum(p.numel() for p in dmodel.parameters()) < total, (kept, total)
+    evaluated = dmodel(*data[0]).item()  # forwards only (the engine's eval): the first step's loss
     losses = zoo.train_compiled(dmodel, data)
+    assert evaluated == pytest.approx(losses[0], rel=1e-6), (evaluated, losses[0])
     stage_params = sorted(n for n, _ in dmodel.named_parameters())
     return losses, dmodel.full_state_dict(), stage_params
 
