@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from graphpass.plan import interleaved_rounds, pipeline_rank
+
 
 def format_bytes(num: float) -> str:
     """``num`` bytes in the largest binary unit it reaches: ``'1.5 GiB'``, ``'512 KiB'``, ``'12 B'``."""
@@ -274,8 +276,9 @@ def interleaved_bubble_fraction(stages: int, microbatches: int, chunks: int) -> 
     backward take t_f/v and t_b/v, so the bubble shrinks to (p − 1)(t_f + t_b)/v and the paper's
     bubble-to-ideal ratio becomes (p − 1)/(v·m). Expressed, like ``pipeline_bubble_fraction``, as a
     fraction of the whole step: ((p − 1)/v) / (m + (p − 1)/v) = (p − 1)/(v·m + p − 1). ``chunks=1``
-    is plain 1F1B. Megatron-LM's schedule also needs m to be a multiple of p; that is a
-    constraint for the planner to impose, not checked here.
+    is plain 1F1B. Megatron-LM's schedule also needs m to be a multiple of p; torch's runs any m
+    whose rounds (``graphpass.plan.interleaved_rounds``) are equal, which ``check_pipeline``
+    checks.
     """
     _positive_int("stages", stages)
     _positive_int("microbatches", microbatches)
@@ -313,8 +316,8 @@ def in_flight_microbatches(
     if schedule == "gpipe":
         return microbatches
     if schedule == "interleaved_1f1b":
-        rank = stage_index % stages
-        per_round = microbatches // max(1, microbatches // stages)
+        rank = pipeline_rank(stage_index, stages)
+        per_round = microbatches // interleaved_rounds(microbatches, stages)
         warmup = (virtual_stages - 1) * per_round + 2 * (stages - 1 - rank)
         return min(warmup + 1, microbatches * virtual_stages) / virtual_stages
     return min(stages - stage_index, microbatches)

@@ -51,6 +51,12 @@ Search, outermost first:
 
 Step time of a mesh with ``p`` stages of per-microbatch time ``t_s`` (1F1B / GPipe):
 ``sum_s t_s + (m - 1) max_s t_s + max_s (E_s + u_s)``; for ``p = 1`` that is ``m t + E + u``.
+Interleaved 1F1B with ``v`` stages per rank (rank ``r`` runs ``T_r``, the sum of its stages'
+times): ``m max_r T_r + (p - 1) max_c t_c + max_r (E_r + u_r)`` (Narayanan et al. 2021; it
+assumes the microbatches fill whole rounds of ``p``). Every stage but the last also pays the
+send of its output and the return of its gradient. A stage's microbatches in flight follow its
+schedule (:func:`graphpass.cost.memory.in_flight_microbatches`); the search enumerates 1F1B
+pipelines, and prices GPipe and interleaved ones for a given Strategy.
 The uniform strategies of the same mesh are priced by the same function and kept when one beats
 the ILP's answer under the full step formula (possible for ``p > 1`` only, where the ILP's
 per-stage objective is a proxy), so the search never returns a plan slower than a uniform one it
@@ -76,7 +82,7 @@ from typing import Iterable, Mapping, Sequence
 
 from graphpass.cluster import Cluster
 from graphpass.mesh import Mesh
-from graphpass.plan import Choice
+from graphpass.plan import Choice, pipeline_rank
 from graphpass.transitions import FORWARD, PER_MICROBATCH, Transition, transition
 from graphpass.cost.memory import format_bytes
 from graphpass.cost.collectives import collective_time, sync_time
@@ -193,8 +199,8 @@ class Layout:
         return self.mesh.pp * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
-        """The ``pp`` rank that runs ``stage`` (rank ``r`` runs ``r, r + pp, ...``)."""
-        return stage % self.mesh.pp
+        """The ``pp`` rank that runs ``stage`` (:func:`graphpass.plan.pipeline_rank`)."""
+        return pipeline_rank(stage, self.mesh.pp)
 
     def __str__(self) -> str:
         text = f"pp={self.mesh.pp} dp={self.mesh.dp} tp={self.mesh.tp}"
@@ -281,8 +287,8 @@ class Candidate:
     stages: list[list[int]]
     choices: list[Choice]
     priced: list[Priced]
-    stage_times_s: list[float]
-    stage_peaks_bytes: list[float]
+    stage_times_s: list[float]  # per pp rank: one microbatch through its stages
+    stage_peaks_bytes: list[float]  # per pp rank
     step_time_s: float
     exposed_comm_s: float
     optimal: bool = True
@@ -320,8 +326,8 @@ def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int) ->
             per_replica = batch // dp
             counts = {m for m in _MICROBATCHES if per_replica % m == 0}
             counts |= {k * pp for k in (1, 2, 4) if per_replica % (k * pp) == 0}
-            if pp > 1:
-                counts = {m for m in counts if m >= pp} or {max(counts)}
+            if pp > 1:  # pipelines run 1F1B: at least as many microbatches as stages
+                counts = {m for m in counts if m >= pp}
             for m in sorted(counts):
                 for sp in ((False, True) if tp > 1 else (False,)):
                     out.append(Layout.of(pp, dp, tp, m, sp))

@@ -24,7 +24,7 @@ from graphpass.dump import Dumper, resolve_dump_dir
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import passes_for
 from graphpass.passes.partition_stages import cut_stages, shared_parameters
-from graphpass.plan import Plan, Strategy, check_pipeline
+from graphpass.plan import Plan, Strategy, check_pipeline, pipeline_rank
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.pipeline import PipelineProgram
@@ -82,7 +82,7 @@ def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh,
     ``r, r + pp, ...``) and a builder of its pipeline program."""
     stages = cut_stages(gm, plan.stages)
     pp, index = plan.mesh.pp, mesh.axis_rank("pp")
-    mine = [(s, stages[s]) for s in range(index, len(stages), pp)]
+    mine = [(s, stage) for s, stage in enumerate(stages) if pipeline_rank(s, pp) == index]
     group = mesh.group("pp")
     # Parameters read by stages on several ranks (tied embedding and LM head): one group per
     # set of ranks sharing one, made by every rank in the same order (creating a group is
@@ -90,7 +90,7 @@ def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh,
     shared = []
     pipelines = sorted({tuple(plan.mesh.group_ranks("pp", r)) for r in range(plan.mesh.world_size)})
     for target, users in sorted(shared_parameters(stages).items()):
-        holders = sorted({s % pp for s in users})
+        holders = sorted({pipeline_rank(s, pp) for s in users})
         if len(holders) < 2:
             continue
         for ranks in pipelines:  # every pipeline replica (one per dp x tp coordinate)
@@ -240,7 +240,7 @@ def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor
 
     if rank == 0:
         try:
-            text = make_plan(model, cluster, inputs, executable_only=True).to_json(indent=None)
+            text = make_plan(model, cluster, inputs).to_json(indent=None)
         except Exception as exc:
             if world_size > 1:
                 _broadcast_plan(None, _portable(exc))

@@ -58,7 +58,7 @@ class Strategy:
     Args:
         dp: data-parallel degree (the batch is split ``dp`` ways).
         tp: tensor-parallel degree (Megatron column/row splits).
-        pp: pipeline-parallel degree (number of stages).
+        pp: pipeline-parallel degree (ranks along the pipeline; stages ``pp * virtual_stages``).
         zero: ZeRO stage inside the dp axis: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters.
         split: OSDP operator-splitting factor for large linears.
         microbatches: microbatches per step (pipeline / gradient accumulation).
@@ -124,7 +124,7 @@ class Strategy:
                 f"the cluster has world_size={world_size}; choose degrees whose product is {world_size}"
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
-        if self.pp > 1:
+        if self.pp > 1 or self.virtual_stages > 1:
             check_pipeline("Strategy", self.pp, self.schedule, self.microbatches, self.virtual_stages)
 
 
@@ -132,6 +132,19 @@ class Strategy:
 RUNNING_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 #: The schedules that run several stages per rank.
 INTERLEAVED = ("interleaved_1f1b",)
+
+
+def pipeline_rank(stage: int, pp: int) -> int:
+    """The ``pp`` rank that runs pipeline stage ``stage``: rank ``r`` runs stages ``r, r + pp,
+    ...`` (one stage per rank unless the schedule interleaves; torch's ``PipelineStage`` and
+    interleaved schedules map stages the same way)."""
+    return stage % pp
+
+
+def interleaved_rounds(microbatches: int, pp: int) -> int:
+    """The rounds torch's interleaved schedules run the microbatches in, ``max(1, m // pp)``;
+    each round holds ``m / rounds`` microbatches, so the rounds must be equal."""
+    return max(1, microbatches // pp)
 
 
 def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtual_stages: int) -> None:
@@ -144,6 +157,9 @@ def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtua
             stage per rank, or microbatches it cannot group into rounds of ``pp``; several
             stages per rank with a schedule that runs one.
     """
+    if pp == 1 and virtual_stages > 1:
+        raise ValueError(f"{owner}.virtual_stages={virtual_stages} needs pipeline stages: use pp > 1 "
+                         "(or virtual_stages=1)")
     if schedule not in RUNNING_SCHEDULES:
         raise NotImplementedError(
             f"{owner}.schedule={schedule!r} is not implemented yet; graphpass runs {RUNNING_SCHEDULES}"
@@ -159,8 +175,7 @@ def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtua
                 f"{owner}.schedule={schedule!r} interleaves several stages per rank, but {owner}.virtual_stages="
                 f"{virtual_stages}; use virtual_stages >= 2 (or schedule='1f1b' for one stage per rank)"
             )
-        # The engine runs microbatches in rounds of up to pp; the rounds must be equal.
-        rounds = max(1, microbatches // pp)
+        rounds = interleaved_rounds(microbatches, pp)
         if microbatches % rounds:
             raise ValueError(
                 f"{owner}.schedule={schedule!r} runs microbatches in {rounds} equal rounds of about pp={pp}, "

@@ -77,7 +77,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     return Plan(
         mesh=mesh,
         placements=placements,
-        stages=_stages(gm, mesh.pp, strategy),
+        stages=uniform_stages(gm, mesh.pp, strategy),
         schedule=strategy.schedule if strategy is not None else "1f1b",
         strategy=strategy,
         zero=zero,
@@ -90,8 +90,9 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     )
 
 
-def _stages(gm: fx.GraphModule, pp: int, strategy: Strategy | None) -> tuple[str, ...]:
-    """The even cut into ``pp`` stages per virtual stage of the strategy."""
+def uniform_stages(gm: fx.GraphModule, pp: int, strategy: Strategy | None) -> tuple[str, ...]:
+    """``Plan.stages`` of a uniform strategy: the layers cut evenly into ``pp`` stages times the
+    strategy's virtual stages (:func:`~graphpass.passes.partition_stages.stage_starts`)."""
     if strategy is None:
         return stage_starts(gm, pp, field="Plan.mesh['pp']")
     if strategy.virtual_stages == 1:

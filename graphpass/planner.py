@@ -53,13 +53,12 @@ from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
 from graphpass.cost.compute import node_bytes, node_flops
 from graphpass.passes.collectives import is_collective
-from graphpass.passes.partition_stages import stage_starts
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout
 from graphpass.ops import op_base
 from graphpass.plan import Plan, Strategy
 from graphpass.transitions import transition
-from graphpass.plan_builder import plan_from_choices, plan_from_strategy
+from graphpass.plan_builder import plan_from_choices, plan_from_strategy, uniform_stages
 from graphpass.runtime.tensor_parallel import ALONE
 
 log = logging.getLogger(__name__)
@@ -668,7 +667,6 @@ class Planner:
         memory_budget: int | float | str | None = None,
         *,
         optimizer_states: int = _ADAM_STATES,
-        executable_only: bool = False,
         measure_ops: bool = False,
         measure_together: bool = False,
     ):
@@ -700,7 +698,6 @@ class Planner:
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
         self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                 measure_ops, measure_together)
-        self.executable_only = executable_only
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
         self._rejected: dict[int, str] = {}
@@ -737,7 +734,7 @@ class Planner:
         budget, costing = self._with_budget(memory_budget)
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a graphpass.Strategy, got {type(strategy).__name__}")
-        strategy.check(self.cluster.world_size) if self.executable_only else _check_degrees(strategy, self.cluster)
+        strategy.check(self.cluster.world_size)
         layout = S.Layout(strategy.mesh, strategy.microbatches, strategy.sequence_parallel, strategy.schedule,
                           strategy.virtual_stages)
         if self.batch % (strategy.dp * strategy.microbatches):
@@ -749,7 +746,7 @@ class Planner:
         if blocks is None:
             raise ValueError(self._rejected[strategy.tp])
         cand = S.evaluate(blocks, layout, S.uniform_choices(blocks, strategy.choice), costing,
-                          self._even_stages(layout.num_stages) if layout.num_stages > 1 else None)
+                          self._even_stages(strategy) if layout.num_stages > 1 else None)
         if cand is None:
             raise ValueError(
                 f"Strategy pp={strategy.pp} needs at least {strategy.pp} blocks; the model has {len(self.profile.blocks)}"
@@ -762,10 +759,11 @@ class Planner:
             )
         return _to_plan(self.profile, blocks, cand, costing, strategy, reasons, start)
 
-    def _even_stages(self, stages: int) -> list[list[int]]:
+    def _even_stages(self, strategy: Strategy) -> list[list[int]]:
         """The blocks of each stage of the cut ``compile`` makes for a uniform Strategy (the
-        layers split evenly, :func:`~graphpass.passes.partition_stages.stage_starts`)."""
-        starts = stage_starts(self.profile.gm, stages)
+        layers split evenly, :func:`~graphpass.plan_builder.uniform_stages`)."""
+        starts = uniform_stages(self.profile.gm, strategy.pp, strategy)
+        stages = len(starts)
         first = [next(i for i, b in enumerate(self.profile.blocks) if any(n.name == start for n in b.nodes))
                  for start in starts[1:]]
         bounds = [0, *first, len(self.profile.blocks)]
@@ -805,7 +803,6 @@ def plan(
     time_limit_s: float | None = None,
     *,
     optimizer_states: int = _ADAM_STATES,
-    executable_only: bool = False,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -818,9 +815,6 @@ def plan(
         memory_budget: per-device bytes (or ``"70GiB"``); default 90% of the device's memory.
         time_limit_s: stop searching after this long and keep the best plan found.
         optimizer_states: fp32 states per parameter (2 for Adam/AdamW, 1 for SGD with momentum).
-        executable_only: check a given ``strategy`` as ``graphpass.compile`` does (a field it does
-            not run yet raises); ``compile(strategy="auto")`` sets it. The search itself only
-            picks what compile runs (pipelines under 1F1B).
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -828,6 +822,7 @@ def plan(
 
     Raises:
         ValueError: unknown preset, unparsable budget, a batch no mesh divides, a bad strategy.
+        NotImplementedError: a Strategy field graphpass does not run yet (a zero-bubble schedule).
         PlanningError: a model without trainable parameters.
         graphpass.cost.search.NoPlanError: nothing fits the budget (the message gives the
             smallest peak any plan reaches).
@@ -835,16 +830,8 @@ def plan(
     if not isinstance(strategy, Strategy) and strategy != "auto":
         raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
     planner = Planner(model, cluster, example_inputs, memory_budget,
-                      optimizer_states=optimizer_states, executable_only=executable_only)
+                      optimizer_states=optimizer_states)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
-
-
-def _check_degrees(strategy: Strategy, cluster: Cluster) -> None:
-    if strategy.degree != cluster.world_size:
-        raise ValueError(
-            f"Strategy dp={strategy.dp} x tp={strategy.tp} x pp={strategy.pp} = {strategy.degree} devices, "
-            f"but the cluster has {cluster.world_size}"
-        )
 
 
 @dataclass(frozen=True)

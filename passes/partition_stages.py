@@ -159,7 +159,8 @@ def cut_stages(gm: fx.GraphModule, starts: Sequence[str]) -> list[fx.GraphModule
     ``"*"``, the graph's start); see the module docstring for what each takes and returns.
 
     Raises:
-        ValueError: a start that is not a ``call_function`` node of ``gm``, or starts out of order.
+        ValueError: (before :func:`partition_stages` tagged the ops) a start that is not a
+            ``call_function`` node of ``gm``, or starts out of order.
         NotImplementedError: a value that is not a tensor crosses a stage boundary.
     """
     stage_of = stage_index(gm, starts)

@@ -86,7 +86,10 @@ def _unsplittable_reason(gm: fx.GraphModule, node: fx.Node) -> str | None:
             continue
         if _param_operand(gm, operand) is None:
             return f"its {what} is not a parameter get_attr"
-        others = [u.name for u in operand.users if u is not node]
+        # Every node reading the same attribute (pipeline stages each read a tied weight through
+        # their own get_attr node).
+        readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == operand.target]
+        others = [u.name for reader in readers for u in reader.users if u is not node]
         if others:
             keys = ", ".join(meta.get(operand, meta.STATE_KEYS, ())) or operand.target
             return (

@@ -70,7 +70,10 @@ class DistributedModule(nn.Module):
     """The compiled, per-rank program returned by :func:`graphpass.compile`.
 
     Attributes:
-        graph_module: this rank's executable ``torch.fx.GraphModule`` (one microbatch).
+        graph_module: this rank's executable ``torch.fx.GraphModule`` (one microbatch); with
+            pipeline stages, this rank's stage, or under an interleaved schedule a module of the
+            ``get_attr`` nodes of its stages (their parameters and buffers; the stages themselves
+            are in the dumps).
         plan: the :class:`~graphpass.plan.Plan` it was built from.
         history: one :class:`~graphpass.pass_manager.PassRecord` per pass.
         capture_route: ``"export"`` or ``"symbolic_trace"``.

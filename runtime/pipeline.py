@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from graphpass import meta
+from graphpass.plan import pipeline_rank
 from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
 
@@ -82,7 +83,7 @@ class PipelineProgram:
         indices = [index for index, _ in stages]
         self.is_first, self.is_last = 0 in indices, num_stages - 1 in indices
         pp = dist.get_world_size(group)
-        self.group, self.last_rank = group, dist.get_global_rank(group, (num_stages - 1) % pp)
+        self.group, self.last_rank = group, dist.get_global_rank(group, pipeline_rank(num_stages - 1, pp))
         self.shared = list(shared)
         self.loss_index, self.report_index = loss_index, report_index
         self.stages = [self._stage(module, index, num_stages, group, device) for index, module in stages]

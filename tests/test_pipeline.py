@@ -96,6 +96,8 @@ def test_bad_pipeline_strategies_name_the_field_and_sizes():
         gp.Strategy(pp=2, microbatches=5, schedule="interleaved_1f1b", virtual_stages=2).check(2)
     with pytest.raises(ValueError, match=r"Strategy.virtual_stages=2 needs an interleaved schedule"):
         gp.Strategy(pp=2, microbatches=2, virtual_stages=2).check(2)
+    with pytest.raises(ValueError, match=r"Strategy.virtual_stages=2 needs pipeline stages: use pp > 1"):
+        gp.Strategy(dp=2, virtual_stages=2, schedule="interleaved_1f1b").check(2)
     with pytest.raises(NotImplementedError, match="Strategy.schedule='zero_bubble' is not implemented yet"):
         gp.Strategy(pp=2, microbatches=2, schedule="zero_bubble").check(2)
     gp.Strategy(pp=2, microbatches=1, schedule="gpipe").check(2)  # GPipe runs any count

@@ -28,6 +28,7 @@ from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import passes_for
 from graphpass.passes.collectives import is_collective
 from graphpass.passes.partition_stages import cut_stages
+from graphpass.plan import pipeline_rank
 from graphpass.plan_builder import plan_from_strategy
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -62,7 +63,7 @@ def _collective(node: fx.Node) -> str:
 
 
 def _describe(stage: fx.GraphModule, index: int, pp: int, last: bool) -> list[str]:
-    lines = [f"stage {index} (pp rank {index % pp})"]
+    lines = [f"stage {index} (pp rank {pipeline_rank(index, pp)})"]
     lines += [f"  receives {n.name}: {_value(n)}" for n in stage.graph.nodes if n.op == "placeholder"]
     lines += [_collective(n) for n in stage.graph.nodes if is_collective(n)]
     output = stage.graph.find_nodes(op="output")[0]
