@@ -55,7 +55,9 @@ targets (time <= 5%, memory <= 3%), with the worst case. Both error columns are 
 The second table per world size splits each side into terms for diagnosis. Predicted: ``comp``
 = sum of the blocks' compute (forward + backward + recomputed forward), ``tp`` = tensor-parallel
 collectives, ``dp`` = data-parallel collectives (on CPU the planner hides none of it behind
-compute), ``opt`` = the optimizer step (the rest of the predicted step); ``start`` (the start
+compute), ``opt`` = the optimizer step (the rest of the predicted step; for pipeline rows
+``comp`` sums every stage's compute although the stages run at once, so the rest is negative:
+their step is the schedule's formula, ``cost/search.py``); ``start`` (the start
 of backward: state without the step's new gradients, every activation, the loss's backward
 working set), ``end`` (the end of backward: the whole state) and ``trans`` (the largest
 transient: gathered ZeRO-3 weights, recomputed activations) in MiB. Measured: ``train`` = ``train_step`` (forward, backward
@@ -346,7 +348,9 @@ def measure(args: argparse.Namespace, world: int) -> tuple[dict[str, dict], dict
     sampled in the same window (median of the samples); the clusters it was priced on; the
     seconds spent profiling and planning."""
     rows = STRATEGIES[world]
-    results = gp.launch(_run_rank, world, args=(args, rows), timeout_s=1800)
+    # Profiling and planning dominate (13 samples, each measuring every layout's local batches):
+    # 4 ranks on 2 cores with 10 rows took over 30 minutes here.
+    results = gp.launch(_run_rank, world, args=(args, rows), timeout_s=3600)
     predicted = _median_prediction(results[0][1])
     clusters, sampling_s = results[0][2], results[0][3]
     results = [r[0] for r in results]

@@ -84,9 +84,9 @@ def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh,
     pp, index = plan.mesh.pp, mesh.axis_rank("pp")
     mine = [(s, stage) for s, stage in enumerate(stages) if pipeline_rank(s, pp) == index]
     group = mesh.group("pp")
-    # Parameters read by stages on several ranks (tied embedding and LM head): one group per
-    # set of ranks sharing one, made by every rank in the same order (creating a group is
-    # collective). Stages on one rank share the parameter object itself.
+    # Parameters read by stages on several ranks (tied embedding and LM head): one group of the
+    # ranks holding it per parameter and pipeline replica, made by every rank in the same order
+    # (creating a group is collective). Stages on one rank share the parameter object itself.
     shared = []
     pipelines = sorted({tuple(plan.mesh.group_ranks("pp", r)) for r in range(plan.mesh.world_size)})
     for target, users in sorted(shared_parameters(stages).items()):

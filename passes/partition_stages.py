@@ -45,14 +45,26 @@ from graphpass.passes.collectives import is_collective
 WHOLE = ("*",)
 
 
-def layer_starts(gm: fx.GraphModule) -> list[tuple[int, str]]:
-    """``(layer, name of its first node)`` for every repeated layer, in graph order."""
-    seen: dict[int, str] = {}
+def layer_starts(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """``(layer, name of its first node)`` for every repeated layer, in graph order; a layer is
+    named by its module path up to its index (``"h.3"``), so an encoder's and a decoder's layer
+    3 (``"encoder.block.3"``, ``"decoder.block.3"``) are two layers."""
+    seen: dict[str, str] = {}
     for node in gm.graph.nodes:
         layer = node.meta.get(meta.LAYER) if node.op == "call_function" else None
-        if layer is not None and layer not in seen:
-            seen[layer] = node.name
+        if layer is None:
+            continue
+        key = _layer_path(str(node.meta.get(meta.MODULE_PATH, "")), layer)
+        if key not in seen:
+            seen[key] = node.name
     return list(seen.items())  # in graph order: each layer where its first op is
+
+
+def _layer_path(module_path: str, layer: int) -> str:
+    """``"encoder.block.3.layer.0"`` with layer 3 → ``"encoder.block.3"``."""
+    parts = module_path.split(".")
+    index = parts.index(str(layer)) if str(layer) in parts else len(parts) - 1
+    return ".".join(parts[: index + 1])
 
 
 def stage_starts(gm: fx.GraphModule, stages: int, *, field: str = "Strategy.pp") -> tuple[str, ...]:
@@ -75,7 +87,7 @@ def stage_starts(gm: fx.GraphModule, stages: int, *, field: str = "Strategy.pp")
     if len(layers) < stages:
         raise ValueError(
             f"{field}={stages} is larger than the model's {len(layers)} repeated layers "
-            f"(layers {layers[0][0]} ... {layers[-1][0]}); use {field} <= {len(layers)}"
+            f"({layers[0][0]} ... {layers[-1][0]}); use {field} <= {len(layers)}"
         )
     base, extra = divmod(len(layers), stages)
     starts, index = [], 0

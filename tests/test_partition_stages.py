@@ -53,7 +53,7 @@ def _grads(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name,pp", [("gpt", 2), ("gpt_deep", 3), ("gpt_deep", 4), ("hf_llama", 2), ("hf_gpt2", 2),
-                                     ("encoder", 2)])
+                                     ("encoder", 2), ("hf_t5", 2), ("hf_t5", 4)])
 def test_chained_stages_compute_the_graphs_loss_and_gradients(name, pp):
     gm, inputs = _captured(name)
     expected = gm(*inputs)
@@ -89,8 +89,8 @@ def test_chained_stages_compute_the_graphs_loss_and_gradients(name, pp):
 def test_layers_are_split_evenly_and_the_earlier_stages_take_the_remainder():
     gm, _ = _captured("gpt_deep")  # 4 layers
     layers = layer_starts(gm)
-    assert [layer for layer, _ in layers] == list(range(len(layers)))
-    first = dict(layers)
+    assert [layer for layer, _ in layers] == [f"h.{i}" for i in range(len(layers))]
+    first = [name for _, name in layers]
     n = len(layers)
     assert stage_starts(gm, 1) == ("*",)
     assert stage_starts(gm, 2) == ("*", first[n // 2])
@@ -133,6 +133,16 @@ def test_a_tied_embedding_and_head_is_kept_on_both_stages_and_reported_shared():
     assert shared_parameters(cut_stages(untied, stage_starts(untied, 2))) == {}
 
 
+def test_an_encoder_and_a_decoder_layer_with_one_index_are_two_layers():
+    """T5's encoder and decoder blocks both count from 0: cut evenly, 2 stages put the encoder on
+    one rank and the decoder on the other."""
+    gm, _ = _captured("hf_t5")
+    layers = [layer for layer, _ in layer_starts(gm)]
+    assert [layer.rsplit(".", 3)[-3:] for layer in layers] == [
+        ["encoder", "block", "0"], ["encoder", "block", "1"], ["decoder", "block", "0"], ["decoder", "block", "1"]]
+    assert stage_starts(gm, 2)[1] == dict(layer_starts(gm))[layers[2]]
+
+
 def test_bad_stage_counts_and_cuts_are_named():
     gm, _ = _captured("gpt")
     n = len(layer_starts(gm))
@@ -145,7 +155,7 @@ def test_bad_stage_counts_and_cuts_are_named():
         cut_stages(gm, ("linear",))
     with pytest.raises(ValueError, match="not an op of the captured graph"):
         cut_stages(gm, ("*", "no_such_node"))
-    first = dict(layer_starts(gm))
+    first = [name for _, name in layer_starts(gm)]
     with pytest.raises(ValueError, match="not in graph order"):
         cut_stages(gm, ("*", first[1], first[0]))
 
