@@ -192,7 +192,7 @@ def _check_entry(
     if why is not None:
         raise ValueError(f"Plan.split cannot split linear {name!r} (module {where}): {why}; leave it out of Plan.split")
     weight = _linear_operands(node)[1]
-    placed = {axis: text for axis, text in plan.placements.get(weight.name, {}).items() if text != "Replicate()"}
+    placed = {axis: text for axis, text in plan.placements.get(meta.plan_name(weight), {}).items() if text != "Replicate()"}
     if placed:
         raise NotImplementedError(
             f"Plan.split[{name!r}]: the weight {weight.target!r} of linear {name!r} (module {where}) is "
