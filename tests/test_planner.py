@@ -301,7 +301,7 @@ def test_bad_input_errors():
         gp.plan(model, "h100-80g", inputs, time_limit_s=-1)
     with pytest.raises(PlanningError, match="no trainable parameters"):
         gp.plan(torch.nn.Sequential(torch.nn.ReLU()), "h100-80g", (torch.randn(4, 3),))
-    with pytest.raises(ValueError, match="= 4 devices, but the cluster has 8"):
+    with pytest.raises(ValueError, match="= 4 devices, but the cluster has world_size=8"):
         gp.plan(model, "h100-80g", inputs, strategy=gp.Strategy(dp=4))
     with pytest.raises(ValueError, match="strategy must be 'auto' or a graphpass.Strategy"):
         gp.plan(model, "h100-80g", inputs, strategy="fast")
