@@ -255,7 +255,7 @@ def test_plan_round_trips_and_explains(small_planner):
 
 
 def test_identical_layers_cluster_into_one_ilp(monkeypatch):
-    """48 identical layers make as small a stage ILP as 4 do: the layers are one cluster of n
+    """24 identical layers make as small a stage ILP as 4 do: the layers are one cluster of n
     blocks (next to "pre" and "post"), whatever the pipeline cut."""
     from graphpass.cost import search as S
 
@@ -267,7 +267,7 @@ def test_identical_layers_cluster_into_one_ilp(monkeypatch):
         return real(blocks, indices, *args, **kwargs)
 
     monkeypatch.setattr(S, "solve_stage", counting)
-    for layers in (4, 48):
+    for layers in (4, 24):
         clusters.clear()
         cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=4, n_embd=128)
         Planner(_meta(cfg), "a100-80g:2x8", example_inputs(cfg, batch=32, device="meta")).auto()
