@@ -55,6 +55,7 @@ from graphpass.runtime.grad_sync import all_reduce_grads
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)
 from gpt_args import add_gpt_args, gpt_batches, gpt_config, llama_config  # noqa: E402
+from alternating import alternate  # noqa: E402
 from configs import LlamaLike  # noqa: E402
 
 
@@ -125,30 +126,10 @@ def _run_rank(args: argparse.Namespace) -> dict | None:
         ddp_opt.zero_grad()
         return loss.detach()
 
-    sides = {"graphpass DP": (gp_step, [], []), "torch DDP": (ddp_step, [], [])}  # fn, times, losses
-
-    def run(name: str, start: int, count: int, timed: bool) -> None:
-        fn, times, losses = sides[name]
-        dist.barrier()
-        for i in range(start, start + count):
-            t0 = time.perf_counter()
-            loss = fn(*data[i])
-            t1 = time.perf_counter()
-            losses.append(loss)
-            if timed:
-                times.append(t1 - t0)
-
-    names = list(sides)
-    for name in names:
-        run(name, 0, args.warmup, timed=False)
-    step = args.warmup
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            run(name, step, args.steps_per_round, timed=True)
-        step += args.steps_per_round
-
-    gp_losses = torch.stack(sides["graphpass DP"][2])
-    ddp_losses = torch.stack(sides["torch DDP"][2])
+    times, losses = alternate({"graphpass DP": gp_step, "torch DDP": ddp_step}, data, args.warmup, args.rounds,
+                              args.steps_per_round)
+    gp_losses = torch.stack(losses["graphpass DP"])
+    ddp_losses = torch.stack(losses["torch DDP"])
     dist.all_reduce(ddp_losses)  # per-rank means -> global mean (equal shards)
     ddp_losses /= world
     if rank != 0:
@@ -156,7 +137,7 @@ def _run_rank(args: argparse.Namespace) -> dict | None:
     return {
         "params": sum(p.numel() for p in dmodel.parameters()),
         "buckets": len(dmodel.graph_module.graph.find_nodes(op="call_function", target=all_reduce_grads)),
-        "times": {name: sides[name][1] for name in names},
+        "times": times,
         "max_loss_diff": (gp_losses - ddp_losses).abs().max().item(),
         "first_loss": gp_losses[0].item(),
         "last_loss": gp_losses[-1].item(),

@@ -5,7 +5,7 @@ What is measured: on ``--world-size`` gloo ranks (default 2; one pipeline stage 
 example GPT (``examples/gpt.py``, its LM head untied from the token embedding, because a pipeline
 driven by hand cannot tie weights across stages: torchtitan does not support it either) is
 trained with plain SGD two ways side by side, for every microbatch count ``m`` in ``--microbatches``
-(default 1, 2, 4, 8) under GPipe (and under 1F1B where ``m >= p``):
+(default 1, 2, 4, 8) under GPipe, zero-bubble (torch's ZB1P) and 1F1B (where ``m >= p``):
 
 * **graphpass**: ``gp.compile(model, strategy=gp.Strategy(pp=p, microbatches=m, schedule=...))``
   and ``dmodel.train_step(idx, targets)``: graphpass cuts its captured graph into ``p`` stages
@@ -22,7 +22,9 @@ alternates too), each round started by a barrier.
 Columns:
 
 * ``ideal bubble`` ``(p - 1) / (m + p - 1)``: the share of a step a stage idles when all stages
-  take the same time ``t`` per microbatch and nothing else costs time (GPipe and 1F1B alike).
+  take the same time ``t`` per microbatch and nothing else costs time (GPipe and 1F1B alike);
+  for zero-bubble a third of that idle time (``graphpass.cost.memory.zero_bubble_fraction``: the
+  forward's third of forward + input gradient + weight gradient).
 * ``bubble``: measured as ``1 - m * t / T``, with ``T`` the median step time of graphpass and
   ``t`` the slowest stage's forward + backward of one microbatch timed alone on its rank (the
   hand module, same math; no communication). It includes what the ideal leaves out: the
@@ -55,14 +57,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 import graphpass as gp
+from graphpass.cost.memory import pipeline_bubble_fraction, zero_bubble_fraction
 from graphpass.runtime.memory import MemoryProbe
 from graphpass.runtime.pipeline import SCHEDULES
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)
 from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
+from alternating import alternate  # noqa: E402
 
 MiB = 2**20
 
@@ -166,7 +171,9 @@ def _run_rank(args: argparse.Namespace, schedule: str, m: int) -> dict:
     stage = PipelineStage(module, rank, p, torch.device("cpu"), input_args=(example,),
                           output_args=(torch.zeros(rows, width, args.vocab_size) if rank == p - 1
                                        else torch.zeros(rows, width, args.n_embd, requires_grad=True),))
-    engine = SCHEDULES[schedule](stage, n_microbatches=m, loss_fn=_loss, scale_grads=True)
+    engine_cls = SCHEDULES[schedule]
+    engine = engine_cls([stage] if issubclass(engine_cls, PipelineScheduleMulti) else stage, n_microbatches=m,
+                        loss_fn=_loss, scale_grads=True)
     hand_opt = torch.optim.SGD(module.parameters(), lr=args.lr)
 
     def gp_step(idx, targets):
@@ -188,26 +195,8 @@ def _run_rank(args: argparse.Namespace, schedule: str, m: int) -> dict:
         hand_opt.zero_grad()
         return loss
 
-    sides = {"graphpass": (gp_step, [], []), "hand": (hand_step, [], [])}
-
-    def run(name: str, start: int, count: int, timed: bool) -> None:
-        fn, times, losses = sides[name]
-        dist.barrier()
-        for i in range(start, start + count):
-            t0 = time.perf_counter()
-            loss = fn(*data[i])
-            if timed:
-                times.append(time.perf_counter() - t0)
-            losses.append(loss)
-
-    names = list(sides)
-    for name in names:
-        run(name, 0, args.warmup, timed=False)
-    step = args.warmup
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            run(name, step, args.steps_per_round, timed=True)
-        step += args.steps_per_round
+    times, losses = alternate({"graphpass": gp_step, "hand": hand_step}, data, args.warmup, args.rounds,
+                              args.steps_per_round)
 
     # One more graphpass step under the memory probe: parameters and their gradients are the
     # baseline (SGD without momentum keeps no state).
@@ -218,13 +207,13 @@ def _run_rank(args: argparse.Namespace, schedule: str, m: int) -> dict:
     x = data[0][0].narrow(0, 0, rows) if rank == 0 else torch.randn(rows, width, args.n_embd)
     own = _stage_time(module, x, data[0][1].narrow(0, 0, rows))
 
-    hand_losses = torch.stack(sides["hand"][2])
+    hand_losses = torch.stack(losses["hand"])
     dist.broadcast(hand_losses, p - 1)  # the last stage has them
-    gp_losses = torch.stack(sides["graphpass"][2])
+    gp_losses = torch.stack(losses["graphpass"])
     gathered: list = [None] * p
     dist.all_gather_object(gathered, {"peak": probe.peak_bytes, "own": own})
     return {
-        "times": {name: sides[name][1] for name in names},
+        "times": times,
         "max_loss_diff": (gp_losses - hand_losses).abs().max().item(),
         "peaks": [g["peak"] for g in gathered],
         "stage_s": [g["own"] for g in gathered],
@@ -253,8 +242,9 @@ def main(argv=None) -> None:
               f"{'bubble':>7s} " + " ".join(f"{f'peak r{r}':>8s} {f'pred r{r}':>8s} {'err':>6s}" for r in range(p))
               + f" {'max |dloss|':>11s}")
     print(header)
+    ideal = {"gpipe": pipeline_bubble_fraction, "1f1b": pipeline_bubble_fraction, "zero_bubble": zero_bubble_fraction}
     for m in args.microbatches:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "zero_bubble"):
             if schedule == "1f1b" and m < p:
                 continue
             result = gp.launch(_run_rank, p, args=(args, schedule, m), timeout_s=900)[0]
@@ -269,7 +259,7 @@ def main(argv=None) -> None:
                 f"{peak / MiB:8.1f} {pred / MiB:8.1f} {(pred - peak) / peak:+6.1%}"
                 for peak, pred in zip(result["peaks"], predicted))
             print(f"{schedule:9s} {m:2d} {step * 1e3:8.1f} {statistics.median(hand_t) * 1e3:8.1f} "
-                  f"{statistics.median(paired):7.3f} {(p - 1) / (m + p - 1):12.3f} {bubble:7.3f} {cells} "
+                  f"{statistics.median(paired):7.3f} {ideal[schedule](p, m):12.3f} {bubble:7.3f} {cells} "
                   f"{result['max_loss_diff']:11.2e}", flush=True)
     print()
     print("gp/hand: median of per-round ratios of step time (target <= 1.0); bubble = 1 - m t / T with t the "

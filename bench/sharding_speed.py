@@ -58,6 +58,7 @@ import graphpass as gp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from gpt import GPT  # noqa: E402  (examples/ is not a package)
 from gpt_args import add_gpt_args, gpt_batches, gpt_config, llama_config  # noqa: E402
+from alternating import alternate  # noqa: E402
 from configs import LlamaLike  # noqa: E402
 
 TP = 2
@@ -182,26 +183,7 @@ def _graphpass_step_fn(args, model: GPT, strategy: gp.Strategy, example):
 def _race(args, data, sides: dict, reference_dp_group=None) -> dict:
     """Alternate the sides in rounds; return per-side step times and the loss check."""
     names = list(sides)
-    times = {name: [] for name in names}
-    losses = {name: [] for name in names}
-
-    def run(name: str, start: int, count: int, timed: bool) -> None:
-        dist.barrier()
-        for i in range(start, start + count):
-            t0 = time.perf_counter()
-            loss = sides[name](*data[i])
-            t1 = time.perf_counter()
-            losses[name].append(loss)
-            if timed:
-                times[name].append(t1 - t0)
-
-    for name in names:
-        run(name, 0, args.warmup, timed=False)
-    step = args.warmup
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            run(name, step, args.steps_per_round, timed=True)
-        step += args.steps_per_round
+    times, losses = alternate(sides, data, args.warmup, args.rounds, args.steps_per_round)
     gp_losses = torch.stack(losses[names[0]])
     ref_losses = torch.stack(losses[names[1]])
     # The reference returns this rank's mean over its batch slice -> global mean over dp.

@@ -42,13 +42,22 @@ __all__ = [
     "megatron_activation_bytes",
     "pipeline_bubble_fraction",
     "interleaved_bubble_fraction",
+    "zero_bubble_fraction",
+    "deferred_weight_gradients",
+    "ZERO_BUBBLE_SHARE",
     "in_flight_microbatches",
     "gathered_weight_bytes",
 ]
 
 _ZERO_STAGES = (0, 1, 2, 3)
 _RECOMPUTE = ("none", "selective", "full")
-_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+
+#: The part of a stage's forward + backward time that zero-bubble scheduling cannot hide: the
+#: forward, of forward + input-gradient backward + weight-gradient backward taken as equal thirds
+#: (a matmul's two gradient matmuls each cost its forward). Qi et al. 2024 (ZB-H1): bubble
+#: (p − 1)(T_F + T_B − T_W) against 1F1B's (p − 1)(T_F + T_B + T_W).
+ZERO_BUBBLE_SHARE = 1 / 3
 
 
 def _positive(name: str, value: float) -> None:
@@ -286,6 +295,19 @@ def interleaved_bubble_fraction(stages: int, microbatches: int, chunks: int) -> 
     return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
+def zero_bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """Bubble fraction of torch's interleaved zero-bubble schedule (ZB1P, Qi et al. 2024) with
+    ``chunks`` stages per rank: the interleaved bubble with the idle time cut to
+    :data:`ZERO_BUBBLE_SHARE` of it, ``s(p − 1)/(v·m + s(p − 1))``: deferred weight-gradient
+    backwards fill the rest (they need no neighbour's data).
+    """
+    _positive_int("stages", stages)
+    _positive_int("microbatches", microbatches)
+    _positive_int("chunks", chunks)
+    idle = ZERO_BUBBLE_SHARE * (stages - 1)
+    return idle / (chunks * microbatches + idle)
+
+
 def in_flight_microbatches(
     stages: int, microbatches: int, stage_index: int, schedule: str = "1f1b", virtual_stages: int = 1
 ) -> float:
@@ -300,7 +322,10 @@ def in_flight_microbatches(
     forwards before its first backward (torch.distributed.pipelining's ``_get_warmup_ops``,
     ``m_round`` the microbatches of one round, ``m / max(1, m // p)``), at most ``m * v``: the
     rank holds that many stage-microbatches plus the one in flight, on average that over ``v``
-    per stage (a fraction).
+    per stage (a fraction). Zero-bubble (torch's ZB1P) warms up with ``(v − 1) * m_round + (p −
+    1 − r)`` forwards and defers rank ``r``'s weight-gradient backwards by ``r`` microbatches,
+    whose activations it also holds (counted whole: an upper bound, a weight gradient needs only
+    its matmul's input): ``p`` microbatches on every rank when ``v = 1``, Qi et al.'s ZB-H1 peak.
 
     Multiply by the activation bytes of one microbatch on that stage (e.g.
     ``megatron_activation_bytes`` times the stage's layers) for the stage's activation peak.
@@ -315,12 +340,29 @@ def in_flight_microbatches(
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
     if schedule == "gpipe":
         return microbatches
-    if schedule == "interleaved_1f1b":
+    if schedule in ("interleaved_1f1b", "zero_bubble"):
         rank = pipeline_rank(stage_index, stages)
         per_round = microbatches // interleaved_rounds(microbatches, stages)
-        warmup = (virtual_stages - 1) * per_round + 2 * (stages - 1 - rank)
-        return min(warmup + 1, microbatches * virtual_stages) / virtual_stages
+        if schedule == "interleaved_1f1b":
+            held = (virtual_stages - 1) * per_round + 2 * (stages - 1 - rank) + 1
+        else:
+            held = (virtual_stages - 1) * per_round + (stages - 1 - rank) + 1 + rank
+        return min(held, microbatches * virtual_stages) / virtual_stages
     return min(stages - stage_index, microbatches)
+
+
+def deferred_weight_gradients(stages: int, microbatches: int, stage_index: int, virtual_stages: int = 1) -> float:
+    """Under zero-bubble (torch's ZB1P), the most stage-microbatches whose input gradient has run
+    and whose weight gradient has not, per stage of the rank that runs ``stage_index``: rank
+    ``r`` defers ``r`` of them behind the one in hand, ``min(r + 1, m v)`` over its ``v`` stages.
+    Each keeps the output gradients its weight gradients need (``BlockCost.weight_grad_bytes``);
+    the first stage runs whole backwards (its input needs no gradient) and keeps none.
+    """
+    _positive_int("stages", stages)
+    _positive_int("microbatches", microbatches)
+    _positive_int("virtual_stages", virtual_stages)
+    rank = pipeline_rank(stage_index, stages)
+    return min(rank + 1, microbatches * virtual_stages) / virtual_stages
 
 
 # --------------------------------------------------------------------------------------------

@@ -53,10 +53,11 @@ Step time of a mesh with ``p`` stages of per-microbatch time ``t_s`` (1F1B / GPi
 ``sum_s t_s + (m - 1) max_s t_s + max_s (E_s + u_s)``; for ``p = 1`` that is ``m t + E + u``.
 Interleaved 1F1B with ``v`` stages per rank (rank ``r`` runs ``T_r``, the sum of its stages'
 times): ``m max_r T_r + (p - 1) max_c t_c + max_r (E_r + u_r)`` (Narayanan et al. 2021; it
-assumes the microbatches fill whole rounds of ``p``). Every stage but the last also pays the
+assumes the microbatches fill whole rounds of ``p``); zero-bubble (ZB1P) the same with the bubble
+term times ``ZERO_BUBBLE_SHARE`` (:func:`graphpass.cost.memory.zero_bubble_fraction`). Every stage but the last also pays the
 send of its output and the return of its gradient. A stage's microbatches in flight follow its
 schedule (:func:`graphpass.cost.memory.in_flight_microbatches`); the search enumerates 1F1B
-pipelines, and prices GPipe and interleaved ones for a given Strategy.
+pipelines, and prices GPipe, interleaved and zero-bubble ones for a given Strategy.
 The uniform strategies of the same mesh are priced by the same function and kept when one beats
 the ILP's answer under the full step formula (possible for ``p > 1`` only, where the ILP's
 per-stage objective is a proxy), so the search never returns a plan slower than a uniform one it
@@ -86,7 +87,7 @@ from graphpass.plan import Choice, pipeline_rank
 from graphpass.transitions import FORWARD, PER_MICROBATCH, Transition, transition
 from graphpass.cost.memory import format_bytes
 from graphpass.cost.collectives import collective_time, sync_time
-from graphpass.cost.memory import in_flight_microbatches
+from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,9 @@ class BlockCost:
             start of backward; a recomputed layer's comes on top of its rematerialised
             activations.
         backward_starts_here: the last block of the model, whose backward runs first.
+        weight_grad_bytes: the output gradients of the block's ops that read a trainable
+            parameter, at the reference batch: what a split backward keeps from the input
+            gradient's pass to the weight gradient's (zero-bubble schedules).
     """
 
     name: str
@@ -176,6 +180,7 @@ class BlockCost:
     backward_bytes: float = 0.0
     tensors: int = 0
     backward_starts_here: bool = False
+    weight_grad_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -658,6 +663,7 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
     # What each pp rank runs: one stage, or several under an interleaved schedule.
     ranks = [[s for s in range(len(stages)) if layout.rank_of(s) == r] for r in range(min(layout.mesh.pp, len(stages)))]
     stage_times, tails, peaks, exposed = [], [], [], []
+    m = layout.microbatches
     for held in ranks:
         indices = [i for s in held for i in stages[s]]
         # The end of backward waits for every asynchronous data-parallel collective at once.
@@ -666,9 +672,17 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
         tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
         exposed.append(max(0.0, comm))
         stage_times.append(sum(chunk_times[s] for s in held))
-        peaks.append(_stage_peak(blocks, indices, priced, _stage_flight(layout, held[0]), costing))
-    m = layout.microbatches
-    if layout.virtual_stages > 1:
+        peak = _stage_peak(blocks, indices, priced, _stage_flight(layout, held[0]), costing)
+        if layout.schedule == "zero_bubble":  # weight gradients deferred past the input gradients
+            split = [i for s in held if s > 0 for i in stages[s]]  # stage 0 runs whole backwards
+            peak += deferred_weight_gradients(layout.mesh.pp, m, held[0], layout.virtual_stages) * scale * sum(
+                blocks[i].weight_grad_bytes for i in split)
+        peaks.append(peak)
+    if layout.schedule == "zero_bubble":
+        # ZB1P (Qi et al. 2024): deferred weight-gradient backwards fill all but the forwards'
+        # share of the interleaved bubble.
+        step = m * max(stage_times) + ZERO_BUBBLE_SHARE * (layout.mesh.pp - 1) * max(chunk_times) + max(tails)
+    elif layout.virtual_stages > 1:
         # Interleaved 1F1B (Narayanan et al. 2021, section 2.2): the bubble shrinks to p - 1
         # chunk times, at the price of v times as many sends (in the chunk times above).
         step = m * max(stage_times) + (layout.mesh.pp - 1) * max(chunk_times) + max(tails)

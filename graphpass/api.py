@@ -70,7 +70,7 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
             strategy.strategy.check(world_size)
         if strategy.mesh.pp > 1:
             check_pipeline("Plan", strategy.mesh.pp, strategy.schedule, strategy.microbatches,
-                           strategy.virtual_stages)
+                           strategy.virtual_stages, strategy.mesh.dp, strategy.sequence_parallel)
         return strategy.strategy, strategy, []
     raise TypeError(
         f"strategy must be 'auto', a graphpass.Strategy or a graphpass.Plan, got {type(strategy).__name__}"

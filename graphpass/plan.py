@@ -63,8 +63,9 @@ class Strategy:
         split: OSDP operator-splitting factor for large linears.
         microbatches: microbatches per step (pipeline / gradient accumulation).
         schedule: pipeline schedule, one of :data:`SCHEDULES`.
-        virtual_stages: stages per pipeline rank (``"interleaved_1f1b"``: at least 2; the model is
-            cut into ``pp * virtual_stages`` stages, rank ``r`` running stages ``r, r + pp, ...``).
+        virtual_stages: stages per pipeline rank (``"interleaved_1f1b"``: at least 2,
+            ``"zero_bubble"``: 1 or more; the model is cut into ``pp * virtual_stages`` stages,
+            rank ``r`` running stages ``r, r + pp, ...``).
         recompute: activation checkpointing of every layer.
         sequence_parallel: with ``tp > 1``, shard norm/dropout/residual activations along the
             sequence (Megatron-LM sequence parallelism).
@@ -125,13 +126,17 @@ class Strategy:
                 + (f" (e.g. Strategy(dp={world_size}))" if self.tp == self.pp == 1 else "")
             )
         if self.pp > 1 or self.virtual_stages > 1:
-            check_pipeline("Strategy", self.pp, self.schedule, self.microbatches, self.virtual_stages)
+            check_pipeline("Strategy", self.pp, self.schedule, self.microbatches, self.virtual_stages, self.dp,
+                           self.sequence_parallel)
 
 
 #: The pipeline schedules graphpass runs today (the others of :data:`SCHEDULES` raise).
-RUNNING_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+RUNNING_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 #: The schedules that run several stages per rank.
 INTERLEAVED = ("interleaved_1f1b",)
+#: The schedules that may run several stages per rank and group the microbatches into rounds of
+#: about ``pp`` (torch's interleaved 1F1B and interleaved zero-bubble, ZB1P, which also runs one).
+ROUNDS = ("interleaved_1f1b", "zero_bubble")
 
 
 def pipeline_rank(stage: int, pp: int) -> int:
@@ -147,12 +152,15 @@ def interleaved_rounds(microbatches: int, pp: int) -> int:
     return max(1, microbatches // pp)
 
 
-def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtual_stages: int) -> None:
-    """Raise unless ``pp`` ranks can run ``virtual_stages`` stages each as ``owner`` asks
-    (``Strategy`` or ``Plan``; a Plan's virtual stages are its stages per pipeline rank).
+def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtual_stages: int, dp: int = 1,
+                   sequence_parallel: bool = False) -> None:
+    """Raise unless ``pp`` ranks (times ``dp`` replicas) can run ``virtual_stages`` stages each as
+    ``owner`` asks (``Strategy`` or ``Plan``; a Plan's virtual stages are its stages per pipeline
+    rank).
 
     Raises:
-        NotImplementedError: a schedule graphpass does not run yet.
+        NotImplementedError: a schedule graphpass does not run yet; zero-bubble on stage programs
+            that reduce gradients inside the graph (``dp > 1``, or sequence parallelism).
         ValueError: 1F1B with fewer microbatches than stages; an interleaved schedule with one
             stage per rank, or microbatches it cannot group into rounds of ``pp``; several
             stages per rank with a schedule that runs one.
@@ -162,22 +170,30 @@ def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtua
                          "(or virtual_stages=1)")
     if schedule not in RUNNING_SCHEDULES:
         raise NotImplementedError(
-            f"{owner}.schedule={schedule!r} is not implemented yet; graphpass runs {RUNNING_SCHEDULES}"
-            + (" (the engine's zero-bubble schedules split each backward into input and weight gradients "
-               "by walking autograd, reported to break on custom autograd Functions, pytorch #166577, "
-               "which graphpass's collectives are; not wired up yet)" if schedule == "zero_bubble" else "")
+            f"{owner}.schedule={schedule!r} is not implemented yet; graphpass runs {RUNNING_SCHEDULES}")
+    if schedule == "zero_bubble" and (dp > 1 or sequence_parallel):
+        # The engine's split backward computes weight gradients with torch.autograd.grad up to the
+        # weights and adds them to .grad itself. Gradients graphpass reduces inside the graph (the
+        # data-parallel buckets and ZeRO groups; sequence-parallel norm weights' partial sums over
+        # tp) pass through autograd Functions between a weight and its uses that write .grad once
+        # per step; the split weight backward bypasses them (it fails: "not used in the graph").
+        reducing = f"dp={dp}" if dp > 1 else "sequence_parallel=True"
+        raise NotImplementedError(
+            f"{owner}.schedule='zero_bubble' with {owner}.{reducing} is not implemented yet: the engine's split "
+            "weight backward bypasses the gradient reduction graphpass puts in the graph; use zero_bubble with "
+            "pp and tp only, or schedule='1f1b' / 'interleaved_1f1b'"
         )
     if schedule == "1f1b" and microbatches < pp:
         raise ValueError(
             f"{owner}.schedule='1f1b' needs at least as many microbatches as stages: {owner}.microbatches="
             f"{microbatches} < pp={pp}; use {owner}.microbatches >= {pp} (or schedule='gpipe')"
         )
-    if schedule in INTERLEAVED:
-        if virtual_stages < 2:
-            raise ValueError(
-                f"{owner}.schedule={schedule!r} interleaves several stages per rank, but {owner}.virtual_stages="
-                f"{virtual_stages}; use virtual_stages >= 2 (or schedule='1f1b' for one stage per rank)"
-            )
+    if schedule in INTERLEAVED and virtual_stages < 2:
+        raise ValueError(
+            f"{owner}.schedule={schedule!r} interleaves several stages per rank, but {owner}.virtual_stages="
+            f"{virtual_stages}; use virtual_stages >= 2 (or schedule='1f1b' for one stage per rank)"
+        )
+    if schedule in ROUNDS:
         rounds = interleaved_rounds(microbatches, pp)
         if microbatches % rounds:
             raise ValueError(
@@ -187,8 +203,8 @@ def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtua
             )
     elif virtual_stages != 1:
         raise ValueError(
-            f"{owner}.virtual_stages={virtual_stages} needs an interleaved schedule ({', '.join(INTERLEAVED)}); "
-            f"{owner}.schedule={schedule!r} runs one stage per rank"
+            f"{owner}.virtual_stages={virtual_stages} needs a schedule that runs several stages per rank "
+            f"({', '.join(ROUNDS)}); {owner}.schedule={schedule!r} runs one stage per rank"
         )
 
 

@@ -539,6 +539,13 @@ class GraphProfile:
                     w = node.args[1]
                     split_bytes += _tensor_bytes(self.tensors[w.name]) if w.name in self.tensors else 0.0
                     split_count += 1
+            # A weight gradient's other operand: the output gradient of each op reading a trainable
+            # parameter (as big as the op's local output).
+            trainable = {p.name for p in block.params if self.tensors[p.name].requires_grad}
+            weight_grad = sum(
+                _tensor_bytes(n.meta[meta.VAL]) / (tp if tp > 1 and placed(n, (Shard,)) else 1)
+                for n in block.nodes if isinstance(n.meta.get(meta.VAL), torch.Tensor)
+                and any(a.name in trainable for a in n.all_input_nodes))
             scale_io = 1 / tp if sequence_parallel and tp > 1 else 1.0
             # A backward's working set is the size of the activations it differentiates: sharded
             # as what they save is under this layout (the post block: its loss, whose input is
@@ -555,6 +562,7 @@ class GraphProfile:
                 output_bytes=block.output_bytes * scale_io, tp_traffic=tuple(traffic.get(block.name, ())),
                 tp_copies=tuple(copies.get(block.name, ())),
                 backward_bytes=working, tensors=tensors, backward_starts_here=block is self.blocks[-1],
+                weight_grad_bytes=weight_grad,
             ))
         return out
 

@@ -3,7 +3,10 @@
 Each rank of the ``pp`` axis runs one stage graph (``graphpass.passes.partition_stages``), or
 several under an interleaved schedule, each as a ``PipelineStage`` whose send/receive metadata
 comes from the stage graph's fake values (no run-time shape inference), and the engine's
-schedule (GPipe, 1F1B, interleaved 1F1B) drives their microbatch forwards and backwards.
+schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble) drives their microbatch
+forwards and backwards. Zero-bubble splits each backward into the input gradient and, later, the
+weight gradient (the engine's ``torch.autograd.grad`` walks); ``graphpass.plan.check_pipeline``
+keeps it to stage programs that reduce no gradient inside the graph.
 graphpass adds what the engine does not know:
 
 - the step's scaling: each microbatch's loss is a mean over its rows, and the loss the engine
@@ -25,7 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from graphpass import meta
@@ -35,7 +39,8 @@ from graphpass.runtime.regather import rebuild_saved_tensors
 
 #: The engine's schedule for each of ``graphpass.plan.RUNNING_SCHEDULES`` (which ``Strategy`` and
 #: ``Plan`` are checked against before compile gets here).
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zero_bubble": ScheduleInterleavedZeroBubble}
 
 
 class _Stage(PipelineStage):

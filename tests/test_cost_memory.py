@@ -20,6 +20,7 @@ from graphpass.cost.memory import (
     megatron_activation_bytes,
     model_state_bytes,
     pipeline_bubble_fraction,
+    zero_bubble_fraction,
 )
 
 GB = 1e9
@@ -189,6 +190,14 @@ def test_interleaved_bubble_divides_the_bubble_by_chunks():
     # Narayanan et al.'s bubble-to-ideal ratio (p - 1)/(v m) is f / (1 - f).
     assert f / (1 - f) == pytest.approx((p - 1) / (v * m))
     assert interleaved_bubble_fraction(p, m, 1) == pipeline_bubble_fraction(p, m)
+
+
+def test_zero_bubble_leaves_the_forwards_third_of_the_bubble():
+    # Qi et al. 2024 (ZB-H1), F = B = W: (p - 1) T_F idle against 1F1B's (p - 1)(T_F + T_B + T_W).
+    assert zero_bubble_fraction(4, 8) == pytest.approx(1 / 9)
+    assert zero_bubble_fraction(4, 8) < interleaved_bubble_fraction(4, 8, 2) < pipeline_bubble_fraction(4, 8)
+    assert zero_bubble_fraction(4, 8, 2) == pytest.approx(1 / 17)
+    assert zero_bubble_fraction(1, 8) == 0
 
 
 def test_in_flight_microbatches_for_gpipe_is_all_of_them():

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import graphpass as gp
 import zoo
-from graphpass.plan import Plan
+from graphpass.plan import Plan, interleaved_rounds
 
 RTOL, ATOL = 1e-5, 1e-6
 BATCH, STEPS = 8, 3
@@ -24,21 +24,25 @@ BATCH, STEPS = 8, 3
 # (model, Strategy fields besides pp, which takes the ranks the others leave) per world size:
 # tied (gpt, hf_gpt2) and untied (hf_llama) embeddings, both schedules, 4 stages on the 4-layer
 # GPT, 2 stages x dp 2 with and without ZeRO (a tied weight sharded on both stages that read it),
-# 2 stages x tp 2 (with sequence parallelism: the carried residual is a sequence shard), and
-# recompute and operator splitting inside the stages.
+# 2 stages x tp 2 (with sequence parallelism: the carried residual is a sequence shard),
+# recompute and operator splitting inside the stages, interleaved 1F1B, and zero-bubble (its split
+# weight backward, with recompute, two stages per rank, tp and a tied LM head).
 CASES = {
     2: [("gpt", dict(microbatches=2, schedule="gpipe")), ("gpt", dict(microbatches=4)),
         ("hf_llama", dict(microbatches=2)), ("hf_gpt2", dict(microbatches=4, schedule="gpipe")),
         ("gpt", dict(microbatches=2, recompute=True)),
         ("gpt_deep", dict(microbatches=2, schedule="interleaved_1f1b", virtual_stages=2)),
-        ("hf_llama_deep", dict(microbatches=4, schedule="interleaved_1f1b", virtual_stages=2))],
+        ("hf_llama_deep", dict(microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
+        ("gpt", dict(microbatches=2, schedule="zero_bubble", recompute=True)),
+        ("hf_llama_deep", dict(microbatches=4, schedule="zero_bubble", virtual_stages=2))],
     4: [("gpt_deep", dict(microbatches=4)), ("gpt_deep", dict(microbatches=2, schedule="gpipe")),
         ("gpt", dict(dp=2, microbatches=2)), ("hf_llama", dict(dp=2, microbatches=4, schedule="gpipe")),
         ("gpt", dict(dp=2, zero=3, microbatches=2)), ("hf_llama", dict(dp=2, zero=1, microbatches=2, schedule="gpipe")),
         ("gpt", dict(tp=2, microbatches=2)), ("hf_llama", dict(tp=2, sequence_parallel=True, microbatches=2)),
         ("hf_gpt2", dict(tp=2, microbatches=2, schedule="gpipe")),
         ("gpt", dict(dp=2, zero=2, split=2, microbatches=2, recompute=True)),
-        ("gpt_deep", dict(dp=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2))],
+        ("gpt_deep", dict(dp=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
+        ("hf_gpt2", dict(tp=2, microbatches=4, schedule="zero_bubble"))],
 }
 
 
@@ -94,12 +98,15 @@ def test_bad_pipeline_strategies_name_the_field_and_sizes():
     with pytest.raises(ValueError, match=r"runs microbatches in 2 equal rounds of about pp=2, which "
                                          r"Strategy.microbatches=5 does not divide into"):
         gp.Strategy(pp=2, microbatches=5, schedule="interleaved_1f1b", virtual_stages=2).check(2)
-    with pytest.raises(ValueError, match=r"Strategy.virtual_stages=2 needs an interleaved schedule"):
+    with pytest.raises(ValueError, match=r"Strategy.virtual_stages=2 needs a schedule that runs several stages per rank"):
         gp.Strategy(pp=2, microbatches=2, virtual_stages=2).check(2)
     with pytest.raises(ValueError, match=r"Strategy.virtual_stages=2 needs pipeline stages: use pp > 1"):
         gp.Strategy(dp=2, virtual_stages=2, schedule="interleaved_1f1b").check(2)
-    with pytest.raises(NotImplementedError, match="Strategy.schedule='zero_bubble' is not implemented yet"):
-        gp.Strategy(pp=2, microbatches=2, schedule="zero_bubble").check(2)
+    with pytest.raises(NotImplementedError, match="Strategy.schedule='zero_bubble' with Strategy.sequence_parallel=True "
+                                                  "is not implemented yet"):
+        gp.Strategy(pp=2, tp=2, microbatches=2, schedule="zero_bubble", sequence_parallel=True).check(4)
+    with pytest.raises(ValueError, match=r"Strategy.schedule='zero_bubble' runs microbatches in 2 equal rounds"):
+        gp.Strategy(pp=2, microbatches=5, schedule="zero_bubble").check(2)
     gp.Strategy(pp=2, microbatches=1, schedule="gpipe").check(2)  # GPipe runs any count
     # The runtime has an engine schedule for every schedule the checks let through.
     from graphpass.plan import RUNNING_SCHEDULES
@@ -153,3 +160,46 @@ def test_auto_runs_the_pipeline_the_planner_picks_under_a_tight_memory_budget(ra
     assert plan.predicted_peak_memory_bytes <= 2.8e6 and len(plan.predicted_stage_peaks_bytes) == 2
     for rank, (losses, state, _) in enumerate(results):
         zoo.assert_matches_reference(f"auto pp rank {rank}", losses, state, ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+
+
+def _engine_peak(schedule: str, pp: int, virtual_stages: int, microbatches: int, held_from: str = "FORWARD"
+                 ) -> list[int]:
+    """Per rank, the most stage-microbatches torch's own schedule holds at once from a ``held_from``
+    action to the backward that frees them (the weight-gradient one under zero-bubble): its action
+    order, built as the engine builds it, without ranks."""
+    from torch.distributed.pipelining import schedules as S
+
+    engine = {"interleaved_1f1b": S.ScheduleInterleaved1F1B, "zero_bubble": S.ScheduleInterleavedZeroBubble}[schedule]
+    frees = S._ComputationType.BACKWARD_WEIGHT if schedule == "zero_bubble" else S._ComputationType.FULL_BACKWARD
+    starts = getattr(S._ComputationType, held_from)
+    order = engine.__new__(engine)
+    order.n_local_stages, order.pp_group_size, order._n_microbatches = virtual_stages, pp, microbatches
+    order.number_of_rounds = interleaved_rounds(microbatches, pp)
+    order.microbatches_per_round = microbatches // order.number_of_rounds
+    peaks = []
+    for rank in range(pp):
+        held = peak = 0
+        for action in order._calculate_single_rank_operations(rank):
+            if action is not None and action.computation_type == starts:
+                held += 1
+                peak = max(peak, held)
+            elif action is not None and action.computation_type == frees:
+                held -= 1
+        peaks.append(peak)
+    return peaks
+
+
+@pytest.mark.parametrize("schedule, pp, v, m", [("zero_bubble", 4, 1, 8), ("zero_bubble", 2, 1, 2),
+                                                ("zero_bubble", 2, 2, 4), ("zero_bubble", 4, 2, 8),
+                                                ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 4, 2, 8),
+                                                ("interleaved_1f1b", 4, 3, 12)])
+def test_priced_microbatches_in_flight_are_the_engines_own(schedule, pp, v, m):
+    """The planner's activation memory per stage (``in_flight_microbatches``, averaged over a
+    rank's ``v`` stages) is what torch's schedule holds: its action order, not a paper's formula."""
+    from graphpass.cost.memory import deferred_weight_gradients, in_flight_microbatches
+
+    priced = [in_flight_microbatches(pp, m, rank, schedule, v) * v for rank in range(pp)]
+    assert priced == pytest.approx(_engine_peak(schedule, pp, v, m))
+    if schedule == "zero_bubble":  # and the output gradients kept for deferred weight gradients
+        deferred = [deferred_weight_gradients(pp, m, rank, v) * v for rank in range(pp)]
+        assert deferred == pytest.approx(_engine_peak(schedule, pp, v, m, held_from="BACKWARD_INPUT"))

@@ -315,11 +315,22 @@ def test_a_priced_strategy_that_does_not_fit_says_so(small_planner):
     assert plan.strategy == gp.Strategy(dp=8)
 
 
+def test_zero_bubble_is_priced_with_its_smaller_bubble_and_its_deferred_weight_gradients(small_planner):
+    """The same pipeline under 1F1B and zero-bubble: zero-bubble's step is shorter (a third of the
+    bubble), and its last stage holds p microbatches (deferred weight gradients), 1F1B's one."""
+    one_f_one_b, zero_bubble = (small_planner.price(gp.Strategy(pp=2, tp=4, microbatches=4, schedule=s))
+                                for s in ("1f1b", "zero_bubble"))
+    assert zero_bubble.schedule == "zero_bubble" and zero_bubble.stages == one_f_one_b.stages
+    assert zero_bubble.predicted_step_time_s < one_f_one_b.predicted_step_time_s
+    assert zero_bubble.predicted_stage_peaks_bytes[0] == pytest.approx(one_f_one_b.predicted_stage_peaks_bytes[0])
+    assert zero_bubble.predicted_stage_peaks_bytes[1] > one_f_one_b.predicted_stage_peaks_bytes[1]
+
+
 def test_compile_takes_a_3d_pipeline_plan_and_refuses_an_unbuilt_schedule(small_planner):
     plan = small_planner.price(gp.Strategy(dp=2, tp=2, pp=2, microbatches=2))
     assert resolve_strategy(plan, 8)[1] is plan  # what compile calls first with a given Plan
     assert len(plan.stages) == 2 and plan.stages[0] == "*" and len(plan.predicted_stage_peaks_bytes) == 2
-    with pytest.raises(NotImplementedError, match="Plan.schedule='zero_bubble' is not implemented yet"):
+    with pytest.raises(NotImplementedError, match="Plan.schedule='zero_bubble' with Plan.dp=2 is not implemented yet"):
         resolve_strategy(dataclasses.replace(plan, schedule="zero_bubble"), 8)
 
 
