@@ -115,6 +115,7 @@ STRATEGIES = {
         ("pp 2 1f1b microbatches 2", dict(pp=2, microbatches=2)),
         ("pp 2 gpipe microbatches 4", dict(pp=2, microbatches=4, schedule="gpipe")),
         ("pp 2 interleaved v 2 m 4", dict(pp=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
+        ("pp 2 zero-bubble m 4", dict(pp=2, microbatches=4, schedule="zero_bubble")),
     ),
     4: (
         ("dp 4", dict(dp=4)),
@@ -152,6 +153,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    help="price every sample with the cached profile of each world size instead of "
                         "profiling the job's ranks at each sample")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", default="", help="only the rows whose name starts with this (e.g. 'pp ')")
     args = p.parse_args(argv)
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     for w in args.world_sizes:
@@ -164,6 +166,11 @@ def _parse_args(argv=None) -> argparse.Namespace:
     if not 2 <= args.profiles <= args.samples:
         p.error(f"--profiles must be between 2 and --samples = {args.samples} (got {args.profiles})")
     return args
+
+
+def _rows(args: argparse.Namespace, world: int) -> tuple[tuple[str, dict], ...]:
+    """The rows of ``world`` ranks that ``--rows`` selects."""
+    return tuple(row for row in STRATEGIES[world] if row[0].startswith(args.rows))
 
 
 def _threads(world: int) -> int:
@@ -197,7 +204,7 @@ def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> dict[s
         planner = Planner(model, cluster, example_inputs=gpt_batches(args, 1)[0],
                           measure_ops=True, measure_together=True, optimizer_states=2)
         out = {}
-        for name, kwargs in STRATEGIES[world]:
+        for name, kwargs in _rows(args, world):
             plan = planner.price(gp.Strategy(**kwargs))
             rows = plan.breakdown
             compute = sum(r["time_s"] - r["tp_comm_s"] for r in rows)
@@ -347,7 +354,7 @@ def measure(args: argparse.Namespace, world: int) -> tuple[dict[str, dict], dict
     train_step / optimizer, and the peak and state bytes (max over ranks); the prediction
     sampled in the same window (median of the samples); the clusters it was priced on; the
     seconds spent profiling and planning."""
-    rows = STRATEGIES[world]
+    rows = _rows(args, world)
     # Profiling and planning dominate (13 samples, each measuring every layout's local batches):
     # 4 ranks on 2 cores with 10 rows took over 30 minutes here.
     results = gp.launch(_run_rank, world, args=(args, rows), timeout_s=3600)
@@ -388,12 +395,12 @@ def _worst(errors) -> str:
     return f"worst: time {t[0]:+.1%} ({t[2]}), memory {m[1]:+.1%} ({m[2]})"
 
 
-def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, float]]:
+def report(args: argparse.Namespace, world: int, predicted: dict, measured: dict) -> list[tuple[float, float]]:
     print(f"{world} gloo ranks, {_threads(world)} thread(s) each")
     print(f"  {'strategy':22s} {'pred ms':>8s} {'meas ms':>8s} {'time err':>9s} "
           f"{'pred MiB':>9s} {'meas MiB':>9s} {'mem err':>8s}")
     errors = []
-    for name, _ in STRATEGIES[world]:
+    for name, _ in _rows(args, world):
         p, m = predicted[name], measured[name]
         et, em = m["time_err"], _err(p["peak"], m["peak"])
         errors.append((et, em, name))
@@ -405,7 +412,7 @@ def report(world: int, predicted: dict, measured: dict) -> list[tuple[float, flo
     print()
     print("  terms         predicted ms: comp     tp     dp    opt | measured ms: train    opt"
           " || predicted MiB: start    end  trans | measured MiB: state fwd+bwd    opt")
-    for name, _ in STRATEGIES[world]:
+    for name, _ in _rows(args, world):
         p, m = predicted[name], measured[name]
         print(f"  {name:22s} {p['compute'] * 1e3:15.1f} {p['tp'] * 1e3:6.1f} {p['dp'] * 1e3:6.1f} "
               f"{p['opt'] * 1e3:6.1f} | {m['train'] * 1e3:18.1f} {m['opt'] * 1e3:6.1f} || "
@@ -453,7 +460,7 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         measured, predicted, clusters, sampling_s = measure(args, world)
         measure_s = time.perf_counter() - start - sampling_s
-        all_errors += report(world, predicted, measured)
+        all_errors += report(args, world, predicted, measured)
         print(_clusters_line(clusters, args.no_profile))
         spread = max((max(p["time_samples"]) - min(p["time_samples"])) / statistics.median(p["time_samples"])
                      for p in predicted.values())
