@@ -53,11 +53,14 @@ Step time of a mesh with ``p`` stages of per-microbatch time ``t_s`` (1F1B / GPi
 ``sum_s t_s + (m - 1) max_s t_s + max_s (E_s + u_s)``; for ``p = 1`` that is ``m t + E + u``.
 Interleaved 1F1B with ``v`` stages per rank (rank ``r`` runs ``T_r``, the sum of its stages'
 times): ``m max_r T_r + (p - 1) max_c t_c + max_r (E_r + u_r)`` (Narayanan et al. 2021; it
-assumes the microbatches fill whole rounds of ``p``); zero-bubble (ZB1P) the same with the bubble
-term times ``ZERO_BUBBLE_SHARE`` (:func:`graphpass.cost.memory.zero_bubble_fraction`). Every stage but the last also pays the
-send of its output and the return of its gradient. A stage's microbatches in flight follow its
-schedule (:func:`graphpass.cost.memory.in_flight_microbatches`); the search enumerates 1F1B
-pipelines, and prices GPipe, interleaved and zero-bubble ones for a given Strategy.
+assumes the microbatches fill whole rounds of ``p``); zero-bubble (ZB1P) the same with the
+bubble term times ``ZERO_BUBBLE_SHARE`` (:func:`graphpass.cost.memory.zero_bubble_fraction`).
+Every stage but the last also pays the send of its output and the return of its gradient. A
+stage's microbatches in flight follow its schedule
+(:func:`graphpass.cost.memory.in_flight_microbatches`; zero-bubble also keeps output gradients
+for its deferred weight gradients, :func:`graphpass.cost.memory.deferred_weight_gradients`); the
+search enumerates 1F1B pipelines, and prices GPipe, interleaved and zero-bubble ones for a given
+Strategy.
 The uniform strategies of the same mesh are priced by the same function and kept when one beats
 the ILP's answer under the full step formula (possible for ``p > 1`` only, where the ILP's
 per-stage objective is a proxy), so the search never returns a plan slower than a uniform one it
