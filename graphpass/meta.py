@@ -39,7 +39,8 @@ SHARD = "gp.shard"
 TP_SHARD = "gp.tp_shard"
 #: For a slice parameter's ``get_attr`` made by ``split_operators``: ``{"node": original get_attr
 #: node name, "target": original attribute, "state_keys": its state_dict keys, "shape": its full
-#: shape, "dim": tensor dim it was cut along, "index": i, "parts": k}``; the attribute holds slice i.
+#: shape, "dim": tensor dim it was cut along, "index": i, "parts": k, "start": where slice i begins
+#: along dim}``; the attribute holds slice i.
 SPLIT = "gp.split"
 #: For a parameter ``get_attr``: the mesh axis over which its gradient is a partial sum (a
 #: replicated weight applied to sequence-sharded activations); insert_collectives sums it there.

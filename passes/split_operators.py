@@ -164,7 +164,7 @@ def _register_slices(
         meta.copy_meta(param_node, new, exclude=(meta.VAL, meta.STATE_KEYS))
         new.meta[meta.STATE_KEYS] = ()
         new.meta[meta.CREATED_BY] = NAME
-        new.meta[meta.SPLIT] = {**info, "index": index}
+        new.meta[meta.SPLIT] = {**info, "index": index, "start": start}
         nodes.append(new)
     return nodes
 
