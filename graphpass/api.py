@@ -33,6 +33,7 @@ from graphpass.runtime.module import (
     batch_shards,
     broadcast_replicated_state,
     check_divisible,
+    state_keys_read,
 )
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     return DistributedModule(_rank_state(gm, [stage for _, stage in mine]), plan, process_mesh, records,
                              [t.shape for t in local_inputs], model, captured.route, pipeline=program,
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
-                             roles=meta.get(output, meta.ROLE))
+                             roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm))
 
 
 def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int) -> Plan:

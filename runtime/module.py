@@ -24,6 +24,7 @@ from graphpass import meta
 from graphpass.plan import Plan
 from graphpass.runtime import grad_sync
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.layout import Layout, layout_of
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.step import StepProgram, accumulation_schedule
 from graphpass.runtime.tensor_parallel import gather_tp_parameters
@@ -92,6 +93,7 @@ class DistributedModule(nn.Module):
         pipeline: Callable[[int, int], PipelineProgram] | None = None,
         input_names: Sequence[str] | None = None,
         roles: Mapping[str, int] | None = None,
+        graph_keys: Sequence[tuple[str, ...]] | None = None,
     ):
         super().__init__()
         self.graph_module = graph_module
@@ -123,6 +125,9 @@ class DistributedModule(nn.Module):
         self._sharded: dict[str, dict] = {}  # get_attr target -> gp.shard meta (ZeRO over dp)
         self._tp_sharded: dict[str, dict] = {}  # get_attr target -> gp.tp_shard meta
         self._split: dict[str, list[tuple[int, int, str]]] = {}  # original target -> (index, dim, slice target)
+        # The state keys of every tensor the whole program reads, by tensor (tied weights: several),
+        # also those other pipeline stages hold.
+        self._graph_keys = [tuple(k) for k in graph_keys] if graph_keys is not None else state_keys_read(graph_module)
         for node in graph_module.graph.nodes:
             if node.op == "get_attr":
                 for key in node.meta.get(meta.STATE_KEYS, ()):
@@ -177,6 +182,25 @@ class DistributedModule(nn.Module):
                 out.update({k: v for k, v in theirs.items() if self._attr_of_key.get(k) is None})
             out = {k: out[k] for k in self._state_keys}
         return out
+
+    def checkpoint_state(self) -> tuple[list[tuple[Layout, torch.Tensor]], dict[str, torch.Tensor], list[str]]:
+        """What a checkpoint of this rank holds (:mod:`graphpass.runtime.checkpoint`): the layout
+        and local tensor of each parameter and buffer the rank's program reads; the tensors no
+        program reads, by key (kept whole); and every key a checkpoint of the model has (tied
+        weights under their first key only)."""
+        entries, seen = [], set()
+        for node in self.graph_module.graph.nodes:
+            if node.op != "get_attr" or node.target in seen:
+                continue
+            seen.add(node.target)
+            tensor = self._attr(node.target)
+            layout = layout_of(node, tensor, self._mesh) if isinstance(tensor, torch.Tensor) else None
+            if layout is not None:
+                entries.append((layout, tensor))
+        read = {k for keys in self._graph_keys for k in keys}
+        aliases = {k for keys in self._graph_keys for k in keys[1:]}
+        unplaced = {k: self._extra_state[k] for k in self._state_keys if k not in read}
+        return entries, unplaced, [k for k in self._state_keys if k not in aliases]
 
     def _gather_sharded(self) -> dict[str, torch.Tensor]:
         """Full tensors of sharded parameters: ZeRO shards first (giving each rank's tp chunk,
@@ -284,6 +308,18 @@ class DistributedModule(nn.Module):
         with mesh_lib.active(self._mesh), torch.no_grad():
             losses = [self.graph_module(*mb)[self._report] for mb in microbatches]
         return torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+
+
+def state_keys_read(gm: fx.GraphModule) -> list[tuple[str, ...]]:
+    """The original state keys of each tensor ``gm`` reads (a split parameter's from its slices)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            split = node.meta.get(meta.SPLIT)
+            keys = tuple(split["state_keys"] if split is not None else node.meta.get(meta.STATE_KEYS, ()))
+            if keys:
+                out.append(keys)
+    return out
 
 
 def broadcast_replicated_state(gm: fx.GraphModule, mesh: mesh_lib.ProcessMesh) -> None:
