@@ -14,11 +14,13 @@ from graphpass.pass_manager import PassError, PassRecord
 from graphpass.plan import Plan, Strategy
 from graphpass.cost.profiler import profile
 from graphpass.planner import plan
+from graphpass.runtime.checkpoint import CheckpointError, load, load_into, save
 from graphpass.runtime.launch import RankError, launch
 from graphpass.runtime.module import DistributedModule
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "Cluster",
     "DeviceSpec",
     "DistributedModule",
@@ -31,10 +33,13 @@ __all__ = [
     "capture",
     "compile",
     "launch",
+    "load",
+    "load_into",
     "plan",
     "presets",
     "profile",
     "reusing_captures",
+    "save",
 ]
 
 __version__ = "0.1.0"
