@@ -32,26 +32,30 @@ def _strategies(world: int) -> dict[str, dict]:
             "dp x tp": dict(dp=2, tp=2), "dp x tp sp": dict(dp=2, tp=2, sequence_parallel=True)}
 
 
-def _microbatches(name: str, layout: int) -> int:
-    """2 or 4, alternating over layouts and models: every layout runs with both counts on some
-    model, and each model with both counts (the whole product costs twice the suite time and
+def _cases(world: int, name: str) -> dict[str, tuple[dict, int]]:
+    """The layouts ``name`` runs on ``world`` ranks, with their microbatch counts: layout i on
+    model i mod 3, with 2 or 4 microbatches alternating over layouts and flipped between world
+    sizes, so every layout runs at every world size, and the dp/ZeRO layouts and every model
+    with both counts (the whole model x layout x count product costs minutes of suite time and
     checks no rule this does not)."""
-    return (2, 4)[(MODELS.index(name) + layout) % 2]
+    layouts = list(_strategies(world).items())
+    counts = [(2, 4)[(i + world // 4) % 2] for i in range(len(layouts))]
+    return {f"{label} m={k}": (kwargs, k) for i, ((label, kwargs), k) in enumerate(zip(layouts, counts))
+            if MODELS[i % len(MODELS)] == name}
 
 
 def _train_accumulated(name: str) -> dict[str, tuple]:
-    """On each rank: every layout, with 2 or 4 microbatches -> (losses, full state, microbatches
-    the module ran, the graph's input shape)."""
+    """On each rank: the layouts of ``_cases`` -> (losses, full state, microbatches the module
+    ran, the graph's input shape)."""
     world = dist.get_world_size()
     data = zoo.batches(name, STEPS, BATCH)
     out = {}
-    for layout, (label, kwargs) in enumerate(_strategies(world).items()):
-        for k in (_microbatches(name, layout),):
-            model = zoo.build(name)
-            dmodel = zoo.compile(model, data[0], gp.Strategy(microbatches=k, **kwargs))
-            losses = zoo.train_compiled(dmodel, data)
-            out[f"{label} m={k}"] = (losses, dmodel.full_state_dict(), dmodel.num_microbatches,
-                                     tuple(dmodel.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].shape))
+    for case, (kwargs, k) in _cases(world, name).items():
+        model = zoo.build(name)
+        dmodel = zoo.compile(model, data[0], gp.Strategy(microbatches=k, **kwargs))
+        losses = zoo.train_compiled(dmodel, data)
+        out[case] = (losses, dmodel.full_state_dict(), dmodel.num_microbatches,
+                     tuple(dmodel.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].shape))
     return out
 
 
@@ -63,9 +67,9 @@ def test_accumulation_matches_one_process_on_the_whole_batch(rank_pool, world_si
         ref_losses, ref_state = zoo.train_reference(name, steps=STEPS, batch=BATCH)[:2]
         results = pool.run(_train_accumulated, name, timeout_s=600)
         for rank, cases in enumerate(results):
-            assert len(cases) == len(_strategies(world_size))
+            assert cases.keys() == _cases(world_size, name).keys()
             for case, (losses, state, k, shape) in cases.items():
-                dp = gp.Strategy(**_strategies(world_size)[case.split(" m=")[0]]).dp
+                dp = gp.Strategy(**_cases(world_size, name)[case][0]).dp
                 # The graph is one microbatch of this rank's share: accumulation, not a bigger graph.
                 assert k == int(case.split("m=")[1]) and shape[0] == BATCH // (dp * k), (case, shape)
                 zoo.assert_matches_reference(f"{name} {case} rank {rank}/{world_size}", losses, state,
