@@ -7,7 +7,7 @@
 See README.md for the concepts, the API and how to read the dumps.
 """
 
-from graphpass.api import compile
+from graphpass.api import compile, verify
 from graphpass.capture import CaptureError, capture, reusing_captures
 from graphpass.cluster import Cluster, DeviceSpec, LinkSpec, presets
 from graphpass.pass_manager import PassError, PassRecord
@@ -17,6 +17,7 @@ from graphpass.planner import plan
 from graphpass.runtime.checkpoint import CheckpointError, load, load_into, save
 from graphpass.runtime.launch import RankError, launch
 from graphpass.runtime.module import DistributedModule
+from graphpass.verifier import VerificationError
 
 __all__ = [
     "CaptureError",
@@ -30,6 +31,7 @@ __all__ = [
     "Plan",
     "RankError",
     "Strategy",
+    "VerificationError",
     "capture",
     "compile",
     "launch",
@@ -40,6 +42,7 @@ __all__ = [
     "profile",
     "reusing_captures",
     "save",
+    "verify",
 ]
 
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 from typing import Sequence, Union
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from graphpass import meta
+from graphpass import meta, verifier
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
@@ -78,7 +79,8 @@ def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy 
     )
 
 
-def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh, device: torch.device):
+def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh, device: torch.device,
+                     timeout_s: float):
     """This rank's stage graphs of ``gm`` with their indices (rank ``r`` of ``pp`` runs stages
     ``r, r + pp, ...``) and a builder of its pipeline program."""
     stages = cut_stages(gm, plan.stages)
@@ -95,7 +97,7 @@ def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh,
         if len(holders) < 2:
             continue
         for ranks in pipelines:  # every pipeline replica (one per dp x tp coordinate)
-            together = dist.new_group([ranks[h] for h in holders])
+            together = dist.new_group([ranks[h] for h in holders], timeout=timedelta(seconds=timeout_s))
             if mesh.rank in ranks and index in holders:
                 shared.append((target, together))
 
@@ -132,6 +134,12 @@ def _check_plan_nodes(plan: Plan, gm: fx.GraphModule) -> None:
         )
 
 
+#: Default collective timeout of a compiled program (``compile(timeout_s=None)``): long enough for
+#: the slowest legitimate collective (a first NCCL connection, a large gather on loaded gloo
+#: ranks), short enough that a dead peer ends the job in minutes, not torch's 30 (gloo) / 10 (NCCL).
+DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
+
+
 def compile(  # noqa: A001 - the public name the contract uses
     model: nn.Module,
     cluster: Cluster | None = None,
@@ -139,6 +147,8 @@ def compile(  # noqa: A001 - the public name the contract uses
     example_inputs: Sequence[torch.Tensor],
     strategy: StrategyLike = "auto",
     dump_dir: str | os.PathLike | None = None,
+    verify: bool = True,
+    timeout_s: float | None = None,
 ) -> DistributedModule:
     """Compile ``model`` into this rank's distributed training program.
 
@@ -151,15 +161,22 @@ def compile(  # noqa: A001 - the public name the contract uses
         example_inputs: a tuple of tensors, the model's positional arguments for one global batch.
         strategy: ``"auto"``, a :class:`Strategy`, or a saved :class:`Plan`.
         dump_dir: write the graph after every pass there (default: ``GRAPHPASS_DUMP_DIR``).
+        verify: check every rank's program against the others' before returning
+            (:mod:`graphpass.verifier`: collectives, shards, memory); one small exchange.
+        timeout_s: the collective timeout of every process group the program uses (the default
+            group included), in seconds: a peer that died or hangs makes the others raise after
+            it. Default 300 on CPU, 600 on GPU.
 
     Returns:
         the :class:`DistributedModule` for this rank.
 
     Raises:
         TypeError: bad ``model``, ``cluster``, ``example_inputs`` or ``strategy`` type.
-        ValueError: inconsistent sizes (world size, batch divisibility), a non-scalar loss.
+        ValueError: inconsistent sizes (world size, batch divisibility), a non-scalar loss, a
+            ``timeout_s`` that is not a positive number.
         NotImplementedError: a strategy field graphpass does not implement yet.
         graphpass.CaptureError: the model cannot be captured.
+        graphpass.VerificationError: the ranks' programs disagree or do not fit (``verify``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -175,27 +192,13 @@ def compile(  # noqa: A001 - the public name the contract uses
             "ranks; compile on every rank of a launched job (torchrun or graphpass.launch) with "
             "graphpass.Cluster.local()"
         )
-    chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
-    if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
-        given_plan = _auto_plan(model, cluster, inputs, rank, world_size)
-    source = given_plan if given_plan is not None else chosen
-    dp = source.mesh.dp  # type: ignore[union-attr]
-    k = source.microbatches  # type: ignore[union-attr]
-
-    # Capture at one microbatch of this rank's share: shapes are specialised in the graph.
-    names = _input_names_guess(len(inputs))
-    check_divisible(inputs, names, [["dp"] if dp > 1 else []] * len(inputs), Plan(mesh={"dp": dp}))
-    _check_microbatches(inputs, names, dp, k, "Plan" if given_plan is not None else "Strategy")
-    local_inputs = tuple(t.narrow(0, 0, t.shape[0] // (dp * k)) if dp * k > 1 else t for t in inputs)
-    captured = capture(model, local_inputs)
-    gm = captured.gm
-    plan = given_plan if given_plan is not None else plan_from_strategy(gm, chosen, reasons)  # type: ignore[arg-type]
-    _check_plan_nodes(plan, gm)
-    input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
-
     device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
+    timeout_s = _check_timeout(timeout_s, device_type)
+    captured, plan, local_inputs = _capture_and_plan(model, cluster, inputs, strategy, rank, world_size)
+    gm = captured.gm
+
     process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type)
+    process_mesh.set_timeout(timeout_s)
     # Every rank starts from rank 0's weights (as DDP does), before passes cut shards from them.
     broadcast_replicated_state(gm, process_mesh)
     originals = {n.target: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
@@ -203,17 +206,26 @@ def compile(  # noqa: A001 - the public name the contract uses
     dumper = Dumper(resolve_dump_dir(dump_dir), rank)
     dumper.graph(0, "capture", gm, f"after 00 capture via {captured.route}{', reused' if captured.reused else ''} ({captured.seconds * 1e3:.1f} ms) | nodes {len(gm.graph.nodes)}")
     ctx = PassContext(rank=rank, world_size=world_size, example_inputs=local_inputs)
-    gm, records = run_passes(gm, plan, ctx, passes_for(plan), on_record=dumper.record)
+    recorder = verifier.Recorder(plan, rank)
+
+    def after_pass(index: int, record, graph: fx.GraphModule) -> None:
+        dumper.record(index, record, graph)
+        if verify:
+            recorder.after_pass(index, record, graph)
+
+    gm, records = run_passes(gm, plan, ctx, passes_for(plan), on_record=after_pass)
     dumper.finish(plan, captured.route, captured.seconds, records)
     if dumper.root is not None and rank == 0:
         log.info("graphpass dumps written to %s", dumper.root)
+    if verify:
+        verifier.check_across_ranks(recorder, verifier.local_problems(gm, plan, rank, cluster.device.memory_bytes))
 
     _release_replaced(gm, originals)
     if plan.mesh.pp == 1:
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
                                  captured.route)
     output = gm.graph.find_nodes(op="output")[0]
-    mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type))
+    mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
     # This rank keeps only its stages' tensors (the other stages' ranks hold theirs).
     held = {n.target for _, stage in mine for n in stage.graph.nodes if n.op == "get_attr"}
     for target in {n.target for n in gm.graph.nodes if n.op == "get_attr"} - held:
@@ -227,6 +239,88 @@ def compile(  # noqa: A001 - the public name the contract uses
                              [t.shape for t in local_inputs], model, captured.route, pipeline=program,
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
                              roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm))
+
+
+def verify(
+    model: nn.Module,
+    cluster: Cluster | str,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    strategy: StrategyLike = "auto",
+) -> dict[int, dict[verifier.Group, tuple[verifier.Entry, ...]]]:
+    """Compile every rank's program of ``cluster`` in this process, on meta copies of the
+    weights (no process group, no devices: a 1024-GPU job from a laptop), and check them against
+    each other as ``compile`` does (:mod:`graphpass.verifier`).
+
+    Args:
+        model: as for :func:`compile` (on the meta device too).
+        cluster: a :class:`Cluster` or a preset name / ``"h100-80g:16x8"`` string.
+        example_inputs: one global batch.
+        strategy: ``"auto"`` (planned for ``cluster``), a :class:`Strategy` or a :class:`Plan`.
+
+    Returns:
+        each rank's program after the last pass: its collectives by process group and the
+        tensors it holds (``"shards"``).
+
+    Raises:
+        graphpass.VerificationError: the ranks' programs disagree or do not fit.
+    """
+    from graphpass.capture import _rebind
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs = check_example_inputs(example_inputs)
+    if isinstance(cluster, str):
+        from graphpass.planner import resolve_cluster
+
+        cluster = resolve_cluster(cluster)
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a graphpass.Cluster or a preset name, got {type(cluster).__name__}")
+    world_size = cluster.world_size
+    captured, plan, local_inputs = _capture_and_plan(model, cluster, inputs, strategy, 0, 1, world_size=world_size)
+    recorders, problems = [], []
+    on_meta = tuple(t.to("meta") for t in local_inputs)  # the weights are meta copies too
+    for rank in range(world_size):
+        recorder = verifier.Recorder(plan, rank)
+        ctx = PassContext(rank=rank, world_size=world_size, example_inputs=on_meta)
+        gm, _ = run_passes(_rebind(captured.gm, None), plan, ctx, passes_for(plan), on_record=recorder.after_pass)
+        problems += verifier.local_problems(gm, plan, rank, cluster.device.memory_bytes)
+        recorders.append(recorder)
+    verifier.check_programs(recorders, problems)
+    return {rec.rank: rec.snapshots[-1][1] if rec.snapshots else {} for rec in recorders}
+
+
+def _check_timeout(timeout_s: float | None, device_type: str) -> float:
+    if timeout_s is None:
+        return DEFAULT_TIMEOUT_S[device_type]
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Tensor, ...], strategy: StrategyLike,
+                      rank: int, ranks_present: int, *, world_size: int | None = None):
+    """The plan (the user's, or planned: on rank 0 and broadcast when ``ranks_present > 1``) and
+    the capture at one microbatch of a rank's share; (capture, plan, local inputs)."""
+    world_size = ranks_present if world_size is None else world_size
+    chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
+    if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
+        given_plan = _auto_plan(model, cluster, inputs, rank, ranks_present)
+    source = given_plan if given_plan is not None else chosen
+    dp = source.mesh.dp  # type: ignore[union-attr]
+    k = source.microbatches  # type: ignore[union-attr]
+
+    # Capture at one microbatch of this rank's share: shapes are specialised in the graph.
+    names = _input_names_guess(len(inputs))
+    check_divisible(inputs, names, [["dp"] if dp > 1 else []] * len(inputs), Plan(mesh={"dp": dp}))
+    _check_microbatches(inputs, names, dp, k, "Plan" if given_plan is not None else "Strategy")
+    local_inputs = tuple(t.narrow(0, 0, t.shape[0] // (dp * k)) if dp * k > 1 else t for t in inputs)
+    captured = capture(model, local_inputs)
+    plan = given_plan if given_plan is not None else plan_from_strategy(captured.gm, chosen, reasons)  # type: ignore[arg-type]
+    _check_plan_nodes(plan, captured.gm)
+    input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
+    return captured, plan, local_inputs
 
 
 def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int) -> Plan:

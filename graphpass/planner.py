@@ -109,7 +109,7 @@ def parse_memory(value: Any, name: str = "memory_budget") -> int:
     )
 
 
-def _resolve_cluster(cluster: Any) -> Cluster:
+def resolve_cluster(cluster: Any) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
     if isinstance(cluster, str):
@@ -679,7 +679,7 @@ class Planner:
         measure_together: bool = False,
     ):
         start = time.perf_counter()
-        self.cluster = _resolve_cluster(cluster)
+        self.cluster = resolve_cluster(cluster)
         if measure_together:
             _check_together(self.cluster, measure_ops)
         if not isinstance(model, nn.Module):

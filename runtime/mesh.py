@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+from datetime import timedelta
 from typing import Iterator, Mapping
 
 import torch.distributed as dist
@@ -72,6 +73,19 @@ class ProcessMesh:
             for k in range(2, len(live) + 1):
                 for combo in combinations(live, k):
                     self._joint[",".join(combo)] = self._device_mesh[combo]._flatten().get_group()
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Make ``timeout_s`` the collective timeout of the default group and of every group of
+        this mesh: a collective waiting for a dead or stuck peer raises after it."""
+        if not dist.is_initialized():
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's own, since 2.3
+
+        groups: list[dist.ProcessGroup | None] = [None]  # the default group
+        if self._device_mesh is not None:
+            groups += [self._device_mesh.get_group(a) for a, n in self.axes.items() if n > 1]
+        for group in groups + list(self._joint.values()):
+            _set_pg_timeout(timedelta(seconds=timeout_s), group)
 
     def _axes(self, axis: str) -> list[str]:
         names = axis.split(",")
