@@ -47,6 +47,7 @@ _PASS_THROUGH = {
     aten.neg, aten.cat, aten.slice, aten.unsqueeze, aten.expand, aten.scaled_dot_product_attention, aten.to,
     aten._to_copy, aten.alias, aten.unflatten, aten.flatten, aten.split, aten.chunk, aten.softmax,
     aten.matmul, aten.bmm, aten.type_as, aten.squeeze, aten.select, aten.unbind, operator.getitem,
+    aten.masked_fill, aten.where,  # causal masks written as scores.masked_fill(mask, -inf) or where(mask, scores, -inf)
 }
 
 

@@ -152,7 +152,9 @@ class _Walker:
         return len(self.gshape.get(node, ()))
 
     def redistribute(self, value: fx.Node, dst: Placement, user: fx.Node, grad: str = "slice") -> fx.Node:
-        """``value`` converted to ``dst`` (cached per value/target), inserted before ``user``."""
+        """``value`` converted to ``dst`` (cached per value, target and the user's pipeline stage:
+        a conversion read by several stages would be a collective spanning them), inserted before
+        ``user``."""
         src = self.placement(value)
         if src == dst:
             return value
@@ -160,7 +162,7 @@ class _Walker:
             value, src = self.unmerge(value, user, grad), R
             if src == dst:
                 return value
-        key = (value, str(dst), grad)
+        key = (value, str(dst), grad, user.meta.get(meta.STAGE))
         if key in self.cache:
             return self.cache[key]
         node = collectives.emit_tp_redistribute(
@@ -751,12 +753,16 @@ for _op in (aten.add, aten.sub, aten.mul, aten.div, aten.where, aten.eq, aten.ne
 # ---------------------------------------------------------------------- rules: shapes
 
 
-def _out_dim_at(out_shape: Sequence[int], prefix: int) -> int | None:
+def _out_dim_at(out_shape: Sequence[int], prefix: int, size: int = 1) -> int | None:
     """The output dim of a view that starts right after ``prefix`` elements' worth of leading
-    dims (the product of the output dims before it is ``prefix``); None when no dim starts there."""
+    dims (the product of the output dims before it is ``prefix``) and holds the input dim of
+    ``size`` elements: past size-1 dims when ``size > 1`` (a batch of one, an inserted dim, leave
+    the product where it was); None when no dim starts there."""
     acc, o = 1, 0
     while o < len(out_shape) and acc < prefix:
         acc *= out_shape[o]
+        o += 1
+    while size > 1 and o < len(out_shape) and out_shape[o] == 1:
         o += 1
     return o if acc == prefix and o < len(out_shape) else None
 
@@ -764,7 +770,7 @@ def _out_dim_at(out_shape: Sequence[int], prefix: int) -> int | None:
 def _view_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> tuple[int, str] | None:
     """Where input dim ``dim`` lands in a view: (output dim, "split"|"merge"|"same") when it is the
     leading factor of its group, else None (the shard cannot stay local)."""
-    o = _out_dim_at(out_shape, math.prod(in_shape[:dim]))
+    o = _out_dim_at(out_shape, math.prod(in_shape[:dim]), in_shape[dim])
     if o is None:
         return None
     if out_shape[o] == in_shape[dim]:
@@ -846,7 +852,7 @@ def _merge_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int, size
     sharded input dim ``dim`` (a multiple of tp: the heads) into one output dim: (that output
     dim, the merged outer size); None when the view is not such a merge."""
     for k in range(dim - 1, -1, -1):
-        o = _out_dim_at(out_shape, math.prod(in_shape[:k]))
+        o = _out_dim_at(out_shape, math.prod(in_shape[:k]), in_shape[k])
         if o is None:
             continue
         outer = math.prod(in_shape[k:dim])
@@ -864,7 +870,7 @@ def _view_merged(w: _Walker, node: fx.Node, xp: MergedShard) -> Placement:
     x = node.args[0]
     in_shape, out_shape = w.gshape[x], w.gshape[node]
     if node.target.overloadpacket in _SIZED_VIEWS:
-        o = _out_dim_at(out_shape, math.prod(in_shape[:xp.dim]))
+        o = _out_dim_at(out_shape, math.prod(in_shape[:xp.dim]), in_shape[xp.dim])
         if o is not None:
             if out_shape[o] == in_shape[xp.dim]:
                 _local_sizes(w, node, o)

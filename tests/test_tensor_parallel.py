@@ -26,8 +26,10 @@ from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
 from graphpass.passes.collectives import is_collective
 
+import fuzz_models
 import zoo
 from gpt import GPT, GPTConfig
+from graphpass import meta
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -114,6 +116,44 @@ def _cumsum_plan(gm: fx.GraphModule, world: int) -> gp.Plan:
     placements["up_weight"]["tp"] = placements["up_bias"]["tp"] = "Shard(0)"
     placements["down_weight"]["tp"] = "Shard(1)"
     return gp.Plan.from_dict({**plan.to_dict(), "placements": placements})
+
+
+def _tp_sharded(gm: fx.GraphModule) -> set[str]:
+    return {n.target for n in gm.graph.nodes if n.op == "get_attr" and meta.TP_SHARD in n.meta}
+
+
+def test_a_causal_mask_written_with_masked_fill_keeps_attention_sharded():
+    # scores.masked_fill(mask, -inf) between q @ k^T and the softmax: q, k and v are column
+    # sharded by heads (the single kv head replicated) and proj row sharded, as with sdpa.
+    config = fuzz_models.FuzzConfig(heads=4, kv_heads=1, attention="eager_masked_fill")
+    gm = _plan_and_run(fuzz_models.build(config), fuzz_models.batches(config, 1, 2)[0], gp.Strategy(tp=2), 2)
+    assert {"h.0.attn.q.weight", "h.0.attn.proj.weight"} <= _tp_sharded(gm)
+    assert "h.0.attn.k.weight" not in _tp_sharded(gm)  # one kv head: every rank computes it
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+def test_one_row_per_rank_keeps_heads_sharded(name):
+    # A batch dim of 1 is not the heads dim a view moves the shard to.
+    gm = _plan_and_run(zoo.build(name), zoo.batches(name, 1, 1)[0], gp.Strategy(tp=2), 2)
+    two_rows = _plan_and_run(zoo.build(name), zoo.batches(name, 1, 2)[0], gp.Strategy(tp=2), 2)
+    assert _tp_sequence(gm) == _tp_sequence(two_rows) and _tp_sharded(gm) == _tp_sharded(two_rows)
+
+
+def test_a_value_every_stage_converts_is_converted_in_each_stage():
+    # Rotary tables computed once and read by layers in both stages, scattered along the sequence
+    # for the replicated kv projection: one tp_scatter per stage, not one spanning the cut.
+    from graphpass.passes import passes_for
+    from graphpass.passes.partition_stages import cut_stages
+
+    config = fuzz_models.FuzzConfig(depth=2, heads=4, kv_heads=1, norm="rmsnorm", position="rope")
+    batch = fuzz_models.batches(config, 1, 2)[0]
+    strategy = gp.Strategy(pp=2, tp=2, sequence_parallel=True)
+    gm = capture(fuzz_models.build(config), batch).gm
+    plan = plan_from_strategy(gm, strategy, [])
+    gm, _ = run_passes(gm, plan, PassContext(0, 4, batch), passes_for(plan))
+    stages = cut_stages(gm, plan.stages)
+    scatters = [[n for n in stage.graph.nodes if op_name(n) == "tp_scatter"] for stage in stages]
+    assert all(scatters), [len(s) for s in scatters]
 
 
 def test_op_without_rule_falls_back_to_replicate_with_one_warning(caplog):
