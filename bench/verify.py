@@ -1,4 +1,4 @@
-"""What the static verifier costs (graphpass.verifier).
+"""What the static verifier costs (graphpass.runtime.verifier).
 
     python bench/verify.py [--ranks 8] [--repeats 3]
 
@@ -29,7 +29,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", d
 import graphpass as gp  # noqa: E402
 import zoo  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from graphpass import verifier  # noqa: E402
+from graphpass.runtime import verifier  # noqa: E402
 from graphpass.capture import capture  # noqa: E402
 
 CANDIDATES = ("gpt_deep", "hf_llama_deep", "hf_t5", "hf_mixtral", "hf_phi3", "hf_gpt2")

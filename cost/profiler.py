@@ -96,7 +96,7 @@ from graphpass.cluster import (
 from graphpass.cost.collectives import Link, all_gather_time, reduce_scatter_time
 from graphpass.cost.compute import _VIEWS
 from graphpass.grads import grad_requiring_nodes
-from graphpass.cost.memory import format_bytes
+from graphpass.units import format_bytes
 from graphpass.ops import op_base
 
 __all__ = [

@@ -88,7 +88,7 @@ from graphpass.cluster import Cluster
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice, pipeline_rank
 from graphpass.transitions import FORWARD, PER_MICROBATCH, Transition, transition
-from graphpass.cost.memory import format_bytes
+from graphpass.units import format_bytes
 from graphpass.cost.collectives import collective_time, sync_time
 from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
 

@@ -17,7 +17,7 @@ from graphpass.planner import plan
 from graphpass.runtime.checkpoint import CheckpointError, load, load_into, save
 from graphpass.runtime.launch import RankError, launch
 from graphpass.runtime.module import DistributedModule
-from graphpass.verifier import VerificationError
+from graphpass.runtime.verifier import VerificationError
 
 __all__ = [
     "CaptureError",

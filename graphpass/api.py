@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from graphpass import meta, verifier
+from graphpass import meta
+from graphpass.runtime import verifier
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
@@ -162,7 +163,7 @@ def compile(  # noqa: A001 - the public name the contract uses
         strategy: ``"auto"``, a :class:`Strategy`, or a saved :class:`Plan`.
         dump_dir: write the graph after every pass there (default: ``GRAPHPASS_DUMP_DIR``).
         verify: check every rank's program against the others' before returning
-            (:mod:`graphpass.verifier`: collectives, shards, memory); one small exchange.
+            (:mod:`graphpass.runtime.verifier`: collectives, shards, memory); one small exchange.
         timeout_s: the collective timeout of every process group the program uses (the default
             group included), in seconds: a peer that died or hangs makes the others raise after
             it. Default 300 on CPU, 600 on GPU.
@@ -250,7 +251,7 @@ def verify(
 ) -> dict[int, dict[verifier.Group, tuple[verifier.Entry, ...]]]:
     """Compile every rank's program of ``cluster`` in this process, on meta copies of the
     weights (no process group, no devices: a 1024-GPU job from a laptop), and check them against
-    each other as ``compile`` does (:mod:`graphpass.verifier`).
+    each other as ``compile`` does (:mod:`graphpass.runtime.verifier`).
 
     Args:
         model: as for :func:`compile` (on the meta device too).

@@ -1,4 +1,4 @@
-"""The static verifier (graphpass.verifier): every rank's program checked against its peers'.
+"""The static verifier (graphpass.runtime.verifier): every rank's program checked against its peers'.
 
 Corruptions are injected by an extra pass that edits one rank's graph after the real passes —
 a collective removed, two reordered, one given another shape — and must be reported before

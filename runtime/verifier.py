@@ -40,10 +40,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.cost.memory import format_bytes
+from graphpass.units import format_bytes
 from graphpass.mesh import Mesh
-from graphpass.passes.collectives import is_collective
 from graphpass.plan import Plan, pipeline_rank
+from graphpass.runtime.collectives import COLLECTIVE_OPS
 from graphpass.runtime.layout import layout_of
 
 #: A process group as the verifier names it: (axis, or axes joined by commas, its member ranks).
@@ -151,7 +151,7 @@ def program(gm: fx.GraphModule, plan: Plan, rank: int) -> dict[Group, tuple[Entr
     for node in gm.graph.nodes:
         if not _runs(node, stages):
             continue
-        if is_collective(node):
+        if node.op == "call_function" and node.target in COLLECTIVE_OPS:
             axis = meta.get(node, meta.AXIS)
             members = group_members(plan.mesh, axis, rank)
             if len(members) > 1:
