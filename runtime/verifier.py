@@ -40,9 +40,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.units import format_bytes
 from graphpass.mesh import Mesh
 from graphpass.plan import Plan, pipeline_rank
+from graphpass.units import format_bytes
 from graphpass.runtime.collectives import COLLECTIVE_OPS
 from graphpass.runtime.layout import layout_of
 
@@ -53,7 +53,7 @@ SHARDS = "shards"
 
 
 class VerificationError(RuntimeError):
-    """Every rank's program was checked before training and they disagree (or do not fit)."""
+    """The ranks' programs, checked before training, disagree (or do not fit the device)."""
 
 
 @dataclass(frozen=True)

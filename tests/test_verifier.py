@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import graphpass as gp
 import graphpass.api
@@ -21,7 +20,6 @@ import zoo
 from graphpass import meta
 from graphpass.pass_manager import graph_pass
 from graphpass.passes.collectives import is_collective
-from graphpass.runtime.launch import RankError
 
 H100x4 = gp.Cluster.preset("h100-80g", nodes=1, gpus_per_node=4)
 
