@@ -132,11 +132,26 @@ def rank_stages(plan: Plan, rank: int) -> set[int] | None:
     return {s for s in range(len(plan.stages)) if pipeline_rank(s, plan.mesh.pp) == index}
 
 
-def _runs(node: fx.Node, stages: set[int] | None) -> bool:
+def _stages_of(gm: fx.GraphModule) -> dict[fx.Node, frozenset[int]]:
+    """The pipeline stages each node runs in: its own ``gp.stage`` (``partition_stages`` tags the
+    ops), else those of its users (parameters, and the collectives passes add afterwards, run
+    where what reads them runs); empty for a node nothing staged reads (every stage's)."""
+    stages: dict[fx.Node, frozenset[int]] = {}
+    for node in reversed(gm.graph.nodes):
+        own = node.meta.get(meta.STAGE)
+        if own is not None and node.op == "call_function":
+            stages[node] = frozenset((own,))
+        else:
+            stages[node] = frozenset().union(*(stages.get(u, frozenset()) for u in node.users))
+    return stages
+
+
+def _runner(gm: fx.GraphModule, stages: set[int] | None):
+    """Whether ``rank_stages``' ``stages`` run a node of ``gm``."""
     if stages is None:
-        return True
-    stage = node.meta.get(meta.STAGE)
-    return stage is None or stage in stages
+        return lambda node: True
+    of = _stages_of(gm)
+    return lambda node: not of[node] or bool(of[node] & stages)
 
 
 def _replica_axes(mesh: Mesh) -> str:
@@ -146,10 +161,10 @@ def _replica_axes(mesh: Mesh) -> str:
 def program(gm: fx.GraphModule, plan: Plan, rank: int) -> dict[Group, tuple[Entry, ...]]:
     """``rank``'s program by group: its collectives on each group it communicates over, and the
     tensors it holds (``shards``: every ``get_attr`` of its stages, with its local shape)."""
-    stages = rank_stages(plan, rank)
+    runs = _runner(gm, rank_stages(plan, rank))
     out: dict[Group, list[Entry]] = {}
     for node in gm.graph.nodes:
-        if not _runs(node, stages):
+        if not runs(node):
             continue
         if node.op == "call_function" and node.target in COLLECTIVE_OPS:
             axis = meta.get(node, meta.AXIS)
@@ -162,7 +177,7 @@ def program(gm: fx.GraphModule, plan: Plan, rank: int) -> dict[Group, tuple[Entr
         held = out.setdefault((SHARDS, members), [])
         for node in gm.graph.nodes:
             value = node.meta.get(meta.VAL)
-            if node.op == "get_attr" and _runs(node, stages) and isinstance(value, torch.Tensor):
+            if node.op == "get_attr" and runs(node) and isinstance(value, torch.Tensor):
                 held.append(Entry(node.target, "holds", "", (tuple(value.shape), str(value.dtype))))
     return {g: tuple(entries) for g, entries in out.items()}
 
@@ -294,7 +309,7 @@ def _boxes_problem(key: str, shape: tuple[int, ...], boxes: set[tuple[tuple[int,
 def shard_problems(gm: fx.GraphModule, plan: Plan, rank: int) -> list[str]:
     """For every parameter and buffer ``rank`` holds, whether the pieces that its data x tensor
     parallel group holds (its own layout rule applied to each member) tile the full tensor."""
-    stages = rank_stages(plan, rank)
+    runs = _runner(gm, rank_stages(plan, rank))
     replica = _replica_axes(plan.mesh)
     members = group_members(plan.mesh, replica, rank) if replica else (rank,)
     views = [_RankView(plan.mesh, r) for r in members]
@@ -303,7 +318,7 @@ def shard_problems(gm: fx.GraphModule, plan: Plan, rank: int) -> list[str]:
     nodes: dict[str, str] = {}
     for node in gm.graph.nodes:
         value = node.meta.get(meta.VAL)
-        if node.op != "get_attr" or not _runs(node, stages) or not isinstance(value, torch.Tensor):
+        if node.op != "get_attr" or not runs(node) or not isinstance(value, torch.Tensor):
             continue
         for view in views:
             layout = layout_of(node, value, view)
@@ -337,11 +352,11 @@ def memory_problem(plan: Plan, memory_bytes: int | None, held_bytes: int) -> str
 
 def held_bytes(gm: fx.GraphModule, plan: Plan, rank: int) -> int:
     """Bytes of the parameters ``rank`` holds (its stages', as shards)."""
-    stages = rank_stages(plan, rank)
+    runs = _runner(gm, rank_stages(plan, rank))
     seen, total = set(), 0
     for node in gm.graph.nodes:
         value = node.meta.get(meta.VAL)
-        if (node.op == "get_attr" and node.target not in seen and _runs(node, stages)
+        if (node.op == "get_attr" and node.target not in seen and runs(node)
                 and meta.get(node, meta.ATTR_KIND, None) == "parameter" and isinstance(value, torch.Tensor)):
             seen.add(node.target)
             total += value.numel() * value.element_size()

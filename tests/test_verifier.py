@@ -144,6 +144,28 @@ def test_a_program_over_the_device_memory_is_refused():
                                                     r"gradients is 926 KiB, more than the device's 488 KiB; shard more"):
         gp.verify(zoo.build("gpt"), cluster, example_inputs=data[0], strategy=gp.Strategy(dp=4))
     gp.verify(zoo.build("gpt"), cluster, example_inputs=data[0], strategy=gp.Strategy(dp=4, zero=3))
+    # A pipeline stage holds its own layer only (~200 kB) and the embeddings (~100 kB): with
+    # gradients at most 594 kB, under 700 kB, where dp's 926 KiB is not.
+    roomier = dataclasses.replace(cluster, device=dataclasses.replace(tiny, memory_bytes=700_000))
+    gp.verify(zoo.build("gpt"), roomier, example_inputs=data[0], strategy=gp.Strategy(pp=2, dp=2, microbatches=2))
+    with pytest.raises(gp.VerificationError, match="926 KiB"):
+        gp.verify(zoo.build("gpt"), roomier, example_inputs=data[0], strategy=gp.Strategy(dp=4))
+
+
+def test_each_pipeline_rank_runs_and_holds_its_own_stage():
+    data = zoo.batches("gpt", 1, 8)
+    cluster = gp.Cluster.preset("h100-80g", nodes=1, gpus_per_node=4)
+    programs = gp.verify(zoo.build("gpt"), cluster, example_inputs=data[0],
+                         strategy=gp.Strategy(pp=2, dp=2, zero=3, microbatches=2))
+    held = {r: {e.node for e in programs[r][("shards", group)]} for r in programs
+            for axis, group in programs[r] if axis == "shards"}
+    assert held[0] == held[1] and held[2] == held[3]  # a stage's dp replicas hold the same tensors
+    assert "h.0.attn.q.weight" in held[0] and "h.0.attn.q.weight" not in held[2]
+    assert "h.1.attn.q.weight" in held[2] and "h.1.attn.q.weight" not in held[0]
+    gathered = {r: {p for e in programs[r][("dp", group)] if e.op == "all_gather_params" for p in e.signature[2]}
+                for r in programs for axis, group in programs[r] if axis == "dp"}
+    # Only the tied embedding / LM head is gathered on both stages (each stage its own use).
+    assert gathered[0] & gathered[2] <= {"wte.weight"}, gathered[0] & gathered[2]
 
 
 # ------------------------------------------------------------------ on real ranks in compile
