@@ -29,6 +29,7 @@ unpickler that admits only DCP's metadata classes, and reads byte entries with
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -36,7 +37,7 @@ import pathlib
 import pickle
 import shutil
 import warnings
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -189,6 +190,7 @@ def _unwrapped() -> Iterator[None]:
 # ------------------------------------------------------------------ safe metadata
 
 
+@functools.lru_cache(maxsize=None)
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     import torch.distributed.checkpoint.filesystem as filesystem
     import torch.distributed.checkpoint.metadata as metadata
@@ -231,6 +233,11 @@ class _SafeReader(FileSystemReader):
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} does not hold DCP metadata (found {type(metadata).__name__})")
+        for info in (metadata.storage_data or {}).values():
+            # DCP opens <checkpoint>/<relative_path>: keep crafted entries inside the checkpoint.
+            where = pathlib.PurePath(str(getattr(info, "relative_path", "")))
+            if where.is_absolute() or ".." in where.parts:
+                raise CheckpointError(f"{path} names the data file {str(where)!r} outside the checkpoint; refused")
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -251,9 +258,25 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _on_every_rank(step: Callable[[], Any]) -> Any:
+    """Run ``step`` on every rank and agree on the outcome: when it raised on any rank, every rank
+    raises (that rank its own error, the others a :class:`CheckpointError` naming the first rank
+    that failed), so that no rank goes on into a collective its peers have left. The exchange is
+    also the ranks' barrier."""
+    error, result = None, None
+    try:
+        result = step()
+    except (CheckpointError, OSError, ValueError) as exc:  # FileNotFoundError is an OSError
+        error = exc
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        said: list = [None] * dist.get_world_size()
+        dist.all_gather_object(said, None if error is None else f"{type(error).__name__}: {error}")
+        first = next(((rank, text) for rank, text in enumerate(said) if text is not None), None)
+        if error is None and first is not None:
+            raise CheckpointError(f"rank {first[0]} failed: {first[1]}")
+    if error is not None:
+        raise error
+    return result
 
 
 def _is_complete(path: pathlib.Path) -> bool:
@@ -381,10 +404,13 @@ def save_state(
     """
     path = pathlib.Path(path)
     partial = path.with_name(path.name + ".partial")
-    _check_target(path)
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
+
+    def prepare() -> None:
+        _check_target(path)
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    _on_every_rank(prepare)
     state: dict[str, Any] = {MODEL + k: _Pieces(v) for k, v in _by_key(entries).items()}
     state.update({MODEL + k: t.detach() for k, t in unplaced.items()})
     if optimizer is not None:
@@ -395,9 +421,8 @@ def save_state(
     with _quiet_single_process():
         dcp.save(state, storage_writer=FileSystemWriter(partial), planner=_SavePlanner(),
                  no_dist=not dist.is_initialized())
-    if _rank() == 0:
-        _commit(path, partial, {"format": FORMAT, "torch": torch.__version__, **(info or {})})
-    _barrier()
+    info = {"format": FORMAT, "torch": torch.__version__, **(info or {})}
+    _on_every_rank(lambda: _commit(path, partial, info) if _rank() == 0 else None)
     return path
 
 
@@ -436,26 +461,32 @@ def load_state(
     ``expected`` is every key of the model that a checkpoint holds (also those held only by
     other pipeline stages), to tell a checkpoint of another model from this rank's partial read.
     """
-    path = resolve(path)
-    reader = _SafeReader(str(path))
-    metadata = reader.read_metadata()
-    shapes: dict[str, tuple[int, ...] | None] = {k: None for k in expected}
-    shapes.update({layout.key: layout.shape for layout, _ in entries})
-    shapes.update({k: tuple(t.shape) for k, t in unplaced.items()})
-    _check_model_keys(metadata, shapes, path)
-    state: dict[str, Any] = {MODEL + k: _Pieces(v) for k, v in _by_key(entries).items()}
-    state.update({MODEL + k: t.detach() for k, t in unplaced.items()})
     fresh: dict[int, dict[str, torch.Tensor]] = {}  # id(param) -> state name -> tensor read into
-    if optimizer is not None:
-        if GROUPS not in metadata.state_dict_metadata:
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} has no optimizer state (it was saved with optimizer=None); "
-                "pass optimizer=None to load only the model"
-            )
-        state.update(_fresh_optimizer_state(optimizer, entries, metadata, fresh))
-        state[GROUPS] = None
-    if EXTRA in metadata.state_dict_metadata:
-        state[EXTRA] = None
+
+    def prepare() -> tuple[pathlib.Path, _SafeReader, dict[str, Any]]:
+        # Each rank checks the tensors it holds (a pipeline stage its own): agreed on below.
+        found = resolve(path)
+        reader = _SafeReader(str(found))
+        metadata = reader.read_metadata()
+        shapes: dict[str, tuple[int, ...] | None] = {k: None for k in expected}
+        shapes.update({layout.key: layout.shape for layout, _ in entries})
+        shapes.update({k: tuple(t.shape) for k, t in unplaced.items()})
+        _check_model_keys(metadata, shapes, found)
+        state: dict[str, Any] = {MODEL + k: _Pieces(v) for k, v in _by_key(entries).items()}
+        state.update({MODEL + k: t.detach() for k, t in unplaced.items()})
+        if optimizer is not None:
+            if GROUPS not in metadata.state_dict_metadata:
+                raise CheckpointError(
+                    f"checkpoint {str(found)!r} has no optimizer state (it was saved with optimizer=None); "
+                    "pass optimizer=None to load only the model"
+                )
+            state.update(_fresh_optimizer_state(optimizer, entries, metadata, fresh))
+            state[GROUPS] = None
+        if EXTRA in metadata.state_dict_metadata:
+            state[EXTRA] = None
+        return found, reader, state
+
+    path, reader, state = _on_every_rank(prepare)
     with _quiet_single_process(), _unwrapped():
         dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=not dist.is_initialized())
     if optimizer is not None:

@@ -164,6 +164,27 @@ def _save_then_die_saving_again(path: str) -> None:
     gp.save(dmodel, opt, path, extra={"step": 2})
 
 
+def _load_where_one_rank_fails(path: str) -> str:
+    """Rank 1 loads from a path with no checkpoint: every rank must raise, none may wait."""
+    import torch.distributed as dist
+
+    dmodel, _ = _compile("gpt", dict(dp=2), seed=0)
+    try:
+        gp.load(dmodel, None, path if dist.get_rank() == 0 else path + "-missing")
+    except (gp.CheckpointError, FileNotFoundError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+@pytest.mark.timeout(300)
+def test_a_load_failing_on_one_rank_fails_on_every_rank(rank_pool, tmp_path):
+    pool = rank_pool(2)
+    pool.run(_train_then_save, "gpt", dict(dp=2), "sgd", str(tmp_path / "ck"), timeout_s=120)
+    said = pool.run(_load_where_one_rank_fails, str(tmp_path / "ck"), timeout_s=120)
+    assert said[1].startswith("FileNotFoundError: no checkpoint at"), said
+    assert said[0].startswith("CheckpointError: rank 1 failed: FileNotFoundError: no checkpoint at"), said
+
+
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(rank_pool, tmp_path):
     path = tmp_path / "ck"
     with pytest.raises(gp.RankError, match="rank 1"):
@@ -237,6 +258,17 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(gp.CheckpointError, match=r"builtins\.exec"):
         ckpt.read(path)
     assert not marker.exists()
+
+
+def test_metadata_pointing_outside_the_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "ck"
+    _tiny(path)
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # our own, trusted here
+    index, info = next(iter(metadata.storage_data.items()))
+    metadata.storage_data[index] = type(info)(relative_path="../../etc/passwd", offset=info.offset, length=info.length)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(gp.CheckpointError, match=r"names the data file '../../etc/passwd' outside the checkpoint"):
+        ckpt.read(path)
 
 
 def test_an_entry_that_would_run_code_is_refused(tmp_path):
