@@ -251,6 +251,8 @@ def _tp_node(gm: fx.GraphModule, target, args: tuple, kwargs: dict, source: fx.N
         node = gm.graph.call_function(target, args, kwargs)
     meta.copy_meta(source, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD, meta.PLACEMENT))
     node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: placement}})
+    if meta.STAGE in before.meta:  # it runs where it is inserted: in its user's pipeline stage
+        node.meta[meta.STAGE] = before.meta[meta.STAGE]
     return node
 
 
