@@ -232,15 +232,18 @@ def _difference(ref: int, a: Sequence[Entry], rank: int, b: Sequence[Entry], at:
     """What ``rank``'s program ``b`` does differently from ``ref``'s ``a`` at entry ``at``: a
     node it lacks, one it adds, two in another order, or one with other shapes."""
     mine, theirs = (a[at] if at < len(a) else None), (b[at] if at < len(b) else None)
+    if mine is None:
+        return f"rank {rank} goes on with {theirs.describe()}, where rank {ref} has no more (it has {len(a)})"
+    if theirs is None:
+        return f"rank {ref}'s {mine.describe()} is missing on rank {rank} (it has {len(b)})"
     b_names, a_names = [e.node for e in b], [e.node for e in a]
-    if mine is not None and theirs is not None and mine.node == theirs.node:
+    if mine.node == theirs.node:
         return (f"rank {ref}'s {mine.describe()}, but rank {rank}'s is {theirs.describe()} "
                 f"(another shape, dtype or arguments)")
-    if mine is not None and mine.node not in b_names:
+    if mine.node not in b_names:
         return f"rank {ref}'s {mine.describe()} is missing on rank {rank}"
-    if theirs is not None and theirs.node not in a_names:
+    if theirs.node not in a_names:
         return f"rank {rank} adds {theirs.describe()}, which rank {ref} does not run"
-    assert mine is not None and theirs is not None
     return (f"rank {ref} runs {mine.op} (node {mine.node!r}) there, rank {rank} runs {theirs.op} (node "
             f"{theirs.node!r}) and node {mine.node!r} only at entry {b_names.index(mine.node)}: reordered")
 
