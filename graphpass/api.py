@@ -19,7 +19,6 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphpass import meta
-from graphpass.runtime import verifier
 from graphpass.capture import capture, check_example_inputs
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
@@ -29,6 +28,7 @@ from graphpass.passes.partition_stages import cut_stages, shared_parameters
 from graphpass.plan import Plan, Strategy, check_pipeline, pipeline_rank
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import verifier
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.module import (
     DistributedModule,

@@ -171,30 +171,19 @@ def test_each_pipeline_rank_runs_and_holds_its_own_stage():
 # ------------------------------------------------------------------ on real ranks in compile
 
 
-def _compile_corrupted(kind: str):
-    corrupt = CORRUPTIONS[kind][0]
-    real = graphpass.api.passes_for
-    graphpass.api.passes_for = lambda plan: (*real(plan), corrupt)
-    try:
-        data = zoo.batches("gpt", 1, 8)
-        try:
-            zoo.compile(zoo.build("gpt"), data[0], gp.Strategy(**STRATEGY))
-        except gp.VerificationError as exc:
-            return str(exc)
-        return "compiled"
-    finally:
-        graphpass.api.passes_for = real
-
-
-def _compile_unverified_corrupted(kind: str) -> str:
+def _compile_corrupted(kind: str, verify: bool = True) -> str:
+    """On each rank: compile with the corrupting pass appended; the verifier's message, or
+    ``"compiled"``."""
     corrupt = CORRUPTIONS[kind][0]
     real = graphpass.api.passes_for
     graphpass.api.passes_for = lambda plan: (*real(plan), corrupt)
     try:
         data = zoo.batches("gpt", 1, 8)
         gp.compile(zoo.build("gpt"), gp.Cluster.local(), example_inputs=data[0], strategy=gp.Strategy(**STRATEGY),
-                   verify=False)
+                   verify=verify)
         return "compiled"
+    except gp.VerificationError as exc:
+        return str(exc)
     finally:
         graphpass.api.passes_for = real
 
@@ -207,4 +196,4 @@ def test_compile_raises_the_same_error_on_every_rank_before_anything_runs(rank_p
         assert messages[0] == messages[1], messages  # both ranks raise, with the same words
         _assert_names_pass_node_and_ranks(messages[0], corrupt, node, detail, "'dp' group of ranks [0, 1]")
     # verify=False compiles the corrupted program (what would then run is the user's choice).
-    assert pool.run(_compile_unverified_corrupted, "removed", timeout_s=120) == ["compiled", "compiled"]
+    assert pool.run(_compile_corrupted, "removed", False, timeout_s=120) == ["compiled", "compiled"]
