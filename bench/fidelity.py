@@ -153,7 +153,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
                    help="price every sample with the cached profile of each world size instead of "
                         "profiling the job's ranks at each sample")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rows", default="", help="only the rows whose name starts with this (e.g. 'pp ')")
+    p.add_argument("--rows", default="", help="only the rows whose name starts with one of these, comma-separated (e.g. 'pp ' or 'dp 4,pp ')")
     args = p.parse_args(argv)
     args.world_sizes = [int(w) for w in args.world_sizes.split(",")]
     for w in args.world_sizes:
@@ -170,7 +170,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 def _rows(args: argparse.Namespace, world: int) -> tuple[tuple[str, dict], ...]:
     """The rows of ``world`` ranks that ``--rows`` selects."""
-    return tuple(row for row in STRATEGIES[world] if row[0].startswith(args.rows))
+    return tuple(row for row in STRATEGIES[world] if row[0].startswith(tuple(args.rows.split(","))))
 
 
 def _threads(world: int) -> int:

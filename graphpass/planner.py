@@ -648,6 +648,9 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         overlap=1.0 if cluster.device.kind == "cuda" else 0.0,
         optimizer_s_per_param=per_element,
         optimizer_s_per_tensor=per_tensor,
+        # The profile's probe, even where the op times were measured together: they hold the
+        # host's contention without saying how much of them it is.
+        host_contention=_contention(cluster),
     )
 
 

@@ -17,7 +17,7 @@ import zoo
 from configs import GPTConfig, build, example_inputs
 from graphpass.api import resolve_strategy
 from graphpass.cost.memory import model_state_bytes
-from graphpass.cost.search import Layout, NoPlanError
+from graphpass.cost.search import Layout, NoPlanError, _shared_host_step
 from graphpass.planner import Planner, PlanningError, parse_memory
 
 GiB = 2**30
@@ -29,13 +29,16 @@ BATCH = 128
 
 
 # 4 gloo ranks on this 2-core machine as `graphpass profile --world-size 4` measured them
-# (rounded); gloo's all-gather and reduce-scatter take 1.7x and 3.1x the ring model's time.
+# (rounded); gloo's all-gather and reduce-scatter take 1.7x and 3.1x the ring model's time; the
+# ranks' contention for the 2 cores is pinned too (else the planner would count the cores of the
+# machine running the test).
 _GLOO_LINK = {"bandwidth_gbps": 0.93, "latency_s": 8.9e-4, "name": "measured",
               "kind_factors": {"all_gather": 1.72, "reduce_scatter": 3.07}}
 GLOO_4 = gp.Cluster.from_dict({
     "name": "local (profiled)", "num_nodes": 1, "devices_per_node": 4, "backend": "gloo",
     "device": {"name": "cpu", "kind": "cpu", "peak_tflops": {"fp32": 0.0795, "bf16": 0.0795},
-               "memory_bytes": 6319014912, "memory_bandwidth_gbps": 5.33},
+               "memory_bytes": 6319014912, "memory_bandwidth_gbps": 5.33,
+               "contention": 2.2, "memory_contention": 2.55},
     "intra_node": _GLOO_LINK, "inter_node": _GLOO_LINK,
 })
 
@@ -196,18 +199,24 @@ def test_ample_memory_is_data_parallel_and_tightening_adds_sharding(small_planne
     assert 3 in s["zero"] or s["split"] or s["recompute"] or s["mesh"].get("tp", 1) > 1 or s["m"] > 1
 
 
-def test_on_gloo_ample_memory_is_pure_dp_and_the_budget_walks_the_known_strategies():
+def test_on_gloo_ample_memory_is_unsharded_and_the_budget_walks_the_known_strategies():
     """On the local CPU cluster (no compute/communication overlap, gloo's all-gather and
-    reduce-scatter slower than its all-reduce) pure DP, ZeRO-0, wins at ample memory. On H100 the
-    same model gets ZeRO-2: equal traffic, overlapped, and a sharded optimizer step; explain()
-    shows pure DP's price on the same mesh so the user sees why."""
+    reduce-scatter slower than its all-reduce) nothing is sharded, split or recomputed at ample
+    memory: ZeRO-0 everywhere. On H100 the same model gets ZeRO-2: equal traffic, overlapped, and
+    a sharded optimizer step; explain() shows pure DP's price on the same mesh so the user sees
+    why. Four ranks share two cores here, so a pipeline's ramps, where few stages are busy, leave
+    cores to the busy ones: pp 2 x dp 2 and dp 4 price within a few per cent of each other (and
+    measured alike: 476 and 479 ms in bench/results/cpu-fidelity-pipeline.txt)."""
     with torch.device("meta"):
         model = build(SMALL)
     planner = Planner(model, GLOO_4, example_inputs(SMALL, batch=16, device="meta"), measure_ops=False)
     ample = planner.auto()
-    assert _summary(ample) == {"mesh": {"dp": 4}, "zero": {0}, "split": False, "recompute": False, "m": 1}
+    summary = _summary(ample)
+    assert (summary["zero"], summary["split"], summary["recompute"]) == ({0}, False, False), ample.explain()
     assert all(row["choice"] == "dp" for row in ample.breakdown)
-    peak, seen, times = ample.predicted_peak_memory_bytes, [], []
+    dp4 = planner.price(gp.Strategy(dp=4))
+    assert ample.predicted_step_time_s <= dp4.predicted_step_time_s < 1.1 * ample.predicted_step_time_s, ample.explain()
+    peak, seen, times = dp4.predicted_peak_memory_bytes, [], []  # budgets below plain data parallelism's peak
     for fraction in (0.6, 0.4, 0.3, 0.2):
         plan = planner.auto(memory_budget=int(peak * fraction))
         assert plan.predicted_peak_memory_bytes <= peak * fraction, plan.explain()
@@ -421,14 +430,34 @@ def test_cpu_op_times_are_scaled_by_the_profiled_contention_else_by_oversubscrip
     from graphpass import planner as planner_module
 
     monkeypatch.setattr(planner_module.os, "cpu_count", lambda: 2)
-    measured = dataclasses.replace(GLOO_4, device=dataclasses.replace(GLOO_4.device, contention=2.6))
+    unmeasured = dataclasses.replace(GLOO_4, device=dataclasses.replace(GLOO_4.device, contention=None,
+                                                                        memory_contention=None))
+    measured = dataclasses.replace(unmeasured, device=dataclasses.replace(unmeasured.device, contention=2.6))
     assert planner_module._contention(measured) == 2.6
     assert planner_module._contention(measured, memory_bound=True) == 2.6  # stands in when unmeasured
     both = dataclasses.replace(GLOO_4, device=dataclasses.replace(GLOO_4.device, contention=2.6, memory_contention=3.1))
     assert (planner_module._contention(both), planner_module._contention(both, memory_bound=True)) == (2.6, 3.1)
-    assert planner_module._contention(GLOO_4) == 2.0  # 4 ranks x 1 thread on 2 cores
-    assert planner_module._contention(dataclasses.replace(GLOO_4, devices_per_node=2)) == 1.0
+    assert planner_module._contention(unmeasured) == 2.0  # 4 ranks x 1 thread on 2 cores
+    assert planner_module._contention(dataclasses.replace(unmeasured, devices_per_node=2)) == 1.0
     assert planner_module._contention(gp.Cluster.preset("h200")) == 1.0  # GPUs do not share
+
+
+def test_a_pipeline_on_a_shared_host_runs_its_ramps_with_the_cores_the_idle_stages_leave():
+    """Stage times priced at the contention of every rank busy (``c``); a pipeline of ``p``
+    balanced stages of ``t`` alone each spends its ``m + p - 1`` slots at ``k = 1..p..1`` busy
+    stages, each slot ``t * max(1, c k / p)``. Never more than the schedule at full contention,
+    never less than the host's whole work (``c m t``); GPUs (``c = 1``) and single stages keep
+    the schedule's time."""
+    t, c = 1.0, 2.2
+    path = 7 * c * t  # pp 4, m 4
+    slowdowns = [max(1.0, c * k / 4) for k in (1, 2, 3, 4, 3, 2, 1)]
+    assert _shared_host_step(path, 4, 4, c) == pytest.approx(t * sum(slowdowns))  # 9.7 t
+    assert c * 4 * t < _shared_host_step(path, 4, 4, c) < path
+    assert _shared_host_step(path, 4, 4, 1.0) == path
+    assert _shared_host_step(3 * c * t, 1, 3, c) == pytest.approx(3 * c * t)  # no pipeline: all busy
+    # Two stages of two data-parallel ranks each on 4 ranks over 2 cores: one busy stage
+    # already fills the cores, so the step is the host's whole work.
+    assert _shared_host_step(3 * c * t, 2, 2, c) == pytest.approx(c * 2 * t)
 
 
 def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatch):
