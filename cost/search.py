@@ -244,8 +244,10 @@ class Costing:
         host_contention: how many times longer the block times are than one rank alone would
             take, because they were measured or scaled for every rank of a shared host (CPU
             ranks sharing cores and DRAM) computing at once; 1 where ranks share nothing (GPUs).
-            A pipeline's ramps, where few stages are busy, run nearly uncontended
-            (:func:`_shared_host_step`).
+        host_oversubscription: the part of ``host_contention`` that is ranks' threads outnumbering
+            the host's cores (``ranks x threads / cores``, at least 1): a pipeline's ramps, where
+            few stages are busy, give it back (:func:`_shared_host_step`); the rest (shared DRAM
+            and caches) stays.
     """
 
     cluster: Cluster
@@ -258,6 +260,7 @@ class Costing:
     optimizer_s_per_tensor: float = 0.0
     bucket_cap_bytes: float = 25 * 2**20  # DDP's default, as Plan's
     host_contention: float = 1.0
+    host_oversubscription: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -697,28 +700,31 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
         path = m * max(stage_times) + (layout.mesh.pp - 1) * max(chunk_times)
     else:  # GPipe and 1F1B: the same bubble, (p - 1) stage times when the stages are equal
         path = sum(stage_times) + (m - 1) * max(stage_times)
-    step = _shared_host_step(path, layout.mesh.pp, m * layout.virtual_stages, costing.host_contention) + max(tails)
+    step = _shared_host_step(path, layout.mesh.pp, m * layout.virtual_stages, costing.host_contention,
+                             costing.host_oversubscription) + max(tails)
     return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)
 
 
-def _shared_host_step(path: float, pp: int, units: int, contention: float) -> float:
+def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float) -> float:
     """A pipeline's schedule time ``path`` (priced with stage times that hold the contention
-    ``contention`` of every rank of a shared host computing at once: CPU ranks sharing cores and
-    DRAM) for the concurrency the schedule really has. Its ``units + pp - 1`` slots (``units``
-    microbatch chunks per rank: ``m``, or ``m * v`` interleaved) keep ``k = 1, 2, .., pp, ..,
-    2, 1`` stages busy; a slot with ``k`` of ``pp`` stages busy is slowed by
-    ``max(1, contention * k / pp)`` (the load on the host is ``k / pp`` of the full one, and a
-    rank is never faster than alone), so the ramps of the schedule run nearly uncontended while
-    its steady part shares the host like data parallelism does. With ``contention`` 1 (GPUs share
-    nothing) that is ``path``.
+    ``contention`` of every rank of a shared host computing at once) for the concurrency the
+    schedule really has. Its ``units + pp - 1`` slots (``units`` microbatch chunks per rank:
+    ``m``, or ``m * v`` interleaved) keep ``k = 1, 2, .., pp, .., 2, 1`` stages busy; a slot
+    with ``k`` of ``pp`` stages busy has ``k / pp`` of the ranks' threads on the cores, so the
+    cores' share of the contention (``oversubscription``, the threads over the cores with every
+    rank busy) falls to ``max(1, oversubscription * k / pp)`` while the rest (shared DRAM and
+    caches, ``contention / oversubscription``) stays. With ``contention`` 1 (GPUs share
+    nothing) or no more threads than cores, that is ``path``.
 
-    Measured on 4 CPU ranks over 2 cores (contention 2.2-2.3): pp 4 1F1B m 4 took 492-507 ms,
-    where ``path`` at full contention predicted 844 ms (bench/results/cpu-fidelity-pipeline.txt)."""
-    if contention <= 1.0:
+    Measured on 4 CPU ranks over 2 cores (contention 2.2-2.3, oversubscription 2): pp 4 1F1B
+    m 4 took 492-541 ms where ``path`` at full contention predicted 844 ms
+    (bench/results/cpu-fidelity-pipeline.txt)."""
+    oversubscription = min(max(1.0, oversubscription), max(1.0, contention))
+    if oversubscription <= 1.0:
         return path
     slots = units + pp - 1
     busy = [min(j + 1, pp, units, slots - j) for j in range(slots)]
-    return path * sum(max(1.0, contention * k / pp) for k in busy) / (slots * contention)
+    return path * sum(max(1.0, oversubscription * k / pp) for k in busy) / (slots * oversubscription)
 
 
 def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], layout: Layout,

@@ -596,8 +596,14 @@ def _contention(cluster: Cluster, memory_bound: bool = False, together: bool = F
         return 1.0
     measured = cluster.device.memory_contention if memory_bound else None
     measured = measured if measured is not None else cluster.device.contention
-    if measured is not None:
-        return measured
+    return measured if measured is not None else _oversubscription(cluster)
+
+
+def _oversubscription(cluster: Cluster) -> float:
+    """How many times the threads of a CPU cluster's ranks (``graphpass.launch``'s share of the
+    cores each, at least 1) outnumber this host's cores, at least 1; 1 off CPU."""
+    if cluster.device.kind != "cpu":
+        return 1.0
     cores = os.cpu_count() or 1
     threads = max(1, cores // cluster.world_size)
     return max(1.0, cluster.world_size * threads / cores)
@@ -651,6 +657,7 @@ def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float,
         # The profile's probe, even where the op times were measured together: they hold the
         # host's contention without saying how much of them it is.
         host_contention=_contention(cluster),
+        host_oversubscription=_oversubscription(cluster),
     )
 
 

@@ -199,7 +199,7 @@ def test_ample_memory_is_data_parallel_and_tightening_adds_sharding(small_planne
     assert 3 in s["zero"] or s["split"] or s["recompute"] or s["mesh"].get("tp", 1) > 1 or s["m"] > 1
 
 
-def test_on_gloo_ample_memory_is_unsharded_and_the_budget_walks_the_known_strategies():
+def test_on_gloo_ample_memory_is_unsharded_and_the_budget_walks_the_known_strategies(monkeypatch):
     """On the local CPU cluster (no compute/communication overlap, gloo's all-gather and
     reduce-scatter slower than its all-reduce) nothing is sharded, split or recomputed at ample
     memory: ZeRO-0 everywhere. On H100 the same model gets ZeRO-2: equal traffic, overlapped, and
@@ -207,6 +207,9 @@ def test_on_gloo_ample_memory_is_unsharded_and_the_budget_walks_the_known_strate
     why. Four ranks share two cores here, so a pipeline's ramps, where few stages are busy, leave
     cores to the busy ones: pp 2 x dp 2 and dp 4 price within a few per cent of each other (and
     measured alike: 476 and 479 ms in bench/results/cpu-fidelity-pipeline.txt)."""
+    from graphpass import planner as planner_module
+
+    monkeypatch.setattr(planner_module.os, "cpu_count", lambda: 2)  # GLOO_4's host
     with torch.device("meta"):
         model = build(SMALL)
     planner = Planner(model, GLOO_4, example_inputs(SMALL, batch=16, device="meta"), measure_ops=False)
@@ -443,21 +446,23 @@ def test_cpu_op_times_are_scaled_by_the_profiled_contention_else_by_oversubscrip
 
 
 def test_a_pipeline_on_a_shared_host_runs_its_ramps_with_the_cores_the_idle_stages_leave():
-    """Stage times priced at the contention of every rank busy (``c``); a pipeline of ``p``
-    balanced stages of ``t`` alone each spends its ``m + p - 1`` slots at ``k = 1..p..1`` busy
-    stages, each slot ``t * max(1, c k / p)``. Never more than the schedule at full contention,
-    never less than the host's whole work (``c m t``); GPUs (``c = 1``) and single stages keep
+    """Stage times priced at the contention ``c`` of every rank busy, ``o`` of it the threads
+    outnumbering the cores; a pipeline of ``p`` balanced stages of ``t`` alone each spends its
+    ``m + p - 1`` slots at ``k = 1..p..1`` busy stages, each slot ``t (c / o) max(1, o k / p)``.
+    Never more than the schedule at full contention, never less than the host's whole work
+    (``c m t``); GPUs (``c = 1``), hosts with a core per thread (``o = 1``) and single stages keep
     the schedule's time."""
-    t, c = 1.0, 2.2
+    t, c, o = 1.0, 2.2, 2.0
     path = 7 * c * t  # pp 4, m 4
-    slowdowns = [max(1.0, c * k / 4) for k in (1, 2, 3, 4, 3, 2, 1)]
-    assert _shared_host_step(path, 4, 4, c) == pytest.approx(t * sum(slowdowns))  # 9.7 t
-    assert c * 4 * t < _shared_host_step(path, 4, 4, c) < path
-    assert _shared_host_step(path, 4, 4, 1.0) == path
-    assert _shared_host_step(3 * c * t, 1, 3, c) == pytest.approx(3 * c * t)  # no pipeline: all busy
+    slowdowns = [c / o * max(1.0, o * k / 4) for k in (1, 2, 3, 4, 3, 2, 1)]
+    assert _shared_host_step(path, 4, 4, c, o) == pytest.approx(t * sum(slowdowns))  # 10 t
+    assert c * 4 * t < _shared_host_step(path, 4, 4, c, o) < path
+    assert _shared_host_step(path, 4, 4, 1.0, 1.0) == path
+    assert _shared_host_step(path, 4, 4, 1.17, 1.0) == path  # 2 ranks on 2 cores: DRAM shared throughout
+    assert _shared_host_step(3 * c * t, 1, 3, c, o) == pytest.approx(3 * c * t)  # no pipeline: all busy
     # Two stages of two data-parallel ranks each on 4 ranks over 2 cores: one busy stage
     # already fills the cores, so the step is the host's whole work.
-    assert _shared_host_step(3 * c * t, 2, 2, c) == pytest.approx(c * 2 * t)
+    assert _shared_host_step(3 * c * t, 2, 2, c, o) == pytest.approx(c * 2 * t)
 
 
 def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatch):
