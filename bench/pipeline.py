@@ -16,8 +16,10 @@ trained with plain SGD two ways side by side, for every microbatch count ``m`` i
   ``torch.distributed.pipelining`` writes).
 
 One step is the schedule's ``step`` (every microbatch's forward and backward) + ``SGD.step()`` +
-``zero_grad()``, timed on every rank; the two sides alternate in rounds (who goes first
-alternates too), each round started by a barrier.
+``zero_grad()``, timed on every rank; the step's time is its slowest rank's (each round starts
+at a barrier; a rank that is done early, as the first stage under zero-bubble, waits for the
+others at the next step anyway). The two sides alternate in rounds (who goes first alternates
+too).
 
 Columns:
 
@@ -78,8 +80,10 @@ def _parse_args(argv=None) -> argparse.Namespace:
     add_gpt_args(p, vocab_size=4096, n_embd=256)
     p.add_argument("--batch", type=int, default=16, help="global batch (split into microbatches)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zero_bubble"],
+                   choices=["gpipe", "1f1b", "zero_bubble"], help="schedules to run (default all three)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each side first")
-    p.add_argument("--rounds", type=int, default=6, help="rounds per side (they alternate)")
+    p.add_argument("--rounds", type=int, default=12, help="rounds per side (they alternate)")
     p.add_argument("--steps-per-round", type=int, default=1)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--threads", type=int, default=None,
@@ -211,9 +215,13 @@ def _run_rank(args: argparse.Namespace, schedule: str, m: int) -> dict:
     dist.broadcast(hand_losses, p - 1)  # the last stage has them
     gp_losses = torch.stack(losses["graphpass"])
     gathered: list = [None] * p
-    dist.all_gather_object(gathered, {"peak": probe.peak_bytes, "own": own})
+    dist.all_gather_object(gathered, {"peak": probe.peak_bytes, "own": own, "times": times})
     return {
-        "times": times,
+        # A step of the job ends when its slowest rank ends (every round starts at a barrier):
+        # under zero-bubble that is the last stage, whose deferred weight gradients run after
+        # the first stage is done.
+        "times": {side: [max(g["times"][side][i] for g in gathered) for i in range(len(times[side]))]
+                  for side in times},
         "max_loss_diff": (gp_losses - hand_losses).abs().max().item(),
         "peaks": [g["peak"] for g in gathered],
         "stage_s": [g["own"] for g in gathered],
@@ -244,7 +252,7 @@ def main(argv=None) -> None:
     print(header)
     ideal = {"gpipe": pipeline_bubble_fraction, "1f1b": pipeline_bubble_fraction, "zero_bubble": zero_bubble_fraction}
     for m in args.microbatches:
-        for schedule in ("gpipe", "1f1b", "zero_bubble"):
+        for schedule in args.schedules:
             if schedule == "1f1b" and m < p:
                 continue
             result = gp.launch(_run_rank, p, args=(args, schedule, m), timeout_s=900)[0]

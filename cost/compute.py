@@ -111,6 +111,10 @@ _TORCH_FORMULAS = {
 _OPERANDS = {
     "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "linear": (0, 1),
     "addmm": (1, 2), "baddbmm": (1, 2), "convolution": (0, 1), "_convolution": (0, 1),
+    # Mixture-of-Experts grouped products (graphpass.nn's, Hugging Face's fallback, torch's):
+    # rows [N, d] times one [d, f] per expert, priced as every row computed (a capacity's
+    # dropped rows are not: an upper bound of at most the dropped share).
+    "grouped_mm": (0, 1), "grouped_mm_fallback": (0, 1), "_grouped_mm": (0, 1),
 }
 
 

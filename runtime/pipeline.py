@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
@@ -88,7 +89,7 @@ class PipelineProgram:
         indices = [index for index, _ in stages]
         self.is_first, self.is_last = 0 in indices, num_stages - 1 in indices
         pp = dist.get_world_size(group)
-        self.group, self.last_rank = group, dist.get_global_rank(group, pipeline_rank(num_stages - 1, pp))
+        self.group, self.last_rank = group, pipeline_rank(num_stages - 1, pp)  # in the pp group
         self.shared = list(shared)
         self.loss_index, self.report_index = loss_index, report_index
         self.stages = [self._stage(module, index, num_stages, group, device) for index, module in stages]
@@ -146,10 +147,12 @@ class PipelineProgram:
         return self._mean_report()
 
     def _mean_report(self) -> torch.Tensor:
-        """The mean of the microbatches' reported losses, sent from the last stage to every rank."""
+        """The mean of the microbatches' reported losses, sent from the last stage to every rank
+        without waiting: the other ranks get a tensor that waits for it where it is first read
+        (torch's functional broadcast), so a rank done with its stages goes on to its optimizer
+        step while the last stage finishes (zero-bubble's deferred weight gradients)."""
         loss = torch.stack(self._reports).mean() if self.is_last else torch.zeros(())
-        dist.broadcast(loss, self.last_rank, group=self.group)
-        return loss
+        return funcol.broadcast(loss, self.last_rank, self.group)
 
 
 __all__ = ["PipelineProgram", "SCHEDULES"]
