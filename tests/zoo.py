@@ -12,9 +12,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt import GPT, GPTConfig
+from moe_gpt import MoEGPT, MoEGPTConfig
 
 VOCAB = 256
 SEQ = 32
+
+#: graphpass.nn.MoE decoders, one per gate and mode (4 experts of 96 each, 2 layers).
+MOE_CONFIGS = {
+    "moe_topk": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ),  # GShard top-2, dropless
+    "moe_topk_capacity": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, capacity_factor=1.0),
+    "moe_switch_score": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, gate="switch", capacity_factor=1.25,
+                                     drop_policy="score"),
+    "moe_expert_choice": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, gate="expert_choice"),
+    "moe_hash": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, gate="hash", gate_options={"vocab_size": VOCAB}),
+    "moe_dense_to_sparse": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, gate="dense_to_sparse",
+                                        gate_options={"noise": False, "threshold": 0.2, "temperature": (0.05, 0.05)}),
+}
 
 
 class EncoderLM(nn.Module):
@@ -252,6 +265,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
                                intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
                                max_position_embeddings=SEQ, **common)
         return HFCausalLM(MixtralForCausalLM(config))
+    if name.startswith("moe_"):  # graphpass.nn.MoE decoders: moe_topk, moe_switch, moe_expert_choice, ...
+        return MoEGPT(MOE_CONFIGS[name])
     raise KeyError(f"unknown test model {name!r}")
 
 

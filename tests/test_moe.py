@@ -1,0 +1,232 @@
+"""graphpass.nn's Mixture-of-Experts layer and gates: each gate's routing against its definition,
+the layer against a per-token loop, capacity's drop rules, capture as a static graph, and
+data-parallel training on 2 and 4 gloo ranks against one process.
+
+Tolerances: the layer and the loop differ only in the order of fp32 additions (a token's
+experts summed by index_add vs one by one), ~1e-7 relative, so rtol 1e-5 / atol 1e-6 catch a
+wrong expert, weight or dropped assignment (each an O(1) relative change of some row).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphpass as gp
+import zoo
+from graphpass.capture import capture
+from graphpass.nn import MoE, grouped_mm
+from graphpass.nn.gates import DenseToSparseGate, ExpertChoiceGate, HashGate, SwitchGate, TopKGate
+from graphpass.ops import op_name
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ------------------------------------------------------------------------------ grouped_mm
+
+
+def test_grouped_mm_multiplies_each_experts_rows_and_leaves_the_rest_zero():
+    torch.manual_seed(0)
+    x = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([3, 3, 8])  # expert 1 gets nothing; rows 8, 9 are dropped
+    y = grouped_mm(x, w, offs)
+    expected = torch.cat([x[:3] @ w[0], x[3:8] @ w[2], x.new_zeros(2, 5)])
+    torch.testing.assert_close(y, expected)
+    torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, offs), (x, w))
+    with pytest.raises(ValueError, match="offs has 2 groups for 3 experts"):
+        grouped_mm(x, w, torch.tensor([3, 8]))
+
+
+# ------------------------------------------------------------------------------ gates
+
+
+def _router(gate, logits_of):
+    """Set ``gate``'s router so that a token x gets logits ``x @ logits_of``."""
+    with torch.no_grad():
+        gate.router.weight.copy_(logits_of.t())
+
+
+def test_top2_gate_takes_the_two_most_probable_experts_with_renormalised_weights_and_gshard_losses():
+    gate = TopKGate(3, 4, k=2)
+    _router(gate, torch.eye(3, 4))
+    x = torch.tensor([[[2.0, 1.0, 0.0], [0.0, 0.5, 3.0]]])  # one group of 2 tokens
+    r = gate(x)
+    probs = F.softmax(x @ torch.eye(3, 4), dim=-1)[0]
+    # choice-major: both tokens' first choices, then both second choices
+    assert r.expert.tolist() == [[0, 2, 1, 1]] and r.token.tolist() == [[0, 1, 0, 1]]
+    top = probs.topk(2).values
+    torch.testing.assert_close(r.weight[0], torch.cat([top[:, 0], top[:, 1]]) / top.sum(-1).repeat(2))
+    share = torch.tensor([1, 2, 1, 0]) / 4.0
+    torch.testing.assert_close(r.balance_loss, 4 * (share * probs.mean(0)).sum())
+    torch.testing.assert_close(r.z_loss, torch.logsumexp(x @ torch.eye(3, 4), -1).pow(2).mean())
+
+
+def test_switch_gate_keeps_the_top_probability_as_its_weight():
+    gate = SwitchGate(3, 4)
+    _router(gate, torch.eye(3, 4))
+    x = torch.tensor([[[2.0, 1.0, 0.0]]])
+    r = gate(x)
+    assert r.expert.tolist() == [[0]]
+    torch.testing.assert_close(r.weight[0, 0], F.softmax(x @ torch.eye(3, 4), -1)[0, 0, 0])
+
+
+def test_expert_choice_gives_every_expert_its_best_tokens():
+    gate = ExpertChoiceGate(2, 2, capacity_factor=1.0)  # C = ceil(4 * 1 / 2) = 2 tokens per expert
+    _router(gate, torch.eye(2))
+    x = torch.tensor([[[3.0, 0.0], [2.0, 0.0], [0.0, 1.0], [0.0, 4.0]]])
+    r = gate(x)
+    assert r.expert.tolist() == [[0, 0, 1, 1]]
+    assert r.token.tolist() == [[0, 1, 3, 2]]
+    assert float(r.balance_loss) == 0.0
+
+
+def test_hash_gate_routes_by_token_id_and_balances_the_vocabulary():
+    gate = HashGate(4, vocab_size=64)
+    assert torch.bincount(gate.table, minlength=4).tolist() == [16] * 4
+    ids = torch.tensor([[5, 9, 5]])
+    r = gate(torch.zeros(1, 3, 8), ids)
+    assert r.expert.tolist() == [gate.table[ids].tolist()[0]] and r.expert[0, 0] == r.expert[0, 2]
+    with pytest.raises(ValueError, match="token_ids"):
+        gate(torch.zeros(1, 3, 8))
+
+
+def test_dense_to_sparse_gate_starts_dense_and_gets_sparser_as_it_anneals():
+    torch.manual_seed(0)
+    gate = DenseToSparseGate(16, 8, temperature=(2.0, 0.05), anneal_steps=100, threshold=0.01, noise=False)
+    x = torch.randn(2, 32, 16)
+    dense = gate(x).kept.float().mean()
+    gate.anneal(100)
+    assert gate.temperature.item() == pytest.approx(0.05)
+    sparse = gate(x).kept.float().mean()
+    assert dense.item() == 1.0 and sparse.item() < 0.5
+    r = gate(x)
+    assert torch.all(r.weight[~r.kept] == 0)
+
+
+# ------------------------------------------------------------------------------ the layer
+
+
+def _loop(moe: MoE, x: torch.Tensor, token_ids=None) -> torch.Tensor:
+    """The layer by hand: per group, the gate's assignments in priority order (or by weight),
+    each expert keeping its first ``capacity``; each kept assignment adds weight * expert(x)."""
+    groups = x.reshape(-1, x.shape[-2], x.shape[-1])
+    r = moe.gate(groups, None if token_ids is None else token_ids.reshape(groups.shape[:2]))
+    out = torch.zeros_like(groups)
+    w_in, w_out = moe.experts.w_in, moe.experts.w_out
+    for g in range(groups.shape[0]):
+        order = list(range(r.expert.shape[1]))
+        if moe.drop_policy == "score":
+            order.sort(key=lambda a: -float(r.weight[g, a].detach()))
+        taken = [0] * moe.num_experts
+        capacity = (moe.capacity(r.expert.shape[1]) if moe.capacity_factor is not None and moe.gate.token_choice
+                    else math.inf)
+        for a in order:
+            e, t = int(r.expert[g, a]), int(r.token[g, a])
+            if not r.kept[g, a]:
+                continue
+            taken[e] += 1
+            if taken[e] > capacity:
+                continue
+            h = groups[g, t] @ w_in[e]
+            if moe.experts.activation == "swiglu":
+                gate_h, up = h.chunk(2)
+                h = F.silu(gate_h) * up
+            else:
+                h = getattr(F, moe.experts.activation)(h)
+            out[g, t] += r.weight[g, a] * (h @ w_out[e])
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("gate, options", [
+    ("topk", dict(k=2)),
+    ("topk", dict(k=2, capacity_factor=0.5)),
+    ("topk", dict(k=1, capacity_factor=1.0, drop_policy="score", activation="gelu")),
+    ("switch", dict(capacity_factor=0.75)),
+    ("expert_choice", dict(capacity_factor=1.5, activation="relu")),
+    ("hash", dict(vocab_size=50)),
+    ("dense_to_sparse", dict(noise=False, threshold=0.15)),
+])
+def test_moe_layer_equals_the_per_token_loop(gate, options):
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 4, gate, **options)
+    x = torch.randn(3, 10, 16)
+    ids = torch.randint(0, 50, (3, 10))
+    y, aux = moe(x, token_ids=ids)
+    torch.testing.assert_close(y, _loop(moe, x, ids), rtol=RTOL, atol=ATOL)
+    assert aux.shape == () and torch.isfinite(aux)
+
+
+def test_capacity_by_position_keeps_first_choices_in_token_order_before_second_choices():
+    moe = MoE(2, 4, 2, "topk", k=2, capacity_factor=0.5)  # C = ceil(2 * 3 / 2 * 0.5) = 2 per expert
+    _router(moe.gate, torch.tensor([[4.0, 0.0], [0.0, 0.0]]))
+    x = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]])  # every token: expert 0 first, 1 second
+    r = moe.gate(x)
+    keep = moe._within_capacity(r.expert, r.weight)
+    # tokens 0, 1 keep expert 0 (its capacity), token 2 loses it; expert 1 takes tokens 0 and 1
+    assert r.expert.tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert keep.tolist() == [[True, True, False, True, True, False]]
+
+
+def test_capacity_by_score_keeps_the_heaviest_assignments():
+    moe = MoE(2, 4, 2, "switch", capacity_factor=1.0, drop_policy="score")  # C = ceil(3 / 2) = 2
+    _router(moe.gate, torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    x = torch.tensor([[[1.0, 0.0], [3.0, 0.0], [2.0, 0.0]]])  # all pick expert 0; weights rise with x
+    r = moe.gate(x)
+    assert moe._within_capacity(r.expert, r.weight).tolist() == [[False, True, True]]
+
+
+def test_bad_moe_arguments_name_the_field():
+    with pytest.raises(ValueError, match="gate must be one of"):
+        MoE(8, 8, 4, "top3")
+    with pytest.raises(ValueError, match="k must be between 1 and num_experts=4"):
+        MoE(8, 8, 4, "topk", k=5)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        MoE(8, 8, 4, capacity_factor=0)
+    with pytest.raises(ValueError, match="drop_policy must be one of"):
+        MoE(8, 8, 4, drop_policy="random")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        MoE(8, 8, 4, activation="tanh")
+
+
+# ------------------------------------------------------------------------------ capture
+
+
+def test_an_moe_decoder_captures_as_a_static_graph_with_grouped_products():
+    model = zoo.build("moe_topk_capacity")
+    batch = zoo.batches("moe_topk_capacity", 1, 4)[0]
+    captured = capture(model, batch)
+    names = [op_name(n) for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert names.count("graphpass.grouped_mm") == 4  # 2 layers x (in, out)
+    for node in captured.gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            assert all(isinstance(d, int) for d in val.shape), f"{node.name} has a symbolic shape {val.shape}"
+    torch.testing.assert_close(captured.gm(*batch)[0], model(*batch), rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------------------ data parallel
+
+
+def _train(name: str, strategy_kwargs: dict, steps: int = 3, batch: int = 8):
+    dmodel, data = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch)
+    return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_moe_decoders_train_data_parallel_as_one_process(rank_pool, world_size):
+    """Routing, capacity and the auxiliary losses are per sequence, so any batch split routes
+    and drops alike and the losses average exactly: every gate, ZeRO stage and mode equals one
+    process on the whole batch (tolerances as in test_zero.py)."""
+    pool = rank_pool(world_size)
+    cases = [("moe_topk", {}), ("moe_topk_capacity", {"zero": 3}), ("moe_switch_score", {"zero": 1}),
+             ("moe_expert_choice", {"zero": 2}), ("moe_hash", {}), ("moe_dense_to_sparse", {"microbatches": 2})]
+    for name, kwargs in cases[world_size % 2::2] if world_size == 4 else cases:
+        ref_losses, ref_state, _ = zoo.train_reference(name, steps=3, batch=8)
+        for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
+            zoo.assert_matches_reference(f"{name} {kwargs} rank {rank} of {world_size}", losses, state,
+                                         ref_losses, ref_state, rtol=RTOL, atol=ATOL)
