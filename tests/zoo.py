@@ -265,6 +265,13 @@ def build(name: str, seed: int = 0) -> nn.Module:
                                intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
                                max_position_embeddings=SEQ, **common)
         return HFCausalLM(MixtralForCausalLM(config))
+    if name == "hf_qwen2_moe":  # MoE decoder with a gated shared expert (top-2 of 4 routed experts)
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                num_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ, **common)
+        return HFCausalLM(Qwen2MoeForCausalLM(config))
     if name.startswith("moe_"):  # graphpass.nn.MoE decoders: moe_topk, moe_switch, moe_expert_choice, ...
         return MoEGPT(MOE_CONFIGS[name])
     raise KeyError(f"unknown test model {name!r}")
