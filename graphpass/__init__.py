@@ -18,6 +18,7 @@ from graphpass.runtime.checkpoint import CheckpointError, load, load_into, save
 from graphpass.runtime.launch import RankError, launch
 from graphpass.runtime.module import DistributedModule
 from graphpass.runtime.verifier import VerificationError
+from graphpass import nn
 
 __all__ = [
     "CaptureError",
@@ -37,6 +38,7 @@ __all__ = [
     "launch",
     "load",
     "load_into",
+    "nn",
     "plan",
     "presets",
     "profile",

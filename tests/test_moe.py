@@ -249,3 +249,30 @@ def test_hugging_face_moe_decoders_capture_statically_and_train_sharded_as_one_p
         for rank, (losses, state) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
             zoo.assert_matches_reference(f"{name} {kwargs} rank {rank}", losses, state, ref_losses, ref_state,
                                          rtol=RTOL, atol=ATOL)
+
+
+def _annealed(name: str, step: int, steps: int = 2, batch: int = 8):
+    """Train ``name``'s dense-to-sparse gates annealed to ``step`` after compile; the losses."""
+    import torch.distributed as dist
+
+    model = zoo.build(name)
+    for block in model.h:  # from dense (2.0) towards sparse (0.02) over 100 steps
+        block.moe.gate.start, block.moe.gate.end, block.moe.gate.anneal_steps = 2.0, 0.02, 100
+    gp.nn.anneal(model, 0)
+    data = zoo.batches(name, steps, batch)
+    if not dist.is_initialized():
+        gp.nn.anneal(model, step)
+        return [float(model(*b).detach()) for b in data]
+    dmodel = zoo.compile(model, data[0], gp.Strategy(dp=dist.get_world_size()))
+    gp.nn.anneal(model, step)  # after compile: the program reads the model's temperature buffers
+    return [float(dmodel.train_step(*b)) for b in data]
+
+
+@pytest.mark.timeout(300)
+def test_annealing_the_compiled_models_gates_moves_its_program(rank_pool):
+    ref = _annealed("moe_dense_to_sparse", 100)
+    assert ref != pytest.approx(_annealed("moe_dense_to_sparse", 0), rel=1e-3)  # annealing changes the loss
+    for losses in rank_pool(2).run(_annealed, "moe_dense_to_sparse", 100, timeout_s=120):
+        assert losses == pytest.approx(ref, rel=1e-5)
+    with pytest.raises(ValueError, match="no DenseToSparseGate"):
+        gp.nn.anneal(zoo.build("moe_topk"), 1)

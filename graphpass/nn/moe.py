@@ -168,13 +168,21 @@ class MoE(nn.Module):
         return torch.zeros_like(flat).index_add(0, token[order], y)
 
 
-def anneal(module: nn.Module, step: int) -> None:
-    """Call ``anneal(step)`` on every :class:`~graphpass.nn.gates.DenseToSparseGate` in
-    ``module`` (an ``nn.Module`` before compile; the temperature buffer is shared with the
-    compiled program where compile keeps buffers by reference)."""
-    for sub in module.modules():
-        if isinstance(sub, DenseToSparseGate):
-            sub.anneal(step)
+def anneal(model: nn.Module, step: int) -> None:
+    """Call ``anneal(step)`` on every :class:`~graphpass.nn.gates.DenseToSparseGate` of
+    ``model``: the model you passed to ``graphpass.compile``, whose compiled program reads the
+    same temperature buffers.
+
+    Raises:
+        ValueError: ``model`` has no such gate (a compiled ``DistributedModule`` holds graphs,
+            not gates: anneal the model it was compiled from).
+    """
+    gates = [sub for sub in model.modules() if isinstance(sub, DenseToSparseGate)]
+    if not gates:
+        raise ValueError(f"{type(model).__name__} has no DenseToSparseGate to anneal; pass the model given to "
+                         "graphpass.compile (its compiled program shares the gates' temperature buffers)")
+    for gate in gates:
+        gate.anneal(step)
 
 
 __all__ = ["MoE", "Experts", "make_gate", "anneal", "ACTIVATIONS", "DROP_POLICIES"]
