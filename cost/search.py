@@ -700,12 +700,16 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
         path = m * max(stage_times) + (layout.mesh.pp - 1) * max(chunk_times)
     else:  # GPipe and 1F1B: the same bubble, (p - 1) stage times when the stages are equal
         path = sum(stage_times) + (m - 1) * max(stage_times)
+    # Zero-bubble's deferred weight gradients keep the ramps' idle stages busy but for the
+    # forwards' share.
+    fill = 1.0 - ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 0.0
     step = _shared_host_step(path, layout.mesh.pp, m * layout.virtual_stages, costing.host_contention,
-                             costing.host_oversubscription) + max(tails)
+                             costing.host_oversubscription, fill) + max(tails)
     return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)
 
 
-def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float) -> float:
+def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float,
+                      fill: float = 0.0) -> float:
     """A pipeline's schedule time ``path`` (priced with stage times that hold the contention
     ``contention`` of every rank of a shared host computing at once) for the concurrency the
     schedule really has. Its ``units + pp - 1`` slots (``units`` microbatch chunks per rank:
@@ -713,8 +717,10 @@ def _shared_host_step(path: float, pp: int, units: int, contention: float, overs
     with ``k`` of ``pp`` stages busy has ``k / pp`` of the ranks' threads on the cores, so the
     cores' share of the contention (``oversubscription``, the threads over the cores with every
     rank busy) falls to ``max(1, oversubscription * k / pp)`` while the rest (shared DRAM and
-    caches, ``contention / oversubscription``) stays. With ``contention`` 1 (GPUs share
-    nothing) or no more threads than cores, that is ``path``.
+    caches, ``contention / oversubscription``) stays. ``fill``: the share of a ramp's idle
+    stages that other work keeps busy anyway (zero-bubble's deferred weight gradients), so
+    ``k + fill (pp - k)`` count as busy. With ``contention`` 1 (GPUs share nothing) or no more
+    threads than cores, that is ``path``.
 
     Measured on 4 CPU ranks over 2 cores (contention 2.2-2.3, oversubscription 2): pp 4 1F1B
     m 4 took 492-541 ms where ``path`` at full contention predicted 844 ms
@@ -724,7 +730,7 @@ def _shared_host_step(path: float, pp: int, units: int, contention: float, overs
         return path
     slots = units + pp - 1
     busy = [min(j + 1, pp, units, slots - j) for j in range(slots)]
-    return path * sum(max(1.0, oversubscription * k / pp) for k in busy) / (slots * oversubscription)
+    return path * sum(max(1.0, oversubscription * (k + fill * (pp - k)) / pp) for k in busy) / (slots * oversubscription)
 
 
 def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], layout: Layout,

@@ -600,13 +600,14 @@ def _contention(cluster: Cluster, memory_bound: bool = False, together: bool = F
 
 
 def _oversubscription(cluster: Cluster) -> float:
-    """How many times the threads of a CPU cluster's ranks (``graphpass.launch``'s share of the
-    cores each, at least 1) outnumber this host's cores, at least 1; 1 off CPU."""
+    """How many times the threads of a CPU host's ranks (``devices_per_node`` of them, each
+    ``graphpass.launch``'s share of the cores, at least 1) outnumber this host's cores, at least
+    1; 1 off CPU."""
     if cluster.device.kind != "cpu":
         return 1.0
     cores = os.cpu_count() or 1
-    threads = max(1, cores // cluster.world_size)
-    return max(1.0, cluster.world_size * threads / cores)
+    ranks = cluster.devices_per_node
+    return max(1.0, ranks * max(1, cores // ranks) / cores)
 
 
 def _check_together(cluster: Cluster, measure_ops: bool) -> None:

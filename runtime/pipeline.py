@@ -27,7 +27,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble)
@@ -89,7 +88,8 @@ class PipelineProgram:
         indices = [index for index, _ in stages]
         self.is_first, self.is_last = 0 in indices, num_stages - 1 in indices
         pp = dist.get_world_size(group)
-        self.group, self.last_rank = group, pipeline_rank(num_stages - 1, pp)  # in the pp group
+        self.group, self.last_rank = group, dist.get_global_rank(group, pipeline_rank(num_stages - 1, pp))
+        self.device = device
         self.shared = list(shared)
         self.loss_index, self.report_index = loss_index, report_index
         self.stages = [self._stage(module, index, num_stages, group, device) for index, module in stages]
@@ -147,12 +147,15 @@ class PipelineProgram:
         return self._mean_report()
 
     def _mean_report(self) -> torch.Tensor:
-        """The mean of the microbatches' reported losses, sent from the last stage to every rank
-        without waiting: the other ranks get a tensor that waits for it where it is first read
-        (torch's functional broadcast), so a rank done with its stages goes on to its optimizer
-        step while the last stage finishes (zero-bubble's deferred weight gradients)."""
-        loss = torch.stack(self._reports).mean() if self.is_last else torch.zeros(())
-        return funcol.broadcast(loss, self.last_rank, self.group)
+        """The mean of the microbatches' reported losses (float32), sent from the last stage to
+        every rank. It waits for the last stage, so under zero-bubble the first stage's step
+        ends with the last stage's deferred weight gradients (a lazily read functional
+        broadcast would let it go on, but returns a tensor subclass that f-strings and type
+        checks trip on)."""
+        loss = (torch.stack(self._reports).mean().float() if self.is_last
+                else torch.zeros((), dtype=torch.float32, device=self.device))
+        dist.broadcast(loss, self.last_rank, group=self.group)
+        return loss
 
 
 __all__ = ["PipelineProgram", "SCHEDULES"]

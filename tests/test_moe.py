@@ -149,6 +149,8 @@ def _loop(moe: MoE, x: torch.Tensor, token_ids=None) -> torch.Tensor:
     ("expert_choice", dict(capacity_factor=1.5, activation="relu")),
     ("hash", dict(vocab_size=50)),
     ("dense_to_sparse", dict(noise=False, threshold=0.15)),
+    # the gate's own drops take no capacity (a capacity well under the kept assignments)
+    ("dense_to_sparse", dict(noise=False, threshold=0.2, capacity_factor=0.25, temperature=(0.05, 0.05))),
 ])
 def test_moe_layer_equals_the_per_token_loop(gate, options):
     torch.manual_seed(0)
@@ -165,7 +167,7 @@ def test_capacity_by_position_keeps_first_choices_in_token_order_before_second_c
     _router(moe.gate, torch.tensor([[4.0, 0.0], [0.0, 0.0]]))
     x = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]])  # every token: expert 0 first, 1 second
     r = moe.gate(x)
-    keep = moe._within_capacity(r.expert, r.weight)
+    keep = moe._within_capacity(r.expert, r.weight, r.kept)
     # tokens 0, 1 keep expert 0 (its capacity), token 2 loses it; expert 1 takes tokens 0 and 1
     assert r.expert.tolist() == [[0, 0, 0, 1, 1, 1]]
     assert keep.tolist() == [[True, True, False, True, True, False]]
@@ -176,7 +178,17 @@ def test_capacity_by_score_keeps_the_heaviest_assignments():
     _router(moe.gate, torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
     x = torch.tensor([[[1.0, 0.0], [3.0, 0.0], [2.0, 0.0]]])  # all pick expert 0; weights rise with x
     r = moe.gate(x)
-    assert moe._within_capacity(r.expert, r.weight).tolist() == [[False, True, True]]
+    assert moe._within_capacity(r.expert, r.weight, r.kept).tolist() == [[False, True, True]]
+
+
+def test_the_router_runs_in_float32_for_low_precision_inputs():
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 4)
+    x = torch.randn(2, 8, 16)
+    y32, _ = moe(x)
+    y16, aux = moe(x.bfloat16())
+    assert y16.dtype == torch.bfloat16 and aux.dtype == torch.float32
+    torch.testing.assert_close(y16.float(), y32, rtol=0.05, atol=0.02)  # bf16 experts: ~3 significant digits
 
 
 def test_bad_moe_arguments_name_the_field():
@@ -190,6 +202,9 @@ def test_bad_moe_arguments_name_the_field():
         MoE(8, 8, 4, drop_policy="random")
     with pytest.raises(ValueError, match="activation must be one of"):
         MoE(8, 8, 4, activation="tanh")
+    with pytest.raises(ValueError, match=r"must be \[\.\.\., L, d\]"):
+        MoE(8, 8, 4)(torch.zeros(5, 8))
+    assert MoE(8, 8, 4, "expert_choice", capacity_factor=1.5).gate.capacity_factor == 1.5
 
 
 # ------------------------------------------------------------------------------ capture

@@ -463,6 +463,9 @@ def test_a_pipeline_on_a_shared_host_runs_its_ramps_with_the_cores_the_idle_stag
     # Two stages of two data-parallel ranks each on 4 ranks over 2 cores: one busy stage
     # already fills the cores, so the step is the host's whole work.
     assert _shared_host_step(3 * c * t, 2, 2, c, o) == pytest.approx(c * 2 * t)
+    # Zero-bubble: the ramps' idle stages run deferred weight gradients but for a third.
+    filled = [c / o * max(1.0, o * (k + 2 / 3 * (4 - k)) / 4) for k in (1, 2, 3, 4, 3, 2, 1)]
+    assert _shared_host_step(path, 4, 4, c, o, fill=2 / 3) == pytest.approx(t * sum(filled))
 
 
 def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatch):

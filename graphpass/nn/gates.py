@@ -15,9 +15,10 @@ own, and the losses are means over sequences, which data parallelism averages ex
 The gates:
 
 - :class:`TopKGate` — softmax over the experts, the ``k`` largest (GShard's top-2 by default:
-  weights renormalised over the chosen; Mixtral's router is the same), with the GShard / Switch
-  load-balancing loss ``E * sum_e f_e P_e`` (``f_e`` the share of the group's assignments that
-  chose expert ``e``, ``P_e`` its mean router probability) and the router z-loss
+  weights renormalised over the chosen; Mixtral's router is the same), with the load-balancing
+  loss ``E * sum_e f_e P_e`` (``f_e`` the share of the group's assignments, all ``k`` choices,
+  on expert ``e`` — Mixtral's form; GShard and Switch count first choices, the same for
+  ``k = 1`` — and ``P_e`` its mean router probability) and the router z-loss
   ``mean(logsumexp(logits)^2)`` (ST-MoE).
 - :class:`SwitchGate` — top-1, the chosen probability as the weight (Switch Transformer).
 - :class:`ExpertChoiceGate` — each expert takes the ``C = ceil(L * capacity_factor / E)`` tokens
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 @dataclass
@@ -80,7 +82,7 @@ class Gate(nn.Module):
         self.router = nn.Linear(d_model, num_experts, bias=False)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.router(x).float()
+        return F.linear(x.float(), self.router.weight.float())
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> Routing:
         raise NotImplementedError(f"{type(self).__name__} must define forward")
@@ -209,6 +211,8 @@ class DenseToSparseGate(Gate):
         anneal_steps: steps over which :meth:`anneal` moves it from start to end (geometrically).
         threshold: assignments whose weight is below this are dropped.
         noise: add Gumbel noise in training (each data-parallel rank draws its own, as dropout).
+            Whether it is added is decided when the model is captured (``self.training`` then),
+            as for dropout: capture in eval mode for a noiseless compiled program.
     """
 
     def __init__(self, d_model: int, num_experts: int, temperature: tuple[float, float] = (2.0, 0.3),

@@ -94,8 +94,8 @@ class MoE(nn.Module):
         gate: a gate name for :func:`make_gate` or a gate module.
         k: experts per token for ``"topk"``.
         capacity_factor: None for dropless; else the capacity per expert and sequence is
-            ``ceil(k * L / E * capacity_factor)`` (token-choice gates; an expert-choice gate has
-            its own).
+            ``ceil(k * L / E * capacity_factor)`` (token-choice gates; for ``"expert_choice"``
+            it is the gate's ``capacity_factor``, each expert's ``ceil(L * cf / E)`` tokens).
         drop_policy: ``"position"`` or ``"score"`` (see the module docstring).
         activation: ``"swiglu"``, ``"gelu"``, ``"relu"`` or ``"silu"``.
         balance_loss_coef, z_loss_coef: weights of the auxiliary losses in ``aux``.
@@ -114,6 +114,8 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.balance_loss_coef, self.z_loss_coef = balance_loss_coef, z_loss_coef
+        if gate == "expert_choice" and capacity_factor is not None:  # the gate's own capacity
+            gate_options.setdefault("capacity_factor", capacity_factor)
         self.gate = make_gate(gate, d_model, num_experts, k, **gate_options)
         self.experts = Experts(d_model, d_hidden, num_experts, activation)
 
@@ -123,26 +125,31 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
-        groups = x.reshape(-1, shape[-2], shape[-1]) if x.dim() >= 3 else x.unsqueeze(0)
+        if x.dim() < 3:
+            raise ValueError(f"MoE input must be [..., L, d] (a routing group is one sequence of L tokens), got "
+                             f"shape {tuple(shape)}; a flat [tokens, d] input would make capacity and the balance "
+                             "loss depend on how the batch is split")
+        groups = x.reshape(-1, shape[-2], shape[-1])
         if token_ids is not None:
             token_ids = token_ids.reshape(groups.shape[0], groups.shape[1])
         routing = self.gate(groups, token_ids)
         kept = routing.kept
         if self.capacity_factor is not None and getattr(self.gate, "token_choice", True):
-            kept = kept & self._within_capacity(routing.expert, routing.weight)
+            kept = kept & self._within_capacity(routing.expert, routing.weight, kept)
         out = self._dispatch(groups, routing.token, routing.expert, routing.weight, kept)
         aux = self.balance_loss_coef * routing.balance_loss + self.z_loss_coef * routing.z_loss
         return out.reshape(shape), aux
 
-    def _within_capacity(self, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _within_capacity(self, expert: torch.Tensor, weight: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """Per group, whether each assignment is among the first ``capacity`` of its expert in
-        the drop policy's order."""
+        the drop policy's order (assignments the gate dropped take no place)."""
         capacity = self.capacity(expert.shape[1])
         order = None
         if self.drop_policy == "score":
             order = weight.detach().argsort(dim=1, descending=True, stable=True)
-            expert = expert.gather(1, order)
-        onehot = (expert.unsqueeze(-1) == torch.arange(self.num_experts, device=expert.device)).to(torch.int32)
+            expert, kept = expert.gather(1, order), kept.gather(1, order)
+        onehot = ((expert.unsqueeze(-1) == torch.arange(self.num_experts, device=expert.device))
+                  & kept.unsqueeze(-1)).to(torch.int32)
         position = (onehot.cumsum(dim=1) * onehot).sum(dim=-1) - 1
         keep = position < capacity
         if order is not None:
