@@ -75,6 +75,7 @@ __all__ = [
     "all_to_all_time",
     "collective_time",
     "hierarchical_all_reduce_time",
+    "hierarchical_all_to_all_time",
     "link_for_group",
     "reduce_scatter_time",
     "ring_volume_bytes",
@@ -274,6 +275,25 @@ def hierarchical_all_reduce_time(
     )
 
 
+def hierarchical_all_to_all_time(
+    size_bytes: float, ranks_per_node: int, num_nodes: int, intra: Link, inter: Link
+) -> float:
+    """Two-level all-to-all (Tutel's 2DH, HetuMoE's hierarchical exchange): an all-to-all inside
+    each node groups every rank's buffer by destination node, then the ``k`` ranks of a node each
+    exchange with their peers of the same local index on the other nodes, one aggregated message
+    per node instead of one per remote rank; the arrival is re-laid out locally (a copy).
+
+    ``A2A(S, k, intra) + A2A(S, m, inter)`` with ``k = ranks_per_node`` and ``m = num_nodes``:
+    ``(k-1) + (m-1)`` latencies instead of the flat ``m k - 1`` ones on the inter-node link, for
+    ``(k-1)/k S`` more bytes on the intra-node link. It wins where latency dominates (small
+    per-destination messages: many experts, few tokens, many nodes).
+    """
+    _check_num_ranks(ranks_per_node)
+    _check_num_ranks(num_nodes)
+    size = _check_size(size_bytes)
+    return all_to_all_time(size, ranks_per_node, intra) + all_to_all_time(size, num_nodes, inter)
+
+
 def sync_time(group_ranks: Sequence[int], cluster: Cluster) -> float:
     """Extra seconds of one blocking collective over ``group_ranks`` (issued from inside compute,
     waited for right there): the group's link's measured ``sync_s``; 0 for one rank."""
@@ -296,11 +316,12 @@ def collective_time(
             one rank's send buffer, or the message).
         group_ranks: Global ranks of the process group, node-major.
         cluster: Where the group runs.
-        algorithm: ``"ring"`` (flat ring on `link_for_group`), ``"tree"`` (all-reduce only),
-            ``"hierarchical"`` (all-reduce over whole nodes only), or ``"auto"``: for an
-            all-reduce, the cheapest of the flat ring, the tree (NCCL clusters only, as NCCL's
-            tuner chooses) and, over ``k > 1`` ranks on each of several nodes, the hierarchical
-            form; otherwise the flat ring.
+        algorithm: ``"ring"`` (flat ring, or pairwise exchange, on `link_for_group`), ``"tree"``
+            (all-reduce only), ``"hierarchical"`` (all-reduce and all-to-all over whole nodes),
+            or ``"auto"``: for an all-reduce, the cheapest of the flat ring, the tree (NCCL
+            clusters only, as NCCL's tuner chooses) and, over ``k > 1`` ranks on each of several
+            nodes, the hierarchical form; for an all-to-all, the cheaper of the flat exchange and
+            (there too) the hierarchical one; otherwise the flat ring.
 
     Raises:
         ValueError: Unknown kind or algorithm, a bad group, or an algorithm that does not apply.
@@ -315,33 +336,36 @@ def collective_time(
         if num_ranks not in (1, 2):
             raise ValueError(f"send_recv: group_ranks must be (src, dst), got {list(group_ranks)}")
         return 0.0 if num_ranks == 1 else send_recv_time(size_bytes, link)
-    if algorithm != "auto" and algorithm != "ring" and kind != "all_reduce":
-        raise ValueError(f"algorithm {algorithm!r} applies to all_reduce only, not {kind!r}")
-    if kind != "all_reduce":
+    two_level = kind in ("all_reduce", "all_to_all")
+    if algorithm == "tree" and kind != "all_reduce" or algorithm == "hierarchical" and not two_level:
+        raise ValueError(f"algorithm {algorithm!r} applies to "
+                         f"{'all_reduce' if algorithm == 'tree' else 'all_reduce and all_to_all'} only, not {kind!r}")
+    if not two_level:
         return _ring_time(kind, size_bytes, num_ranks, link)
 
-    flat = all_reduce_time(size_bytes, num_ranks, link)
+    flat = _ring_time(kind, size_bytes, num_ranks, link)
     if algorithm == "ring":
         return flat
     if algorithm == "tree":
         return all_reduce_time(size_bytes, num_ranks, link, algorithm="tree")
-    if cluster.backend == "nccl":
+    if cluster.backend == "nccl" and kind == "all_reduce":
         # NCCL's tuner picks the double binary tree where latency dominates (small messages,
         # many ranks); gloo's all-reduce is a ring, and profiled gloo links are fitted to it.
         flat = min(flat, all_reduce_time(size_bytes, num_ranks, link, algorithm="tree"))
     # Hierarchical needs the same number of ranks on every node it touches, more than one node
-    # and more than one rank per node (otherwise it is the flat ring).
+    # and more than one rank per node (otherwise it is the flat form).
     per_node = set(nodes.values())
     applies = len(nodes) > 1 and len(per_node) == 1 and per_node.pop() > 1
     if algorithm == "hierarchical":
         if not applies:
             raise ValueError(
-                f"hierarchical all_reduce needs the same number (> 1) of ranks on each of several "
+                f"hierarchical {kind} needs the same number (> 1) of ranks on each of several "
                 f"nodes; group_ranks {list(group_ranks)} has ranks per node {dict(sorted(nodes.items()))}"
             )
     elif not applies:
         return flat
-    hierarchical = hierarchical_all_reduce_time(
+    two_levels = hierarchical_all_reduce_time if kind == "all_reduce" else hierarchical_all_to_all_time
+    hierarchical = two_levels(
         size_bytes,
         num_ranks // len(nodes),
         len(nodes),

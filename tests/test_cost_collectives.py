@@ -174,6 +174,25 @@ def test_auto_falls_back_to_the_flat_ring_when_hierarchy_does_not_apply(cluster)
             collective_time("all_reduce", 1e9, ranks, cluster, algorithm="hierarchical")
 
 
+def test_hierarchical_all_to_all_trades_inter_node_latencies_for_intra_node_bytes(cluster):
+    """Expert parallelism over 2 nodes of 8: the flat exchange pays 15 inter-node latencies, the
+    two-level one 7 intra-node and 1 inter-node latency plus an intra-node pass over the buffer."""
+    size = 64e3  # a small dispatch (latency-bound)
+    flat = 15 * 15e-6 + 15 / 16 * size / 25e9
+    two_level = (7 * 5e-6 + 7 / 8 * size / 300e9) + (1 * 15e-6 + 1 / 2 * size / 25e9)
+    assert collective_time("all_to_all", size, BOTH_NODES, cluster, algorithm="ring") == pytest.approx(flat)
+    assert collective_time("all_to_all", size, BOTH_NODES, cluster, algorithm="hierarchical") == pytest.approx(two_level)
+    assert cc.hierarchical_all_to_all_time(size, 8, 2, NVLINK, IB) == pytest.approx(two_level)
+    assert collective_time("all_to_all", size, BOTH_NODES, cluster) == pytest.approx(min(flat, two_level))
+    assert two_level < flat
+    # A large buffer is bandwidth-bound: the flat exchange sends 15/16 of it across nodes, the
+    # two-level one 1/2, so it still wins over 2 nodes; inside one node there is nothing to split.
+    big = 1.6e9
+    assert collective_time("all_to_all", big, BOTH_NODES, cluster) == pytest.approx(
+        cc.hierarchical_all_to_all_time(big, 8, 2, NVLINK, IB))
+    assert collective_time("all_to_all", big, NODE0, cluster) == pytest.approx(7 * 5e-6 + 7 / 8 * big / 300e9)
+
+
 def test_bad_arguments_raise_value_errors_naming_the_field(cluster):
     with pytest.raises(ValueError, match="kind"):
         collective_time("broadcast", 1, NODE0, cluster)
@@ -181,6 +200,10 @@ def test_bad_arguments_raise_value_errors_naming_the_field(cluster):
         collective_time("all_reduce", 1, NODE0, cluster, algorithm="butterfly")
     with pytest.raises(ValueError, match="all_reduce only"):
         collective_time("all_gather", 1, NODE0, cluster, algorithm="tree")
+    with pytest.raises(ValueError, match="all_reduce and all_to_all only"):
+        collective_time("all_gather", 1, BOTH_NODES, cluster, algorithm="hierarchical")
+    with pytest.raises(ValueError, match="hierarchical all_to_all needs"):
+        collective_time("all_to_all", 1, [0, 8], cluster, algorithm="hierarchical")
     with pytest.raises(ValueError, match="size_bytes"):
         ring_volume_bytes("all_gather", -1, 4)
     with pytest.raises(ValueError, match="num_ranks"):
