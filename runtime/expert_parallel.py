@@ -47,8 +47,9 @@ class _Exchange(torch.autograd.Function):
         return out, None, None, None
 
 
-def _counts(offs: torch.Tensor) -> torch.Tensor:
-    return torch.diff(offs, prepend=offs.new_zeros(1))
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """:class:`_Exchange` over ``group``; the rows themselves on a group of one rank (None)."""
+    return rows if group is None else _Exchange.apply(rows, send, recv, group)
 
 
 def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -79,17 +80,13 @@ def ep_dispatch(rows: torch.Tensor, offs: torch.Tensor, axis: str, size: int
     if is_fake(rows):
         return rows.new_empty(rows.shape), offs.new_empty(local), offs.new_empty(2, size, local)
     group = mesh_lib.current().group(axis)
-    counts = _counts(offs)
-    kept = int(offs[-1])  # rows past the last offset (a capacity's dropped ones) stay home
-    with torch.no_grad():
-        recv_counts = torch.empty_like(counts)
-        if group is None:
-            recv_counts.copy_(counts)
-        else:
-            dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    recv_counts = counts.clone()
+    if group is not None:
+        dist.all_to_all_single(recv_counts, counts, group=group)
     splits = torch.stack([counts.reshape(size, local), recv_counts.reshape(size, local)])
-    send, recv = splits[0].sum(1).tolist(), splits[1].sum(1).tolist()
-    sent = _Exchange.apply(rows[:kept], send, recv, group) if group is not None else rows[:kept]
+    kept = int(offs[-1])  # rows past the last offset (a capacity's dropped ones) stay home
+    sent = _exchange(rows[:kept], splits[0].sum(1).tolist(), splits[1].sum(1).tolist(), group)
     order = _expert_major(splits[1])
     return sent[order], splits[1].sum(0).cumsum(0), splits
 
@@ -104,11 +101,8 @@ def ep_combine(local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, axi
     order = _expert_major(splits[1])
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel())
-    source_major = local_out[back]
-    if group is None:
-        home = source_major
-    else:  # the reverse of dispatch's exchange: send what was received, receive what was sent
-        home = _Exchange.apply(source_major, splits[1].sum(1).tolist(), splits[0].sum(1).tolist(), group)
+    # the reverse of dispatch's exchange: send what was received, receive what was sent
+    home = _exchange(local_out[back], splits[1].sum(1).tolist(), splits[0].sum(1).tolist(), group)
     if home.shape[0] == num_rows:
         return home
     return torch.cat([home, home.new_zeros(num_rows - home.shape[0], *home.shape[1:])])
