@@ -69,6 +69,10 @@ class Strategy:
         recompute: activation checkpointing of every layer.
         sequence_parallel: with ``tp > 1``, shard norm/dropout/residual activations along the
             sequence (Megatron-LM sequence parallelism).
+        ep: expert-parallel degree inside ``dp``: each Mixture-of-Experts layer's experts are
+            sharded over groups of ``ep`` data-parallel ranks and tokens travel to their experts
+            by all-to-all, while the batch stays split ``dp`` ways (``ep`` divides ``dp``; see
+            ``docs/moe.md``).
     """
 
     dp: int = 1
@@ -81,9 +85,10 @@ class Strategy:
     recompute: bool = False
     sequence_parallel: bool = False
     virtual_stages: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "split", "microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "split", "microbatches", "virtual_stages", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Strategy.{name} must be a positive int, got {value!r}")
@@ -96,6 +101,10 @@ class Strategy:
                 raise ValueError(f"Strategy.{name} must be a bool, got {getattr(self, name)!r}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("Strategy.sequence_parallel=True needs tp > 1 (it shards activations over the tp axis)")
+        if self.dp % self.ep:
+            raise ValueError(f"Strategy.ep={self.ep} must divide Strategy.dp={self.dp}: experts are sharded over "
+                             f"groups of ep data-parallel ranks (e.g. Strategy(dp={self.ep * max(1, self.dp // self.ep)}, "
+                             f"ep={self.ep}))")
 
     @property
     def degree(self) -> int:
@@ -104,8 +113,8 @@ class Strategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The ``pp x dp x tp`` mesh this strategy runs on."""
-        return Mesh.of(pp=self.pp, dp=self.dp, tp=self.tp)
+        """The ``pp x dp x tp`` mesh this strategy runs on (``ep`` inside ``dp``)."""
+        return Mesh.of(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep)
 
     @property
     def choice(self) -> Choice:

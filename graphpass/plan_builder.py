@@ -15,6 +15,7 @@ import torch.fx as fx
 from graphpass import meta
 from graphpass.megatron import megatron_layout
 from graphpass.mesh import Mesh
+from graphpass.passes.expert_parallel import expert_weights
 from graphpass.passes.partition_stages import stage_starts
 from graphpass.passes.split_operators import default_split
 from graphpass.plan import Choice, Plan, Strategy
@@ -39,13 +40,24 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     gives it ZeRO stage k when it is trainable and not a scalar (ZeRO shards along dim 0); a
     layer recomputes when its nodes choose ``recompute``; ``split=k`` on a linear splits it k ways
     along its output features when its weight is untied and has at least k rows
-    (``split_operators.default_split``).
+    (``split_operators.default_split``). With ``ep`` in the mesh, every Mixture-of-Experts layer's
+    expert weights are ``Shard(0)`` on ``ep`` (``expert_parallel.expert_weights``).
+
+    Raises:
+        ValueError: an ``ep`` axis for a graph without Mixture-of-Experts layers.
     """
     choice_of = (lambda name: choices) if isinstance(choices, Choice) else (lambda name: choices.get(name, Choice()))
     tp_placements: dict[str, str] = {}
     tp_parts: dict[str, tuple[int, ...]] = {}
     if mesh.tp > 1:
         tp_placements, tp_parts = megatron_layout(gm, mesh.tp)
+    experts: set[str] = set()
+    if mesh.ep > 1:
+        experts = set(expert_weights(gm))
+        if not experts:
+            raise ValueError(f"mesh ep={mesh.ep} shards experts, but the captured graph has no Mixture-of-Experts layer "
+                             "(no grouped expert product: graphpass.nn.MoE, Hugging Face's grouped_mm experts); "
+                             "use ep=1")
     placements: dict[str, dict[str, str]] = {}
     zero: dict[str, int] = {}
     layers: set[int] = set()
@@ -64,6 +76,8 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
             placements[node.name] = {"dp": "Replicate()"}
             if node.name in tp_placements:
                 placements[node.name]["tp"] = tp_placements[node.name]
+            if node.name in experts:
+                placements[node.name]["ep"] = "Shard(0)"
             if choice.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
                 tensor = gm.get_parameter(node.target)
                 if tensor.dim() > 0 and tensor.requires_grad:

@@ -83,7 +83,8 @@ class Transition:
     Attributes:
         name: the key, e.g. ``"zero3 weights"`` or ``"tp Shard -> Replicate"``.
         op: the runtime op's name.
-        axis: ``"dp"`` or ``"tp"`` (the data-parallel entries also serve joint ``dp,tp`` groups).
+        axis: ``"dp"``, ``"tp"`` or ``"ep"`` (the data-parallel entries also serve joint ``dp,tp``
+            groups and, for expert weights, ``edp``).
         src, dst: the placement change, in torch's words.
         size: what ``S`` is for this op.
         collectives: the movements, forward first.
@@ -190,6 +191,22 @@ TABLE: Mapping[str, Transition] = _entries(
     Transition("tp vocabulary-parallel loss", "vocab_parallel_cross_entropy", "tp", "Shard(-1)", "Replicate()",
                "one float32 per token", (Movement(_F, "all_reduce"), Movement(_F, "all_reduce", 2.0)),
                copies=(Copy(_F, full=2.0),)),
+    # ---- expert parallel (expert_parallel) ----
+    # Every rank learns how many rows it receives per local expert before the rows move
+    # (written in place, no copies); the rows' all-to-all has uneven splits, so S is the rows this
+    # rank sends, which balanced routing makes also the rows it receives. Each side permutes the
+    # rows between source-major (as the all-to-all lays them out) and expert-major (as the
+    # grouped product reads them), forward and backward.
+    Transition("ep token counts", "ep_counts", "ep", "-", "-",
+               "the per-expert row counts (E int64)", (Movement(_F, "all_to_all"),)),
+    Transition("ep dispatch", "ep_dispatch", "ep", "Shard(0)", "Shard(0)",
+               "the routed rows this rank sends to the experts' ranks",
+               (Movement(_F, "all_to_all"), Movement(_B, "all_to_all")),
+               copies=(Copy(_F, full=1.0), Copy(_B, full=1.0))),
+    Transition("ep combine", "ep_combine", "ep", "Shard(0)", "Shard(0)",
+               "the experts' output rows this rank sends back",
+               (Movement(_F, "all_to_all"), Movement(_B, "all_to_all")),
+               copies=(Copy(_F, full=1.0), Copy(_B, full=1.0))),
 )
 
 

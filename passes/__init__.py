@@ -5,6 +5,7 @@ A pass never measures, solves or communicates. :data:`PIPELINE` is the order
 """
 
 from graphpass.plan import Plan
+from graphpass.passes.expert_parallel import expert_parallel
 from graphpass.passes.insert_collectives import insert_collectives
 from graphpass.passes.partition_stages import partition_stages
 from graphpass.passes.recompute import recompute
@@ -17,10 +18,12 @@ from graphpass.passes.tensor_parallel import tensor_parallel
 #: parameters that shard_parameters then shards and gathers one by one. tensor_parallel runs
 #: before shard_parameters (DESIGN.md lists them the other way round): it must see parameters
 #: as direct get_attr inputs of their ops, and ZeRO then shards each rank's tp chunk over dp,
-#: which is how ZeRO inside dp composes with tp on a 2-D mesh. insert_collectives adds the
+#: which is how ZeRO inside dp composes with tp on a 2-D mesh. expert_parallel shards the
+#: experts over ep after tensor_parallel (the dense parts' tp layout is settled) and before
+#: shard_parameters (ZeRO then shards each rank's experts over edp). insert_collectives adds the
 #: data-parallel gradient sync last, over whatever parameters remain replicated. Later
 #: capabilities (offload) slot in as they land.
-PIPELINE = (split_operators, tensor_parallel, shard_parameters, insert_collectives, recompute)
+PIPELINE = (split_operators, tensor_parallel, expert_parallel, shard_parameters, insert_collectives, recompute)
 
 
 def passes_for(plan: Plan) -> tuple:
@@ -31,4 +34,4 @@ def passes_for(plan: Plan) -> tuple:
     return (partition_stages, *PIPELINE) if len(plan.stages) > 1 else PIPELINE
 
 
-__all__ = ["PIPELINE", "insert_collectives", "partition_stages", "passes_for", "recompute", "shard_parameters", "split_operators", "tensor_parallel"]
+__all__ = ["PIPELINE", "expert_parallel", "insert_collectives", "partition_stages", "passes_for", "recompute", "shard_parameters", "split_operators", "tensor_parallel"]

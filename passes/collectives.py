@@ -10,7 +10,8 @@ Which entry each function emits: ``ensure_grad_sync`` "dp step"; ``emit_grad_all
 gradient bucket"; ``emit_all_reduce`` "dp reported loss"; ``emit_param_all_gather`` "zero{k}
 weights"; ``emit_tp_redistribute`` the tp placement changes (``Shard(d) → Shard(e)`` is a
 gather then a scatter); ``emit_tp_copy`` "tp Replicate into sharded compute";
-``emit_vocab_parallel_cross_entropy`` "tp vocabulary-parallel loss".
+``emit_vocab_parallel_cross_entropy`` "tp vocabulary-parallel loss"; ``emit_expert_exchange`` "ep
+token counts", "ep dispatch" and "ep combine".
 """
 
 from __future__ import annotations
@@ -210,12 +211,14 @@ def emit_param_all_gather(
     stage: int,
     bucket_cap_bytes: int,
     created_by: str,
+    divisor: int | None = None,
 ) -> list[fx.Node]:
     """Make ZeRO-sharded parameters (``Shard(0)`` on ``axis``) Replicate where they are used.
 
     One ``all_gather_params`` node per gather group (:func:`gather_groups`), right before the
     group's first use. Its backward reduce-scatters (stage 2/3) or all-reduces (stage 1) the
-    gradients through the graph's ``grad_sync_begin(axis)``. Returns the gather nodes.
+    gradients through the graph's ``grad_sync_begin(axis)``, divided by ``divisor`` (default:
+    the axis size). Returns the gather nodes.
     """
     if not params:
         return []
@@ -228,6 +231,8 @@ def emit_param_all_gather(
         partial = tuple(p.meta.get(meta.GRAD_PARTIAL) for p in group)
         if any(partial):  # e.g. norm weights under sequence parallelism: summed over tp first
             kwargs["partial"] = partial
+        if divisor is not None:
+            kwargs["divisor"] = divisor
         nodes.append(_insert_group(gm, _op(transition("all_gather_params", stage=stage)), group, (begin,), kwargs, axis, "Shard(0)", created_by))
     return nodes
 
@@ -310,6 +315,37 @@ def emit_vocab_parallel_cross_entropy(
     return node
 
 
+def emit_expert_exchange(
+    gm: fx.GraphModule, rows: fx.Node, offs: fx.Node, last: fx.Node, axis: str, size: int, *, created_by: str,
+) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Expert parallelism around one Mixture-of-Experts layer's grouped products: the count
+    exchange and the dispatch of ``rows`` (sorted by expert, ``offs`` their running counts)
+    right after ``rows``, and the combine right after ``last`` (the products' result leaving the
+    experts), which takes over ``last``'s uses. Returns ``(local_rows, local_offs, combined)``;
+    the caller points the products at the local rows and offsets."""
+    graph = gm.graph
+    anchor = rows if list(graph.nodes).index(rows) > list(graph.nodes).index(offs) else offs
+    with graph.inserting_after(anchor):
+        splits = graph.call_function(_op(TABLE["ep token counts"]), (offs, axis, size))
+    with graph.inserting_after(splits):
+        dispatch = graph.call_function(_op(TABLE["ep dispatch"]), (rows, splits, axis))
+    with graph.inserting_after(dispatch):
+        local_rows = graph.call_function(operator.getitem, (dispatch, 0))
+    with graph.inserting_after(local_rows):
+        local_offs = graph.call_function(operator.getitem, (dispatch, 1))
+    num_rows = int(rows.meta[meta.VAL].shape[0])
+    with graph.inserting_after(last):
+        combined = graph.call_function(_op(TABLE["ep combine"]), (last, splits, num_rows, axis))
+    last.replace_all_uses_with(combined, delete_user_cb=lambda user: user is not combined)
+    for node, source in ((splits, offs), (dispatch, rows), (local_rows, rows), (local_offs, offs), (combined, last)):
+        meta.copy_meta(source, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD,
+                                             meta.PLACEMENT))
+        node.meta[meta.CREATED_BY] = created_by
+    for node in (splits, dispatch, combined):
+        node.meta[meta.AXIS] = axis
+    return local_rows, local_offs, combined
+
+
 def is_collective(node: fx.Node) -> bool:
     """True for nodes that call one of the runtime's collective ops."""
     return node.op == "call_function" and node.target in ops.COLLECTIVE_OPS
@@ -318,6 +354,7 @@ def is_collective(node: fx.Node) -> bool:
 __all__ = [
     "bucket_params",
     "emit_all_reduce",
+    "emit_expert_exchange",
     "emit_grad_all_reduce",
     "emit_param_all_gather",
     "emit_tp_copy",

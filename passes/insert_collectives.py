@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from graphpass import meta
+from graphpass.mesh import EDP, EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
 from graphpass.passes.partition_stages import stage_index
@@ -61,11 +62,15 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
             continue
         if not gm.get_parameter(n.target).requires_grad:
             continue
-        zero_sharded = n.meta.get(meta.SHARD, {}).get("axis") == batch and batch is not None
+        zero_sharded = n.meta.get(meta.SHARD, {}).get("axis") in (batch, EDP) and batch is not None
         partial = n.meta.get(meta.GRAD_PARTIAL)
         if zero_sharded:
             continue  # shard_parameters reduces its gradient (summing partial axes first)
-        group = ([batch] if batch and plan.placement(meta.plan_name(n), batch) == Replicate() else []) + ([partial] if partial else [])
+        # An expert weight sharded over ep already holds its whole ep group's gradient (the
+        # all-to-all's backward brought it): it is reduced over the ranks holding the same
+        # experts, still divided by all of dp (a group of one rank only divides).
+        reduce_over = EDP if batch == "dp" and isinstance(plan.placement(meta.plan_name(n), EP), Shard) else batch
+        group = ([reduce_over] if batch and plan.placement(meta.plan_name(n), batch) == Replicate() else []) + ([partial] if partial else [])
         if group:
             by_axes.setdefault(",".join(group), []).append(n)
     if not by_axes and batch is None:

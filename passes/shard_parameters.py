@@ -7,7 +7,9 @@ node that rebuilds the full tensors right before the group's first use. Gradient
 reduce-scattered (stage 2/3) or all-reduced (stage 1) in that node's backward; stage 3 also
 frees the gathered weights after forward and re-gathers them in backward. Parameters are grouped
 by (stage, layer of first use) up to ``plan.bucket_cap_bytes``, so a transformer block gathers
-with one collective. No parameter with a ZeRO stage → logged no-op.
+with one collective. Expert weights sharded over ``ep`` are ZeRO-sharded over ``edp`` (the ranks
+holding the same experts), their gradients still divided by all of ``dp``. No parameter with a
+ZeRO stage → logged no-op.
 
 Before/after (zero=3, dp=2)::
 
@@ -25,7 +27,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from torch.distributed.tensor.placement_types import Shard
+
 from graphpass import meta
+from graphpass.mesh import EDP, EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
 from graphpass.plan import Plan
@@ -66,24 +71,30 @@ def _check_zero_entries(gm: fx.GraphModule, plan: Plan) -> dict[str, tuple[fx.No
     return out
 
 
+def _axis(node: fx.Node, plan: Plan) -> str:
+    """The axis a parameter's ZeRO shards lie on: ``dp``; for an expert weight sharded over
+    ``ep``, the ``edp`` ranks that hold the same experts."""
+    return EDP if isinstance(plan.placement(meta.plan_name(node), EP), Shard) else AXIS
+
+
 @graph_pass(NAME, requires=(), provides=("sharded_parameters",))
 def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
     """Shard every parameter with a ZeRO stage and insert its all-gather (see module docstring)."""
-    targets = _check_zero_entries(gm, plan)
-    num_shards = plan.mesh.get(AXIS, 1)
-    if not targets or num_shards == 1:
+    targets = {name: (node, stage) for name, (node, stage) in _check_zero_entries(gm, plan).items()
+               if plan.mesh.size(_axis(node, plan)) > 1}  # experts with ep = dp: nothing to shard over
+    if not targets:
         log.info("%s: no ZeRO-sharded parameters on a dp axis of size > 1; nothing to do", NAME)
         return gm
-    index = plan.mesh.coordinate(ctx.rank, AXIS)
-    by_stage: dict[int, list[fx.Node]] = {}
+    by_stage: dict[tuple[str, int], list[fx.Node]] = {}
     full_of: dict[str, torch.Tensor] = {}  # target -> its full tensor, sharded once per target
     for name, (node, stage) in targets.items():
+        axis = _axis(node, plan)
         module_path, _, attr = node.target.rpartition(".")
         owner = gm.get_submodule(module_path)
         if node.target in full_of:  # another stage's node of a parameter sharded already
-            node.meta[meta.SHARD] = {"axis": AXIS, "dim": 0, "shape": list(full_of[node.target].shape), "stage": stage}
-            node.meta[meta.PLACEMENT] = {AXIS: "Shard(0)"}
-            by_stage.setdefault(stage, []).append(node)
+            node.meta[meta.SHARD] = {"axis": axis, "dim": 0, "shape": list(full_of[node.target].shape), "stage": stage}
+            node.meta[meta.PLACEMENT] = {axis: "Shard(0)"}
+            by_stage.setdefault((axis, stage), []).append(node)
             continue
         full = full_of[node.target] = getattr(owner, attr)
         if full.dim() == 0:
@@ -93,16 +104,20 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
             )
         if not full.requires_grad:
             raise ValueError(f"Plan.zero names {node.target!r}, which does not require grad")
-        shard = nn.Parameter(make_shard(full.detach(), num_shards, index), requires_grad=True)
+        shard = nn.Parameter(make_shard(full.detach(), plan.mesh.size(axis), plan.mesh.coordinate(ctx.rank, axis)),
+                             requires_grad=True)
         setattr(owner, attr, shard)
-        node.meta[meta.SHARD] = {"axis": AXIS, "dim": 0, "shape": list(full.shape), "stage": stage}
-        node.meta[meta.PLACEMENT] = {AXIS: "Shard(0)"}
-        by_stage.setdefault(stage, []).append(node)
-    for stage, nodes in sorted(by_stage.items()):
+        node.meta[meta.SHARD] = {"axis": axis, "dim": 0, "shape": list(full.shape), "stage": stage}
+        node.meta[meta.PLACEMENT] = {axis: "Shard(0)"}
+        by_stage.setdefault((axis, stage), []).append(node)
+    for (axis, stage), nodes in sorted(by_stage.items(), key=lambda item: (item[0][0] != AXIS, item[0])):
+        # Expert weights' gradients hold their whole ep group's share: divided by all of dp.
         groups = collectives.emit_param_all_gather(
-            gm, nodes, AXIS, stage, plan.bucket_cap_bytes, created_by=NAME
+            gm, nodes, axis, stage, plan.bucket_cap_bytes, created_by=NAME,
+            divisor=plan.mesh.dp if axis == EDP else None,
         )
-        log.info("%s: %d parameters at ZeRO stage %d in %d gather groups", NAME, len(nodes), stage, len(groups))
+        log.info("%s: %d parameters at ZeRO stage %d over %s in %d gather groups", NAME, len(nodes), stage, axis,
+                 len(groups))
     gm.recompile()
     return gm
 

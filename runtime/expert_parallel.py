@@ -5,90 +5,137 @@ A Mixture-of-Experts layer (:mod:`graphpass.nn.moe`, Hugging Face's Mixtral / Qw
 its routed rows by expert and multiplies each expert's rows by that expert's weights
 (``grouped_mm(rows, weight, offs)``, ``offs`` the running row counts). With the experts sharded
 over an ``ep`` group of ``n`` ranks (rank ``j`` holds experts ``j E/n .. (j+1) E/n - 1``), the
-rows of one rank's experts are contiguous in that order, so:
+rows of one rank's experts are contiguous in that order, so the ``expert_parallel`` pass puts
+three ops around the grouped products::
 
-- :func:`ep_dispatch` first exchanges the per-expert row counts (an all-to-all of ``E`` integers
-  per rank, without gradient), then the rows themselves (an all-to-all with uneven splits: to
-  rank ``j`` the rows of its experts), and orders what it received expert-major (all sources'
-  rows of local expert 0, then of local expert 1, ...), returning the local offsets for
-  ``grouped_mm`` over the local experts' weights;
-- :func:`ep_combine` undoes it: back to source-major order, and the reverse all-to-all.
+    splits = ep_counts(offs, 'ep', n)                 # [2, n, E/n]: rows sent to / received from each rank
+    local_rows, local_offs = ep_dispatch(rows, splits, 'ep')
+    ... grouped_mm(local_rows, local_weight, local_offs) ...
+    out = ep_combine(local_out, splits, rows, 'ep')   # back home, in the rows' order
 
-Both are autograd functions whose backward is the same exchange with the splits swapped
-(Megatron-Core's and torchtitan's form). How many rows a rank receives is data: under fake
-tensors both ops return the balanced expectation (as many rows as were sent), which is what the
-cost model prices; the real ops return what routing decided.
+- :func:`ep_counts` exchanges the per-expert row counts (an all-to-all of ``E`` integers per
+  rank, no gradient): Megatron-Core's and torchtitan's first step, so that every rank knows how
+  many rows it will receive;
+- :func:`ep_dispatch` sends to rank ``j`` the rows of its experts (an all-to-all with uneven
+  splits) and orders what it received expert-major (all sources' rows of local expert 0, then of
+  local expert 1, ...), returning the local experts' running counts;
+- :func:`ep_combine` undoes it: back to source-major order, and the reverse all-to-all; rows
+  that were not sent (a capacity's dropped ones, past ``offs[-1]``) come back zero.
+
+Dispatch and combine are autograd functions whose backward is the same exchange with the splits
+swapped (Megatron-Core's and torchtitan's form), each with its permutation. How many rows a
+rank receives is data: under fake tensors the ops return the balanced expectation (as many rows
+as were sent), which is what the cost model prices; the real ops return what routing decided.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.fake import is_fake
 
 
-class _Exchange(torch.autograd.Function):
-    """All-to-all of rows with uneven splits; backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = rows.new_empty(sum(recv), *rows.shape[1:])
-        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
-        dist.all_to_all_single(out, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
-                               group=ctx.group)
-        return out, None, None, None
-
-
-def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """:class:`_Exchange` over ``group``; the rows themselves on a group of one rank (None)."""
-    return rows if group is None else _Exchange.apply(rows, send, recv, group)
+def _all_to_all(out: torch.Tensor, rows: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                group) -> None:
+    """The one all-to-all call of this module (tests count the bytes it moves)."""
+    dist.all_to_all_single(out, rows, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
 
 
 def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     """The permutation that orders received rows (source-major: source ``s``'s rows of local
-    expert 0, 1, ...) expert-major; ``recv_counts`` is ``[n sources, E local]``."""
+    expert 0, 1, ...) expert-major: ``received[order]``; ``recv_counts`` is ``[n sources, E local]``."""
     n, local = recv_counts.shape
-    starts = torch.cat([recv_counts.new_zeros(1), recv_counts.reshape(-1).cumsum(0)[:-1]]).reshape(n, local)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv_counts[s, e]))
-              for e in range(local) for s in range(n)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    label = torch.arange(n * local, device=recv_counts.device)  # s * local + e
+    key = (label % local) * n + label // local  # e * n + s
+    return torch.repeat_interleave(key, recv_counts.reshape(-1)).argsort(stable=True)
 
 
-def ep_dispatch(rows: torch.Tensor, offs: torch.Tensor, axis: str, size: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Send ``rows`` (sorted by expert, ``offs`` the running counts over all ``E`` experts) to
-    the ranks of ``axis`` (``size`` of them) that hold their experts.
+def ep_counts(offs: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    """Exchange the per-expert row counts over ``axis`` (``size`` ranks).
+
+    Args:
+        offs: running row counts over all ``E`` experts (``E`` divisible by ``size``).
 
     Returns:
-        ``(local_rows, local_offs, splits)``: the rows of this rank's ``E/size`` experts from
-        every rank, expert-major; the running counts over the local experts (for ``grouped_mm``
-        with the local expert weights); and the ``[2, size, E/size]`` counts sent to and
-        received from each rank per local expert (what :func:`ep_combine` sends back by).
+        ``splits`` ``[2, size, E/size]``: the rows this rank sends to each rank per local expert of
+        that rank, and the rows it receives from each rank per own local expert.
     """
     num_experts = offs.shape[0]
     if num_experts % size:
-        raise ValueError(f"ep_dispatch: {num_experts} experts do not divide over the {size} ranks of axis {axis!r}")
+        raise ValueError(f"ep_counts: {num_experts} experts do not divide over the {size} ranks of axis {axis!r}")
     local = num_experts // size
-    if is_fake(rows):
-        return rows.new_empty(rows.shape), offs.new_empty(local), offs.new_empty(2, size, local)
+    if is_fake(offs):
+        return offs.new_empty(2, size, local, dtype=torch.long)
+    splits = offs.new_empty(2, size, local, dtype=torch.long)
+    sent = splits[0].view(-1)
+    torch.sub(offs, F.pad(offs, (1, -1)), out=sent)  # per-expert counts, written in place
     group = mesh_lib.current().group(axis)
-    counts = torch.diff(offs, prepend=offs.new_zeros(1))
-    recv_counts = counts.clone()
-    if group is not None:
-        dist.all_to_all_single(recv_counts, counts, group=group)
-    splits = torch.stack([counts.reshape(size, local), recv_counts.reshape(size, local)])
-    kept = int(offs[-1])  # rows past the last offset (a capacity's dropped ones) stay home
-    sent = _exchange(rows[:kept], splits[0].sum(1).tolist(), splits[1].sum(1).tolist(), group)
-    order = _expert_major(splits[1])
-    return sent[order], splits[1].sum(0).cumsum(0), splits
+    if group is None:
+        splits[1].copy_(splits[0])
+    else:
+        _all_to_all(splits[1].view(-1), sent, None, None, group)
+    return splits
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, splits: torch.Tensor, group) -> torch.Tensor:
+        send, recv = splits[0].sum(1).tolist(), splits[1].sum(1).tolist()
+        order = _expert_major(splits[1])
+        ctx.send, ctx.recv, ctx.order, ctx.group, ctx.num_rows = send, recv, order, group, rows.shape[0]
+        received = rows.new_empty(sum(recv), *rows.shape[1:])
+        _all_to_all(received, rows[: sum(send)].contiguous(), recv, send, group)
+        return received.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        source_major = torch.empty_like(grad).index_copy_(0, ctx.order, grad)
+        kept = sum(ctx.send)
+        out = grad.new_empty(ctx.num_rows, *grad.shape[1:])
+        _all_to_all(out[:kept], source_major, ctx.send, ctx.recv, ctx.group)
+        out[kept:].zero_()  # rows that stayed home (dropped) got no gradient here
+        return out, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, group) -> torch.Tensor:
+        back, home = splits[1].sum(1).tolist(), splits[0].sum(1).tolist()  # reverse of dispatch
+        order = _expert_major(splits[1])
+        ctx.back, ctx.home, ctx.order, ctx.group = back, home, order, group
+        source_major = torch.empty_like(local_out).index_copy_(0, order, local_out)
+        out = local_out.new_empty(num_rows, *local_out.shape[1:])
+        kept = sum(home)
+        _all_to_all(out[:kept], source_major, home, back, group)
+        out[kept:].zero_()  # rows that were not sent (dropped) contribute nothing
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        received = grad.new_empty(sum(ctx.back), *grad.shape[1:])
+        _all_to_all(received, grad[: sum(ctx.home)].contiguous(), ctx.back, ctx.home, ctx.group)
+        return received.index_select(0, ctx.order), None, None, None
+
+
+def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send ``rows`` (sorted by expert, the kept ones first, ``splits`` from :func:`ep_counts`)
+    to the ranks of ``axis`` that hold their experts.
+
+    Returns:
+        ``(local_rows, local_offs)``: the rows of this rank's ``E/size`` experts from every rank,
+        expert-major, and their running counts (for ``grouped_mm`` with the local expert
+        weights).
+    """
+    if is_fake(rows):
+        return rows.new_empty(rows.shape), splits.new_empty(splits.shape[2])
+    local_offs = splits[1].sum(0).cumsum(0)
+    group = mesh_lib.current().group(axis)
+    if group is None:
+        return rows, local_offs
+    return _Dispatch.apply(rows, splits, group), local_offs
 
 
 def ep_combine(local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, axis: str) -> torch.Tensor:
@@ -98,14 +145,12 @@ def ep_combine(local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, axi
     if is_fake(local_out):
         return local_out.new_empty(num_rows, *local_out.shape[1:])
     group = mesh_lib.current().group(axis)
-    order = _expert_major(splits[1])
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel())
-    # the reverse of dispatch's exchange: send what was received, receive what was sent
-    home = _exchange(local_out[back], splits[1].sum(1).tolist(), splits[0].sum(1).tolist(), group)
-    if home.shape[0] == num_rows:
-        return home
-    return torch.cat([home, home.new_zeros(num_rows - home.shape[0], *home.shape[1:])])
+    if group is None:
+        return local_out
+    return _Combine.apply(local_out, splits, num_rows, group)
 
 
-__all__ = ["ep_dispatch", "ep_combine"]
+#: The ops the ``expert_parallel`` pass emits (graphpass.transitions has an entry for each).
+EP_OPS = (ep_counts, ep_dispatch, ep_combine)
+
+__all__ = ["ep_counts", "ep_dispatch", "ep_combine", "EP_OPS"]

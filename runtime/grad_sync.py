@@ -245,10 +245,13 @@ class _AllReduceGrads(torch.autograd.Function):
         mesh = mesh_lib.current()
         group = mesh.group(sync.axis)
         work = None
+        # Average over the batch axes, as DDP does (the loss is a mean over the global batch,
+        # split evenly); sum over tensor-parallel axes (partial gradients): ``ctx.scale``. An
+        # expert weight's group may be one rank (ep = dp) that still divides by dp.
+        factor = ctx.scale if ctx.scale is not None else 1.0 / mesh.axis_size(sync.axis)
+        if factor != 1.0:
+            flat.mul_(factor)
         if group is not None:
-            # Average over the batch axes, as DDP does (the loss is a mean over the global batch,
-            # split evenly); sum over tensor-parallel axes (partial gradients): ``ctx.scale``.
-            flat.mul_(ctx.scale if ctx.scale is not None else 1.0 / mesh.axis_size(sync.axis))
             work = dist.all_reduce(flat, group=group, async_op=True)
         sync.add(work, flat, params)
         return done

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping
 
 import torch.distributed as dist
 
-from graphpass.mesh import Mesh
+from graphpass.mesh import EDP, EP, Mesh
 
 _COLLECT_AT_EXIT: list[bool] = []
 
@@ -49,6 +49,13 @@ class ProcessMesh:
                 f"mesh {self.axes} needs {size} ranks but the process group has {world}"
             )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        # torch's mesh has one dimension per rank-counting axis; with experts sharded inside dp
+        # (``ep``), dp is two dimensions, ``edp`` outer and ``ep`` inner, and "dp" their product.
+        ep = self.mesh.ep
+        self._dims = {a: n for a, n in self.axes.items() if a != EP}
+        if ep > 1:
+            self._dims = {b: n for a, m in self._dims.items()
+                          for b, n in (((EDP, m // ep), (EP, ep)) if a == "dp" else ((a, m),))}
         self._device_mesh = None
         if size > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -57,22 +64,21 @@ class ProcessMesh:
                 _COLLECT_AT_EXIT.append(True)
                 atexit.register(_collect_at_exit)
 
-            names = tuple(self.axes)
             self._device_mesh = init_device_mesh(
-                device_type, tuple(self.axes.values()), mesh_dim_names=names
+                device_type, tuple(self._dims.values()), mesh_dim_names=tuple(self._dims)
             )
 
-        # Groups over several axes at once ("dp,tp": a gradient that is averaged over dp and
-        # summed over tp in one all-reduce). Creating a group is collective, so every rank
-        # builds the same ones here, in the same order.
-        self._joint: dict[str, dist.ProcessGroup] = {}
-        live = [a for a, n in self.axes.items() if n > 1]
+        # Groups over several dimensions at once ("dp,tp": a gradient that is averaged over dp
+        # and summed over tp in one all-reduce; "dp" itself under ep). Creating a group is
+        # collective, so every rank builds the same ones here, in the same order.
+        self._joint: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        live = [a for a, n in self._dims.items() if n > 1]
         if self._device_mesh is not None and len(live) > 1:
             from itertools import combinations
 
             for k in range(2, len(live) + 1):
                 for combo in combinations(live, k):
-                    self._joint[",".join(combo)] = self._device_mesh[combo]._flatten().get_group()
+                    self._joint[combo] = self._device_mesh[combo]._flatten().get_group()
 
     def set_timeout(self, timeout_s: float) -> None:
         """Make ``timeout_s`` the collective timeout of the default group and of every group of
@@ -83,30 +89,33 @@ class ProcessMesh:
 
         groups: list[dist.ProcessGroup | None] = [None]  # the default group
         if self._device_mesh is not None:
-            groups += [self._device_mesh.get_group(a) for a, n in self.axes.items() if n > 1]
+            groups += [self._device_mesh.get_group(a) for a, n in self._dims.items() if n > 1]
         for group in groups + list(self._joint.values()):
             _set_pg_timeout(timedelta(seconds=timeout_s), group)
 
-    def _axes(self, axis: str) -> list[str]:
-        names = axis.split(",")
-        for name in names:
-            if name not in self.axes:
+    def _live_dims(self, axis: str) -> list[str]:
+        """The live dimensions of torch's mesh that ``axis`` (comma-joined axes allowed) spans,
+        in the mesh's order."""
+        spans: set[str] = set()
+        for name in axis.split(","):
+            if name not in self.axes and not (name == EDP and EP in self.axes):
                 raise KeyError(f"mesh axis {name!r} is not in the mesh {self.axes}")
-        return [n for n in names if self.axes[n] > 1]
+            spans.update((EDP, EP) if name == "dp" and EP in self.axes else (name,))
+        return [d for d, n in self._dims.items() if d in spans and n > 1]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of ``axis`` — one axis, or several joined by commas (``"dp,tp"``);
         None when it spans a single rank."""
-        live = self._axes(axis)
+        live = self._live_dims(axis)
         if not live or self._device_mesh is None:
             return None
         if len(live) == 1:
             return self._device_mesh.get_group(live[0])
-        return self._joint[",".join(live)]
+        return self._joint[tuple(live)]
 
     def axis_size(self, axis: str) -> int:
         """Number of ranks along ``axis`` (product over comma-joined axes)."""
-        self._axes(axis)
+        self._live_dims(axis)
         return self.mesh.size(axis)
 
     def axis_rank(self, axis: str) -> int:

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graphpass.mesh import Mesh
 from graphpass.nn import grouped_mm
 from graphpass.runtime import mesh as mesh_lib
-from graphpass.runtime.expert_parallel import ep_combine, ep_dispatch
+from graphpass.runtime.expert_parallel import ep_combine, ep_counts, ep_dispatch
 
 LOCAL, D, F = 2, 4, 3  # experts per rank, features in and out
 
@@ -42,8 +42,9 @@ def _exchange(world: int):
     local_w = weight[rank * LOCAL:(rank + 1) * LOCAL].clone().requires_grad_()
     rows, offs, grad = _rank_data(rank, num_experts)
     rows.requires_grad_()
-    with mesh_lib.active(ProcessMesh(Mesh({"ep": world}))):
-        local_rows, local_offs, splits = ep_dispatch(rows, offs, "ep", world)
+    with mesh_lib.active(ProcessMesh(Mesh.of(dp=world, ep=world))):
+        splits = ep_counts(offs, "ep", world)
+        local_rows, local_offs = ep_dispatch(rows, splits, "ep")
         out = ep_combine(grouped_mm(local_rows, local_w, local_offs), splits, rows.shape[0], "ep")
     (out * grad).sum().backward()
     # One process with every expert: each rank's rows against the full weights.
@@ -78,8 +79,9 @@ def test_rows_go_to_their_experts_ranks_and_come_back_with_exact_gradients(rank_
 def test_under_fake_tensors_the_exchange_returns_the_balanced_shapes():
     with FakeTensorMode():
         rows, offs = torch.empty(12, D), torch.empty(8, dtype=torch.long)
-        local_rows, local_offs, splits = ep_dispatch(rows, offs, "ep", 4)
+        splits = ep_counts(offs, "ep", 4)
+        local_rows, local_offs = ep_dispatch(rows, splits, "ep")
         assert (local_rows.shape, local_offs.shape, splits.shape) == ((12, D), (2,), (2, 4, 2))
         assert ep_combine(torch.empty(12, F), splits, 12, "ep").shape == (12, F)
     with pytest.raises(ValueError, match="8 experts do not divide over the 3 ranks"):
-        ep_dispatch(torch.zeros(4, D), torch.zeros(8, dtype=torch.long), "ep", 3)
+        ep_counts(torch.zeros(8, dtype=torch.long), "ep", 3)
