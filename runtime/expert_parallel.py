@@ -48,9 +48,8 @@ def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     """The permutation that orders received rows (source-major: source ``s``'s rows of local
     expert 0, 1, ...) expert-major: ``received[order]``; ``recv_counts`` is ``[n sources, E local]``."""
     n, local = recv_counts.shape
-    label = torch.arange(n * local, device=recv_counts.device)  # s * local + e
-    key = (label % local) * n + label // local  # e * n + s
-    return torch.repeat_interleave(key, recv_counts.reshape(-1)).argsort(stable=True)
+    label = torch.repeat_interleave(recv_counts.reshape(-1))  # each row's s * local + e
+    return ((label % local) * n + label // local).argsort(stable=True)  # by e * n + s
 
 
 def ep_counts(offs: torch.Tensor, axis: str, size: int) -> torch.Tensor:

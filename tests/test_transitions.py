@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphpass import meta
 from graphpass.passes import collectives as emit
 from graphpass.runtime import collectives as ops
+from graphpass.runtime import expert_parallel as ep_runtime
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import step as step_program
 from graphpass.runtime import tensor_parallel as tp_runtime
@@ -80,7 +81,7 @@ class _Copies(TorchDispatchMode):
     reduce-scatter copies its result out when waited for, staging that the link's measured time
     covers) and 0-dim tensors (the step's token, the reported loss: bytes, not bandwidth)."""
 
-    OPS = {"copy_", "cat", "stack", "clone", "_to_copy", "div", "mul_"}
+    OPS = {"copy_", "cat", "stack", "clone", "_to_copy", "div", "mul_", "index_select", "index_copy_"}
 
     def __init__(self, phase: list):
         super().__init__()
@@ -130,9 +131,9 @@ class _Waited:
 def _counting(log: list, phase: list, copies: _Copies):
     """Record (phase, kind, bytes of S, blocking) of every collective the runtime launches."""
     saved = (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
-             tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat)
+             tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all)
     real = {"all_reduce": dist.all_reduce, "all_gather": zero_runtime._all_gather_flat,
-            "reduce_scatter": zero_runtime._reduce_scatter_flat}
+            "reduce_scatter": zero_runtime._reduce_scatter_flat, "all_to_all": ep_runtime._all_to_all}
 
     def counted(kind: str, operand: int):
         def call(*args, **kwargs):
@@ -143,15 +144,16 @@ def _counting(log: list, phase: list, copies: _Copies):
             return _Waited(work, copies) if work is not None else None
         return call
 
-    # S is the all-gather's output and the reductions' input.
+    # S is the all-gather's output and the reductions' input; what an all-to-all sends.
     dist.all_reduce = counted("all_reduce", 0)
+    ep_runtime._all_to_all = counted("all_to_all", 1)
     zero_runtime._all_gather_flat = tp_runtime._all_gather_flat = counted("all_gather", 0)
     zero_runtime._reduce_scatter_flat = tp_runtime._reduce_scatter_flat = counted("reduce_scatter", 1)
     try:
         yield
     finally:
         (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
-         tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat) = saved
+         tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all) = saved
 
 
 def _graph(n: int, local: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Node, fx.Node, fx.Node]:
@@ -240,6 +242,8 @@ def _run_entry(name: str) -> tuple[tuple, tuple]:
     """On each rank: (expected, counted) movements and copies of one step of 2 microbatches."""
     n = dist.get_world_size()
     axis = TABLE[name].axis
+    if axis == "ep":
+        return _run_expert_exchange(name, n)
     mesh = mesh_lib.ProcessMesh({axis: n})
     torch.manual_seed(0)
     if name == "tp vocabulary-parallel loss":
@@ -283,6 +287,35 @@ def _run_vocab(mesh, n: int) -> tuple[tuple, tuple]:
     expected = [(m.phase, m.kind, m.factor * 4.0 * tokens, m.blocking)
                 for m in TABLE["tp vocabulary-parallel loss"].collectives]
     return ((sorted(expected), _expected_copies("tp vocabulary-parallel loss", 4.0 * tokens, n, 1)),
+            (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
+
+
+def _run_expert_exchange(name: str, n: int) -> tuple[tuple, tuple]:
+    """One entry of the experts' exchange, alone: 2 experts per rank, every rank routing 3 rows
+    to each expert (balanced, so a rank receives as many rows as it sends: S either way) and one
+    row past the last offset (dropped: it stays home)."""
+    experts, d = 2 * n, 5
+    offs = torch.arange(1, experts + 1) * 3
+    rows = torch.randn(3 * experts + 1, d, requires_grad=True)
+    log, phase = [], ["forward"]
+    copies = _Copies(phase)
+    mesh = mesh_lib.ProcessMesh({"dp": n, "ep": n})
+    with mesh_lib.active(mesh):
+        splits = ops.ep_counts(offs, "ep", n)
+    with mesh_lib.active(mesh), _counting(log, phase, copies):
+        with copies:
+            if name == "ep token counts":
+                out = ops.ep_counts(offs, "ep", n).sum().float().requires_grad_()
+            elif name == "ep dispatch":
+                out = ops.ep_dispatch(rows, splits, "ep")[0]
+            else:
+                out = ops.ep_combine(rows[:-1], splits, rows.shape[0], "ep")
+        phase[0] = "backward"
+        with copies:
+            (out * 2).sum().backward()
+    size = 8.0 * experts if name == "ep token counts" else 4.0 * 3 * experts * d
+    expected = [(m.phase, m.kind, m.factor * size, m.blocking) for m in TABLE[name].collectives]
+    return ((sorted(expected), _expected_copies(name, size, n, 1)),
             (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
 
