@@ -284,11 +284,24 @@ def verify(
     for rank in range(world_size):
         recorder = verifier.Recorder(plan, rank)
         ctx = PassContext(rank=rank, world_size=world_size, example_inputs=on_meta)
-        gm, _ = run_passes(_rebind(captured.gm, None), plan, ctx, passes_for(plan), on_record=recorder.after_pass)
+        gm, _ = run_passes(_on_meta(_rebind(captured.gm, None)), plan, ctx, passes_for(plan),
+                           on_record=recorder.after_pass)
         problems += verifier.local_problems(gm, plan, rank, cluster.device.memory_bytes)
         recorders.append(recorder)
     verifier.check_programs(recorders, problems)
     return {rec.rank: rec.snapshots[-1][1] if rec.snapshots else {} for rec in recorders}
+
+
+def _on_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (holding meta stand-ins of its state) with the tensors its ops create (``arange``,
+    ``zeros``, ... captured with the example's device) made on the meta device too, so that
+    they meet the meta weights and inputs."""
+    for node in gm.graph.nodes:
+        device = node.kwargs.get("device")
+        if isinstance(device, torch.device) and device.type != "meta":
+            node.update_kwarg("device", torch.device("meta"))
+    gm.recompile()
+    return gm
 
 
 def _check_timeout(timeout_s: float | None, device_type: str) -> float:

@@ -54,8 +54,6 @@ NAME = "expert_parallel"
 GROUPED_PRODUCTS = ("grouped_mm", "grouped_mm_fallback", "_grouped_mm")
 #: Ops between an expert weight and its product that keep the expert dimension first.
 _WEIGHT_VIEWS = ("to", "_to_copy", "transpose", "permute", "t", "contiguous", "alias", "clone", "detach", "type_as")
-#: Users of a region's rows that only check dtype and device (export's metadata assertions).
-_CHECKS = ("_assert_tensor_metadata",)
 
 
 @dataclass(frozen=True)
@@ -146,7 +144,7 @@ def _region(offs: fx.Node, products: list[fx.Node]) -> ExpertRegion:
             "parallelism moves one tensor of rows sorted by expert")
     rows = entries.pop()
     num_rows = rows.meta[meta.VAL].shape[0]
-    exits = [n for n in inside if any(u not in inside and not _is_check(u) for u in n.users)]
+    exits = [n for n in inside if any(u not in inside for u in n.users)]
     if len(exits) != 1 or exits[0] not in products:
         raise NotImplementedError(
             f"{NAME}: the expert computation of grouped products {[p.name for p in products]} hands rows out of "
@@ -156,11 +154,6 @@ def _region(offs: fx.Node, products: list[fx.Node]) -> ExpertRegion:
     num_experts = offs.meta[meta.VAL].shape[0]
     weights = tuple(dict.fromkeys(_weight(p, num_experts) for p in products))
     return ExpertRegion(offs, tuple(products), rows, exits[0], weights, num_experts)
-
-
-def _is_check(node: fx.Node) -> bool:
-    return (op_base(node) in _CHECKS and not node.users
-            and node.kwargs.get("size") is None and node.kwargs.get("stride") is None)
 
 
 def _check_row_wise(node: fx.Node, num_rows: int, inside: set[fx.Node], rows: fx.Node) -> None:

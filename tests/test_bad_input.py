@@ -132,6 +132,14 @@ CASES = {
         lambda _: gp.verify(_gpt(), gp.Cluster.preset("h100-80g", nodes=1, gpus_per_node=3), example_inputs=_batch(),
                             strategy=gp.Strategy(tp=3)), gp.PassError,
         r"pass tensor_parallel failed .* tp=3 does not divide dim 0 \(size 256\) of 'wte.weight'"),
+    "ep not dividing dp": (lambda _: gp.Strategy(dp=4, ep=3), ValueError, r"Strategy.ep=3 must divide Strategy.dp=4"),
+    "ep for a model without experts": (
+        lambda _: gp.verify(_gpt(), H100x2, example_inputs=_batch(), strategy=gp.Strategy(dp=2, ep=2)),
+        ValueError, r"mesh ep=2 shards experts, but the captured graph has no Mixture-of-Experts layer"),
+    "ep not dividing the experts": (
+        lambda _: gp.verify(zoo.build("moe_topk"), gp.Cluster.preset("h100-80g", nodes=1, gpus_per_node=8),
+                            example_inputs=zoo.batches("moe_topk", 1, 8)[0], strategy=gp.Strategy(dp=8, ep=8)),
+        gp.PassError, r"pass expert_parallel failed .* layer 'h.0.moe.experts' has 4 experts, which the ep=8 ranks"),
     # ---- plan
     "unknown cluster preset": (lambda _: gp.plan(_gpt(), "h900", _batch()), ValueError, r"h900.*h100-80g"),
     "unparsable memory budget": (lambda _: gp.plan(_gpt(), H100x2, _batch(), memory_budget="lots"), ValueError,

@@ -1,10 +1,16 @@
-"""Expert parallelism's token exchange (runtime/expert_parallel.py) on 2 and 4 gloo ranks: rows
-sorted by expert go to the ranks that hold their experts, are multiplied there by the local
-experts' weights, and come back; outputs, the rows' gradients and the local experts' weight
-gradients equal the grouped product with every expert on one rank.
+"""Expert parallelism on 2 and 4 gloo ranks.
 
-Tolerances: the same products in the same per-expert order, only the weight gradients summed
-over ranks in another order (fp64 here), so 1e-12 catches a row sent to a wrong rank or expert.
+The token exchange (runtime/expert_parallel.py): rows sorted by expert go to the ranks that hold
+their experts, are multiplied there by the local experts' weights, and come back; outputs, the
+rows' gradients and the local experts' weight gradients equal the grouped product with every
+expert on one rank. Tolerances: the same products in the same per-expert order, only the weight
+gradients summed over ranks in another order (fp64 here), so 1e-12 catches a row sent to a wrong
+rank or expert.
+
+The pass (passes/expert_parallel.py) end to end: Mixture-of-Experts decoders trained under
+``Strategy(ep=...)`` equal one process. Tolerances (rtol 1e-5, atol 1e-6, as test_moe.py): the
+same fp32 products, with the gradients summed over ranks in another order (~1e-7 relative); an
+expert gradient divided by the wrong degree is off by 2x, a misrouted row by O(1).
 """
 
 from __future__ import annotations
@@ -13,12 +19,16 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import graphpass as gp
+import zoo
+
 from graphpass.mesh import Mesh
 from graphpass.nn import grouped_mm
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.expert_parallel import ep_combine, ep_counts, ep_dispatch
 
 LOCAL, D, F = 2, 4, 3  # experts per rank, features in and out
+RTOL, ATOL = 1e-5, 1e-6
 
 
 def _rank_data(rank: int, num_experts: int):
@@ -85,3 +95,80 @@ def test_under_fake_tensors_the_exchange_returns_the_balanced_shapes():
         assert ep_combine(torch.empty(12, F), splits, 12, "ep").shape == (12, F)
     with pytest.raises(ValueError, match="8 experts do not divide over the 3 ranks"):
         ep_counts(torch.zeros(8, dtype=torch.long), "ep", 3)
+
+
+# ------------------------------------------------------------------------------ the pass, end to end
+
+
+def _train(name: str, strategy_kwargs: dict, steps: int = 3, batch: int = 8):
+    dmodel, data = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch)
+    grads: dict = {}
+    losses = zoo.train_compiled(dmodel, data, on_first_step=lambda m: grads.update(zoo.full_grads(m)))
+    return losses, dmodel.full_state_dict(), grads
+
+
+#: (model, Strategy fields besides dp = world size): every deterministic gate, dropless and
+#: capacity (by position and by score), ZeRO of the experts over edp and of the dense weights
+#: over dp, Hugging Face's Mixtral and Qwen2-MoE, tp (with sequence parallelism) and pp.
+CASES = {
+    2: [("moe_topk", {"ep": 2}), ("moe_topk_capacity", {"ep": 2, "zero": 3}), ("moe_switch_score", {"ep": 2, "zero": 1}),
+        ("moe_expert_choice", {"ep": 2}), ("moe_hash", {"ep": 2, "zero": 2}), ("hf_qwen2_moe", {"ep": 2})],
+    4: [("moe_topk", {"ep": 4}), ("moe_topk_capacity", {"ep": 2, "zero": 3}), ("moe_switch_score", {"ep": 4, "zero": 1}),
+        ("moe_expert_choice", {"ep": 2, "zero": 2}), ("hf_mixtral", {"ep": 2, "zero": 2}),
+        ("moe_topk", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}), ("hf_mixtral", {"dp": 2, "tp": 2, "ep": 2}),
+        ("moe_topk_capacity", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2})],
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_training_equals_one_process(rank_pool, world_size):
+    """Loss, every gradient (put together from every rank's experts and shards) and the full
+    state after 3 SGD-momentum steps equal one process on the whole batch. Tolerances as
+    test_moe.py's: the same products, reduced in another order."""
+    pool = rank_pool(world_size)
+    for name, kwargs in CASES[world_size]:
+        ref_losses, ref_state, ref_grads = zoo.train_reference(name, steps=3, batch=8)
+        for rank, (losses, state, grads) in enumerate(pool.run(_train, name, kwargs, timeout_s=300)):
+            assert set(grads) == set(ref_grads), f"{name} {kwargs}: gradients of {set(ref_grads) ^ set(grads)}"
+            zoo.assert_matches_reference(f"{name} {kwargs} rank {rank} of {world_size}", losses, state, ref_losses,
+                                         ref_state, grads, ref_grads, rtol=RTOL, atol=ATOL)
+
+
+def _phases(phases: tuple[int, ...], strategy_kwargs: dict | None, batch: int = 8):
+    """One training step at each annealing phase of the dense-to-sparse gates (temperature 2.0
+    at step 0 to 0.02 at step 100): the losses, and in one process the share of assignments kept."""
+    import torch.distributed as dist
+
+    model = zoo.build("moe_dense_to_sparse")
+    for block in model.h:
+        block.moe.gate.start, block.moe.gate.end, block.moe.gate.anneal_steps = 2.0, 0.02, 100
+    gp.nn.anneal(model, phases[0])
+    data = zoo.batches("moe_dense_to_sparse", len(phases), batch)
+    kept: list[float] = []
+    if strategy_kwargs is None:
+        model.h[0].moe.gate.register_forward_hook(lambda gate, args, routing: kept.append(routing.kept.float().mean().item()))
+        step, params = model, model.parameters()
+    else:
+        dmodel = zoo.compile(model, data[0], gp.Strategy(**{"dp": dist.get_world_size(), **strategy_kwargs}))
+        step, params = dmodel.train_step, dmodel.parameters()
+    opt = torch.optim.SGD(params, lr=0.05)
+    losses = []
+    for phase, b in zip(phases, data):
+        gp.nn.anneal(model, phase)  # a compiled program reads the model's temperature buffers
+        loss = step(*b)
+        if strategy_kwargs is None:
+            loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    return losses, kept
+
+
+@pytest.mark.timeout(300)
+def test_dense_to_sparse_routing_thins_on_schedule_and_expert_parallel_follows_each_phase(rank_pool):
+    phases = (0, 50, 100)
+    ref, kept = _phases(phases, None)
+    assert kept[0] == 1.0 and kept[0] > kept[1] > kept[2], kept  # dense, then sparser as it anneals
+    for losses, _ in rank_pool(2).run(_phases, phases, {"ep": 2}, timeout_s=120):
+        torch.testing.assert_close(losses, ref, rtol=RTOL, atol=0)
