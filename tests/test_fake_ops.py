@@ -46,6 +46,16 @@ def _cases():
     return out
 
 
+def _expert_cases():
+    """The experts' exchange on a dp 2 x ep 2 mesh, 4 experts, every rank routing 3 rows to each
+    (balanced: the real ops receive as many rows as they send, the fake ops' expectation)."""
+    offs = torch.arange(1, 5) * 3
+    splits = lambda: ops.ep_counts(offs, "ep", 2)  # noqa: E731
+    return [(ops.ep_counts, lambda t, s: ((offs, "ep", 2), {})),
+            (ops.ep_dispatch, lambda t, s: ((t((12, 5)), splits(), "ep"), {})),
+            (ops.ep_combine, lambda t, s: ((t((12, 5)), splits(), 12, "ep"), {}))]
+
+
 def _signature(value):
     if isinstance(value, (tuple, list)):
         return [_signature(v) for v in value]
@@ -54,12 +64,21 @@ def _signature(value):
 
 def _compare_fake_and_real() -> list[str]:
     torch.manual_seed(dist.get_rank())
-    mesh = mesh_lib.ProcessMesh({"tp": 2})
     covered, mismatches = set(), []
+    for mesh, cases in ((mesh_lib.ProcessMesh({"tp": 2}), _cases()),
+                        (mesh_lib.ProcessMesh({"dp": 2, "ep": 2}), _expert_cases())):
+        _compare(mesh, cases, covered, mismatches)
+    missing = [op.__name__ for op in ops.COLLECTIVE_OPS if op not in covered and op is not ops.grad_sync_begin]
+    unmatched = [op.__name__ for op in ops.TP_OPS if op not in ALONE]
+    return (mismatches + [f"no case for {name}" for name in missing]
+            + [f"no stand-in in ALONE for {name}" for name in unmatched])
+
+
+def _compare(mesh, cases, covered: set, mismatches: list) -> None:
     with mesh_lib.active(mesh):
-        for op, build in _cases():
+        for op, build in cases:
             covered.add(op)
-            sync = ops.grad_sync_begin("tp")
+            sync = ops.grad_sync_begin(next(iter(mesh.axes)))
             real_args, kwargs = build(lambda shape: torch.randn(shape, requires_grad=True), sync)
             real = op(*real_args, **kwargs)
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -75,10 +94,6 @@ def _compare_fake_and_real() -> list[str]:
                 (grad,) = torch.autograd.grad(alone.float().sum(), real_args[0])
                 if grad.shape != real_args[0].shape:
                     mismatches.append(f"{where}: alone's gradient {tuple(grad.shape)}")
-    missing = [op.__name__ for op in ops.COLLECTIVE_OPS if op not in covered and op is not ops.grad_sync_begin]
-    unmatched = [op.__name__ for op in ops.TP_OPS if op not in ALONE]
-    return (mismatches + [f"no case for {name}" for name in missing]
-            + [f"no stand-in in ALONE for {name}" for name in unmatched])
 
 
 @pytest.mark.timeout(120)
