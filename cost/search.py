@@ -87,9 +87,10 @@ from typing import Iterable, Mapping, Sequence
 from graphpass.cluster import Cluster
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice, pipeline_rank
-from graphpass.transitions import FORWARD, PER_MICROBATCH, Transition, transition
+from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
 from graphpass.units import format_bytes
 from graphpass.cost.collectives import collective_time, sync_time
+from graphpass.cost.experts import imbalance as expert_imbalance
 from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,15 @@ class BlockCost:
         weight_grad_bytes: the output gradients of the block's ops that read a trainable
             parameter, at the reference batch: what a split backward keeps from the input
             gradient's pass to the weight gradient's (zero-bubble schedules).
+        expert_params: the trainable elements of Mixture-of-Experts expert weights among
+            ``params`` (what an ``ep`` axis shards); 0 for a block without experts.
+        expert_param_bytes: their bytes.
+        num_experts: experts per MoE layer of the block (``ep`` must divide it); 0 without.
+        expert_times: local batch size -> (forward_s, backward_s) of the experts' part of
+            ``times`` (the grouped products and what lies between them).
+        exchanges: ``(table entry, S bytes at the reference batch)`` of each exchange expert
+            parallelism would emit (``"ep token counts"``, ``"ep dispatch"``, ``"ep combine"``
+            per MoE layer).
     """
 
     name: str
@@ -184,12 +194,18 @@ class BlockCost:
     tensors: int = 0
     backward_starts_here: bool = False
     weight_grad_bytes: float = 0.0
+    expert_params: float = 0.0
+    expert_param_bytes: float = 0.0
+    num_experts: int = 0
+    expert_times: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    exchanges: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What the search decides for the whole model: the ``pp x dp x tp`` mesh, the microbatches
-    of a step, and sequence parallelism on ``tp``."""
+    """What the search decides for the whole model: the ``pp x dp x tp`` mesh (``ep`` inside
+    ``dp`` for Mixture-of-Experts models), the microbatches of a step, and sequence parallelism
+    on ``tp``."""
 
     mesh: Mesh
     microbatches: int = 1
@@ -198,8 +214,9 @@ class Layout:
     virtual_stages: int = 1
 
     @classmethod
-    def of(cls, pp: int, dp: int, tp: int, microbatches: int = 1, sequence_parallel: bool = False) -> "Layout":
-        return cls(Mesh.of(pp=pp, dp=dp, tp=tp), microbatches, sequence_parallel)
+    def of(cls, pp: int, dp: int, tp: int, microbatches: int = 1, sequence_parallel: bool = False,
+           ep: int = 1) -> "Layout":
+        return cls(Mesh.of(pp=pp, dp=dp, tp=tp, ep=ep), microbatches, sequence_parallel)
 
     @property
     def num_stages(self) -> int:
@@ -212,6 +229,8 @@ class Layout:
 
     def __str__(self) -> str:
         text = f"pp={self.mesh.pp} dp={self.mesh.dp} tp={self.mesh.tp}"
+        if self.mesh.ep > 1:
+            text += f" ep={self.mesh.ep}"
         if self.microbatches > 1:
             text += f" m={self.microbatches}"
         if self.sequence_parallel:
@@ -248,6 +267,9 @@ class Costing:
             the host's cores (``ranks x threads / cores``, at least 1): a pipeline's ramps, where
             few stages are busy, give it back (:func:`_shared_host_step`); the rest (shared DRAM
             and caches) stays.
+        expert_loads: the share of routed rows each expert of a Mixture-of-Experts layer
+            receives (measured or :func:`graphpass.cost.experts.zipf_loads`); None: balanced.
+            Under ``ep`` the slowest rank's experts set the pace (:mod:`graphpass.cost.experts`).
     """
 
     cluster: Cluster
@@ -261,6 +283,7 @@ class Costing:
     bucket_cap_bytes: float = 25 * 2**20  # DDP's default, as Plan's
     host_contention: float = 1.0
     host_oversubscription: float = 1.0
+    expert_loads: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -326,9 +349,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int) -> list[Layout]:
+def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, num_experts: int = 0) -> list[Layout]:
     """Every mesh the search considers (see the module docstring); ``tps`` are the tp degrees the
-    model's layout allows."""
+    model's layout allows; with ``num_experts`` (a Mixture-of-Experts model), every ``ep``
+    dividing both ``dp`` and the experts too."""
     world = cluster.world_size
     out = []
     for tp in sorted(set(tps)):
@@ -345,9 +369,11 @@ def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int) ->
             counts |= {k * pp for k in (1, 2, 4) if per_replica % (k * pp) == 0}
             if pp > 1:  # pipelines run 1F1B: at least as many microbatches as stages
                 counts = {m for m in counts if m >= pp}
+            eps = [e for e in _divisors(dp) if num_experts and num_experts % e == 0] or [1]
             for m in sorted(counts):
                 for sp in ((False, True) if tp > 1 else (False,)):
-                    out.append(Layout.of(pp, dp, tp, m, sp))
+                    for ep in eps:
+                        out.append(Layout.of(pp, dp, tp, m, sp, ep))
     return out
 
 
@@ -359,17 +385,15 @@ def local_batch(layout: Layout, batch: int) -> int:
 # ------------------------------------------------------------------------------------ pricing
 
 
-def _groups(mesh: Mesh) -> tuple[list[int], list[int], list[int]]:
-    """Global ranks of rank 0's dp group, its tp group, and a pipeline neighbour pair."""
-    return mesh.group_ranks("dp"), mesh.group_ranks("tp"), mesh.group_ranks("pp")[:2]
-
-
 class _Collectives:
-    """Memoised collective times for one mesh."""
+    """Memoised collective times for one mesh, on rank 0's groups (a pipeline neighbour pair for
+    ``pp``)."""
 
     def __init__(self, cluster: Cluster, layout: Layout):
         self.cluster = cluster
-        self.dp, self.tp, self.pp = _groups(layout.mesh)
+        mesh = layout.mesh
+        self.groups = {axis: mesh.group_ranks(axis) for axis in ("dp", "tp", "ep", "edp")}
+        self.groups["pp"] = mesh.group_ranks("pp")[:2]
         self.memo: dict[tuple[str, str, float], float] = {}
         self.syncs: dict[str, float] = {}
 
@@ -395,7 +419,7 @@ class _Collectives:
         return self.syncs[axis]
 
     def _group(self, axis: str) -> Sequence[int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}[axis]
+        return self.groups[axis]
 
 
 def choices_for(block: BlockCost, layout: Layout, costing: Costing) -> list[Choice]:
@@ -413,13 +437,15 @@ def choices_for(block: BlockCost, layout: Layout, costing: Costing) -> list[Choi
     return out
 
 
-def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, comms: _Collectives) -> float:
-    """Time of a data-parallel table entry's movements in one step of ``m`` microbatches: its
-    all-gathers move the weights, its reductions the gradients."""
+def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, comms: _Collectives,
+             axis: str = "dp") -> float:
+    """Time of a data-parallel table entry's movements in one step of ``m`` microbatches over
+    ``axis`` (``dp``, or ``edp`` for experts): its all-gathers move the weights, its reductions
+    the gradients."""
     total = 0.0
     for move in entry.collectives:
         size = (weight_bytes if move.kind == "all_gather" else grad_bytes) * move.factor
-        total += (m if move.per == PER_MICROBATCH else 1) * comms.time("dp", move.kind, size, move.blocking)
+        total += (m if move.per == PER_MICROBATCH else 1) * comms.time(axis, move.kind, size, move.blocking)
     return total
 
 
@@ -434,12 +460,102 @@ def _copied_bytes(entry: Transition, weight_bytes: float, grad_bytes: float, n: 
     return total
 
 
+@dataclass
+class _Params:
+    """One group of a block's parameters under its ZeRO stage: what it keeps and moves."""
+
+    state: float = 0.0
+    grads: float = 0.0
+    held: float = 0.0
+    bucket: float = 0.0
+    dp_comm: float = 0.0
+    transient: float = 0.0
+    optimizer_s: float = 0.0
+    copied: float = 0.0  # bytes its collectives' local copies read and write in a step
+
+
+def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int, axis: str, layout: Layout,
+                 costing: Costing, comms: _Collectives, split: tuple[float, int, int] = (0.0, 0, 1),
+                 divisor: int | None = None) -> _Params:
+    """``params`` elements (``p_bytes``, ``tensors`` tensors) synchronised over ``n`` ranks of
+    ``axis`` at ZeRO stage ``zero``; ``split``: (bytes, linears, parts) of OSDP slices."""
+    m = layout.microbatches
+    g_bytes = params * costing.grad_bytes_per_param
+    o_bytes = params * costing.optimizer_bytes_per_param
+    entry = transition("all_reduce_grads") if zero == 0 else transition("all_gather_params", stage=zero)
+    out = _Params()
+    # State kept all step: the weights (ZeRO: this rank's shard), gradients (full-size below
+    # stage 2), optimizer state, and what the table keeps alive through the step: ZeRO-1/2's
+    # gathered weights, data parallelism's gradient buckets (their buffers stay between steps).
+    out.grads = g_bytes / n if zero >= 2 else g_bytes
+    weights = (p_bytes / n if zero else p_bytes) + (entry.step * p_bytes if zero else 0.0)
+    out.state = weights + out.grads + (o_bytes / n if zero >= 1 else o_bytes)
+    # Gradients that meet the activations: the resident buckets' buffers, and those accumulated
+    # over the step's microbatches (buckets hold full ones below ZeRO-2, stages 2/3 sum shards)
+    # from the second microbatch on. Expert gradients pass through a bucket even where their
+    # group is one rank (ep = dp): it divides them by dp.
+    synced = n > 1 or axis == "edp"
+    bucketed = zero == 0 and synced
+    out.held = max(entry.step * out.grads if bucketed else 0.0, out.grads if m > 1 else 0.0)
+    # A bucket is filled from autograd's gradients, which live until it is: once more its size.
+    out.bucket = entry.transient * out.grads if bucketed else 0.0
+    if zero == 0:
+        # Gradients travel in shared buckets: the latency is charged per bucket in compose().
+        out.dp_comm = max(0.0, _moved_s(entry, p_bytes, g_bytes, m, comms, axis) - comms.latency(axis, "all_reduce"))
+    elif zero < 3:
+        out.dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms, axis)
+    else:
+        split_bytes, split_count, k = split
+        rest = p_bytes - (split_bytes if k > 1 else 0.0)
+        slices = split_count * k if k > 1 else 0
+        # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
+        split_grads = g_bytes * split_bytes / p_bytes if slices and p_bytes else 0.0
+        out.dp_comm = _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis)
+        if slices:
+            out.dp_comm += slices * _moved_s(entry, split_bytes / slices, split_grads / slices, m, comms, axis)
+        largest = rest + (split_bytes / slices if slices else 0.0)
+        out.transient = entry.transient * largest * (1.0 if p_bytes else 0.0)
+    # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
+    # and writes weights and state, reads gradients).
+    share = 1 / n if zero >= 1 else 1.0
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
+    if costing.optimizer_s_per_param is not None:
+        out.optimizer_s = share * params * costing.optimizer_s_per_param + tensors * costing.optimizer_s_per_tensor
+    else:
+        out.optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
+    out.copied = _copied_bytes(entry, p_bytes, g_bytes, n, m) if synced else 0.0
+    return out
+
+
+def _exchange_s(block: BlockCost, layout: Layout, scale: float, slowest: float, comms: _Collectives,
+                bandwidth: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch's expert exchanges (the ``ep`` entries of
+    the table, blocking), their copies included; the slowest rank receives ``slowest`` times the
+    balanced rows."""
+    forward = backward = 0.0
+    for name, size in block.exchanges:
+        entry = TABLE[name]
+        size = size * scale * (slowest if name != "ep token counts" else 1.0)
+        for move in entry.collectives:
+            moved = comms.time("ep", move.kind, move.factor * size, move.blocking)
+            if move.phase == FORWARD:
+                forward += moved
+            else:
+                backward += moved
+        for phase, copied, _ in entry.copied(size, layout.mesh.ep):
+            if phase == FORWARD:
+                forward += 2 * copied / bandwidth
+            else:
+                backward += 2 * copied / bandwidth
+    return forward, backward
+
+
 def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, comms: _Collectives) -> Priced:
     """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (see the module docstring)."""
     b = local_batch(layout, costing.batch)
     scale = b / costing.batch
     forward_s, backward_s = block.times[b]
-    dp, m = layout.mesh.dp, layout.microbatches
+    dp, ep, m = layout.mesh.dp, layout.mesh.ep, layout.microbatches
 
     bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
     # Tensor-parallel collectives, and their local copies (read and written) as compute.
@@ -456,65 +572,46 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
             forward_s += copied
         else:
             backward_s += copied
+    expert = ep > 1 and block.expert_params > 0
+    if expert:
+        # Experts sharded over ep: the slowest rank's experts compute (and receive) the most
+        # rows; the exchanges move them there and back, blocking (cost/experts.py).
+        slowest = expert_imbalance(costing.expert_loads, ep)
+        expert_forward, expert_backward = block.expert_times[b]
+        forward_s += (slowest - 1.0) * expert_forward
+        backward_s += (slowest - 1.0) * expert_backward
+        exchange_forward, exchange_backward = _exchange_s(block, layout, scale, slowest, comms, bandwidth)
+        forward_s += exchange_forward
+        backward_s += exchange_backward
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 
-    p_bytes = block.param_bytes
-    g_bytes = block.params * costing.grad_bytes_per_param
-    o_bytes = block.params * costing.optimizer_bytes_per_param
     zero = choice.zero
-    entry = transition("all_reduce_grads") if zero == 0 else transition("all_gather_params", stage=zero)
-    # State kept all step: the weights (ZeRO: this rank's shard), gradients (full-size below
-    # stage 2), optimizer state, and what the table keeps alive through the step: ZeRO-1/2's
-    # gathered weights, data parallelism's gradient buckets (their buffers stay between steps).
-    grads = g_bytes / dp if zero >= 2 else g_bytes
-    weights = (p_bytes / dp if zero else p_bytes) + (entry.step * p_bytes if zero else 0.0)
-    optim = o_bytes / dp if zero >= 1 else o_bytes
-    state = weights + grads + optim
-
+    dense_params = block.params - (block.expert_params if expert else 0.0)
+    dense_bytes = block.param_bytes - (block.expert_param_bytes if expert else 0.0)
+    groups = [_param_terms(dense_params, dense_bytes, block.tensors, zero, dp, "dp", layout, costing, comms,
+                           (block.split_bytes, block.split_count, choice.split))]
+    if expert:
+        # Each rank holds 1/ep of the experts, synchronised (or ZeRO-sharded) over the dp/ep
+        # ranks holding the same ones; a group of one rank has nothing to shard.
+        edp = dp // ep
+        groups.append(_param_terms(block.expert_params / ep, block.expert_param_bytes / ep, 0,
+                                   zero if edp > 1 else 0, edp, "edp", layout, costing, comms))
     saved = block.saved_bytes * scale
-    # Gradients that meet the activations: the resident buckets' buffers, and those accumulated
-    # over the step's microbatches (buckets hold full ones below ZeRO-2, stages 2/3 sum shards)
-    # from the second microbatch on.
-    bucketed = zero == 0 and dp > 1
-    held = max(entry.step * grads if bucketed else 0.0, grads if m > 1 else 0.0)
-    # A bucket is filled from autograd's gradients, which live until it is: once more its size.
-    bucket = entry.transient * grads if bucketed else 0.0
     act = block.input_bytes * scale if choice.recompute else saved
-    transient = saved + block.backward_bytes * scale if choice.recompute else 0.0
-
+    transient = (saved + block.backward_bytes * scale if choice.recompute else 0.0) + sum(g.transient for g in groups)
     if zero == 0:
-        # Gradients travel in shared buckets: the latency is charged per bucket in compose().
-        dp_comm = max(0.0, _moved_s(entry, p_bytes, g_bytes, m, comms) - comms.latency("dp", "all_reduce"))
         window = backward_s
     elif zero < 3:
-        dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms)
         window = backward_s if zero == 1 else m * (forward_s + backward_s)
     else:
-        k = choice.split
-        rest = p_bytes - (block.split_bytes if k > 1 else 0.0)
-        slices = block.split_count * k if k > 1 else 0
-        # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
-        split_grads = g_bytes * block.split_bytes / p_bytes if slices and p_bytes else 0.0
-        dp_comm = _moved_s(entry, rest, g_bytes - split_grads, m, comms)
-        if slices:
-            dp_comm += slices * _moved_s(entry, block.split_bytes / slices, split_grads / slices, m, comms)
         window = m * (forward_s + backward_s)
-        largest = rest + (block.split_bytes / slices if slices else 0.0)
-        transient += entry.transient * largest * (1.0 if p_bytes else 0.0)
-
-    # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
-    # and writes weights and state, reads gradients).
-    share = 1 / dp if zero >= 1 else 1.0
-    if costing.optimizer_s_per_param is not None:
-        optimizer_s = share * block.params * costing.optimizer_s_per_param + block.tensors * costing.optimizer_s_per_tensor
-    else:
-        optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
     # The data-parallel collectives' local copies, per microbatch.
-    time_s += (_copied_bytes(entry, p_bytes, g_bytes, dp, m) if dp > 1 else 0.0) / bandwidth / m
-    return Priced(time_s, optimizer_s, dp_comm, costing.overlap * window, state, act, transient,
-                  tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=grads, held_bytes=held,
-                  bucket_bytes=bucket,
+    time_s += sum(g.copied for g in groups) / bandwidth / m
+    return Priced(time_s, sum(g.optimizer_s for g in groups), sum(g.dp_comm for g in groups),
+                  costing.overlap * window, sum(g.state for g in groups), act, transient,
+                  tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=sum(g.grads for g in groups),
+                  held_bytes=sum(g.held for g in groups), bucket_bytes=sum(g.bucket for g in groups),
                   start_bytes=block.backward_bytes * scale if block.backward_starts_here else 0.0)
 
 

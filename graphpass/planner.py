@@ -53,6 +53,7 @@ from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
 from graphpass.cost.compute import node_bytes, node_flops
 from graphpass.passes.collectives import is_collective
+from graphpass.passes.expert_parallel import ExpertRegion, expert_regions
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout
 from graphpass.ops import op_base
@@ -360,6 +361,18 @@ class GraphProfile:
             working = [0.0] * len(self.blocks)
         self.backward_bytes = dict(zip((b.name for b in self.blocks), working))
         self.split_linears = set(default_split(gm, 2))
+        # Mixture-of-Experts layers (what an ep axis would shard), by block; a model whose
+        # grouped products expert parallelism cannot shard is planned without ep.
+        try:
+            regions = expert_regions(gm)
+        except NotImplementedError as exc:
+            log.info("planning without expert parallelism: %s", exc)
+            regions = []
+        self.experts: dict[str, list[ExpertRegion]] = defaultdict(list)
+        for region in regions:
+            self.experts[self.owner[region.products[0].name].name].append(region)
+        self.expert_weights = {w.name for region in regions for w in region.weights}
+        self.num_experts = math.gcd(*(r.num_experts for r in regions)) if regions else 0
 
     def _attr(self, target: str) -> torch.Tensor:
         path, _, name = target.rpartition(".")
@@ -524,7 +537,7 @@ class GraphProfile:
             saved = sum(saved_share(n) for n in block.nodes)
             if block.kind == S.PRE:  # inputs saved by the first ops (token ids)
                 saved += sum(v for k, v in self.saved.items() if k not in self.work)
-            params = param_bytes = split_bytes = 0.0
+            params = param_bytes = split_bytes = expert_params = expert_bytes = 0.0
             split_count = tensors = 0
             for p in block.params:
                 tensor = self.tensors[p.name]
@@ -534,6 +547,20 @@ class GraphProfile:
                 share = tp if isinstance(placements.get(p.name), Shard) else 1
                 params += tensor.numel() / share
                 param_bytes += tensor.numel() * tensor.element_size() / share
+                if p.name in self.expert_weights:
+                    expert_params += tensor.numel() / share
+                    expert_bytes += tensor.numel() * tensor.element_size() / share
+            # The experts' compute (the share the slowest ep rank does more of) and exchanges.
+            regions = self.experts.get(block.name, [])
+            expert_nodes = [n for r in regions for n in r.nodes]
+            expert_times = {}
+            for b in batches:
+                own = [programs[b].own.get(n.name) or self._time(n.name, b, split_nodes[n.name]) for n in expert_nodes]
+                expert_times[b] = (sum(f for f, _ in own), sum(bw for _, bw in own))
+            exchanges = tuple(
+                (name, float(size)) for r in regions for name, size in (
+                    ("ep token counts", 8.0 * r.num_experts), ("ep dispatch", _tensor_bytes(r.rows.meta[meta.VAL])),
+                    ("ep combine", _tensor_bytes(r.out.meta[meta.VAL]))))
             for node in block.nodes:
                 if node.name in self.split_linears:
                     w = node.args[1]
@@ -562,9 +589,25 @@ class GraphProfile:
                 output_bytes=block.output_bytes * scale_io, tp_traffic=tuple(traffic.get(block.name, ())),
                 tp_copies=tuple(copies.get(block.name, ())),
                 backward_bytes=working, tensors=tensors, backward_starts_here=block is self.blocks[-1],
-                weight_grad_bytes=weight_grad,
+                weight_grad_bytes=weight_grad, expert_params=expert_params, expert_param_bytes=expert_bytes,
+                num_experts=min((r.num_experts for r in regions), default=0), expert_times=expert_times,
+                exchanges=exchanges,
             ))
         return out
+
+
+def _check_loads(loads: Sequence[float] | None, num_experts: int) -> tuple[float, ...] | None:
+    """``expert_loads`` as the cost model takes them: one non-negative share per expert of the
+    model's layers, normalised."""
+    if loads is None:
+        return None
+    loads = tuple(float(x) for x in loads)
+    if not num_experts:
+        raise ValueError("expert_loads is given, but the model has no Mixture-of-Experts layer the planner recognises")
+    if len(loads) != num_experts or any(x < 0 for x in loads) or not sum(loads) > 0:
+        raise ValueError(f"expert_loads must be {num_experts} non-negative shares (one per expert of a layer), "
+                         f"not all zero; got {len(loads)} values")
+    return tuple(x / sum(loads) for x in loads)
 
 
 def _is_scalar(node: fx.Node) -> bool:
@@ -688,6 +731,7 @@ class Planner:
         optimizer_states: int = _ADAM_STATES,
         measure_ops: bool = False,
         measure_together: bool = False,
+        expert_loads: Sequence[float] | None = None,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -715,8 +759,9 @@ class Planner:
         remeasure = (_Remeasure(model, inputs, captured.gm, self.cluster, factor, measure_together)
                      if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
-        self.costing = _costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
-                                measure_ops, measure_together)
+        self.costing = replace(_costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
+                                        measure_ops, measure_together),
+                               expert_loads=_check_loads(expert_loads, self.profile.num_experts))
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
         self._rejected: dict[int, str] = {}
@@ -798,7 +843,7 @@ class Planner:
         if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
             raise ValueError(f"time_limit_s must be a positive number of seconds or None, got {time_limit_s!r}")
         start = time.perf_counter()
-        mesh_list = S.meshes(self.cluster, self.batch, _TP_DEGREES, len(self.profile.blocks))
+        mesh_list = S.meshes(self.cluster, self.batch, _TP_DEGREES, len(self.profile.blocks), self.profile.num_experts)
         if not mesh_list:
             raise ValueError(
                 f"no mesh of {self.cluster.world_size} devices divides the global batch of {self.batch} "
@@ -822,6 +867,7 @@ def plan(
     time_limit_s: float | None = None,
     *,
     optimizer_states: int = _ADAM_STATES,
+    expert_loads: Sequence[float] | None = None,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -834,6 +880,10 @@ def plan(
         memory_budget: per-device bytes (or ``"70GiB"``); default 90% of the device's memory.
         time_limit_s: stop searching after this long and keep the best plan found.
         optimizer_states: fp32 states per parameter (2 for Adam/AdamW, 1 for SGD with momentum).
+        expert_loads: for a Mixture-of-Experts model, the share of routed tokens each expert of
+            a layer receives (measured counts, or ``graphpass.cost.experts.zipf_loads(E, skew)``);
+            default balanced. Under expert parallelism the rank with the hottest experts sets
+            the pace (``docs/moe.md``).
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -849,7 +899,7 @@ def plan(
     if not isinstance(strategy, Strategy) and strategy != "auto":
         raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
     planner = Planner(model, cluster, example_inputs, memory_budget,
-                      optimizer_states=optimizer_states)
+                      optimizer_states=optimizer_states, expert_loads=expert_loads)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
 
 

@@ -67,6 +67,7 @@ class ExpertRegion:
         out: the last product, whose rows leave the experts.
         weights: the expert weights' ``get_attr`` nodes (dim 0: the experts).
         num_experts: ``E``.
+        nodes: the products and every node between them, in graph order (the experts' compute).
     """
 
     offs: fx.Node
@@ -75,6 +76,7 @@ class ExpertRegion:
     out: fx.Node
     weights: tuple[fx.Node, ...]
     num_experts: int
+    nodes: tuple[fx.Node, ...] = ()
 
     @property
     def layer(self) -> str:
@@ -153,7 +155,9 @@ def _region(offs: fx.Node, products: list[fx.Node]) -> ExpertRegion:
         _check_row_wise(node, num_rows, inside, rows)
     num_experts = offs.meta[meta.VAL].shape[0]
     weights = tuple(dict.fromkeys(_weight(p, num_experts) for p in products))
-    return ExpertRegion(offs, tuple(products), rows, exits[0], weights, num_experts)
+    order = {n: i for i, n in enumerate(rows.graph.nodes)}
+    return ExpertRegion(offs, tuple(products), rows, exits[0], weights, num_experts,
+                        tuple(sorted(inside, key=order.__getitem__)))
 
 
 def _check_row_wise(node: fx.Node, num_rows: int, inside: set[fx.Node], rows: fx.Node) -> None:
