@@ -1115,7 +1115,8 @@ def _contended(gm: fx.GraphModule, cluster: Cluster, times: Mapping[str, tuple[f
 def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],
              rejected: Mapping[int, str], costing: S.Costing, tried: int, measure_s: float) -> list[str]:
     lines = [
-        f"searched {tried} meshes (pp x dp x tp x microbatches x sequence-parallel) under a "
+        f"searched {tried} meshes (pp x dp x tp x microbatches x sequence-parallel"
+        + (" x ep" if any(c.layout.mesh.ep > 1 for c in found) else "") + ") under a "
         f"{costing.memory_limit_bytes / 2**30:.2f} GiB per-device budget; {len(found)} fit",
         f"chosen {best.layout}: predicted step {best.step_time_s * 1e3:.2f} ms, peak "
         f"{best.peak_memory_bytes / 2**30:.2f} GiB ({best.how}"
