@@ -15,6 +15,7 @@ from graphpass.plan import Plan, Strategy
 from graphpass.cost.profiler import profile
 from graphpass.planner import plan
 from graphpass.runtime.checkpoint import CheckpointError, load, load_into, save
+from graphpass.runtime.expert_placement import ExpertPlacement
 from graphpass.runtime.launch import RankError, launch
 from graphpass.runtime.module import DistributedModule
 from graphpass.runtime.verifier import VerificationError
@@ -26,6 +27,7 @@ __all__ = [
     "Cluster",
     "DeviceSpec",
     "DistributedModule",
+    "ExpertPlacement",
     "LinkSpec",
     "PassError",
     "PassRecord",

@@ -50,6 +50,9 @@ from graphpass.plan import Plan
 log = logging.getLogger(__name__)
 
 NAME = "expert_parallel"
+#: The graph module's buffers of each sharded layer ``i``: the expert in each slot, and the
+#: routing tally (:mod:`graphpass.runtime.expert_placement`).
+PLACEMENT_PREFIX, LOAD_PREFIX = "ep_placement_", "ep_load_"
 #: The grouped products of Mixture-of-Experts layers graphpass recognises (op base names).
 GROUPED_PRODUCTS = ("grouped_mm", "grouped_mm_fallback", "_grouped_mm")
 #: Ops between an expert weight and its product that keep the expert dimension first.
@@ -220,10 +223,11 @@ def expert_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
         if region.num_experts % size:
             raise ValueError(f"layer {region.layer!r} has {region.num_experts} experts, which the ep={size} ranks "
                              f"cannot share equally; choose ep dividing {region.num_experts}")
+        placement, load = _layer_buffers(gm, region, sharded)
         for weight in region.weights:
-            _shard(gm, weight, size, index)
+            _shard(gm, weight, size, index, placement.target)
         local_rows, local_offs, _ = collectives.emit_expert_exchange(
-            gm, region.rows, region.offs, region.out, EP, size, created_by=NAME)
+            gm, region.rows, region.offs, region.out, EP, size, placement=placement, load=load, created_by=NAME)
         for product in region.products:
             product.replace_input_with(region.offs, local_offs)
             if product.args[0] is region.rows:
@@ -234,7 +238,24 @@ def expert_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
     return gm
 
 
-def _shard(gm: fx.GraphModule, node: fx.Node, size: int, index: int) -> None:
+def _layer_buffers(gm: fx.GraphModule, region: ExpertRegion, i: int) -> tuple[fx.Node, fx.Node]:
+    """The layer's two buffers, read where its rows are ready: the expert in each slot (in
+    order until :mod:`graphpass.runtime.expert_placement` moves them) and the tally of rows
+    routed to each expert since the last rebalance."""
+    out = []
+    for name, tensor, kind in ((f"{PLACEMENT_PREFIX}{i}", torch.arange(region.num_experts), "slots"),
+                               (f"{LOAD_PREFIX}{i}", torch.zeros(region.num_experts, dtype=torch.float64), "load")):
+        gm.register_buffer(name, tensor.to(region.offs.meta[meta.VAL].device))
+        with gm.graph.inserting_before(region.offs):
+            node = gm.graph.get_attr(name)
+        meta.copy_meta(region.offs, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD,
+                                                   meta.TP_SHARD, meta.PLACEMENT))
+        node.meta.update({meta.ATTR_KIND: "buffer", meta.STATE_KEYS: (), meta.CREATED_BY: NAME, meta.VAL: tensor})
+        out.append(node)
+    return out[0], out[1]
+
+
+def _shard(gm: fx.GraphModule, node: fx.Node, size: int, index: int, placement: str) -> None:
     """Replace expert weight ``node``'s tensor by this rank's experts (every node reading it)."""
     if meta.TP_SHARD in node.meta or meta.SHARD in node.meta:
         raise NotImplementedError(f"{NAME}: expert weight {node.target!r} is already sharded "
@@ -247,7 +268,7 @@ def _shard(gm: fx.GraphModule, node: fx.Node, size: int, index: int) -> None:
         local = experts // size
         setattr(owner, attr, nn.Parameter(full.detach()[index * local:(index + 1) * local].clone(),
                                           requires_grad=full.requires_grad))
-    node.meta[meta.TP_SHARD] = {"axis": EP, "dim": 0, "shape": list(node.meta[meta.VAL].shape)}
+    node.meta[meta.TP_SHARD] = {"axis": EP, "dim": 0, "shape": list(node.meta[meta.VAL].shape), "placement": placement}
     node.meta[meta.PLACEMENT] = {**node.meta.get(meta.PLACEMENT, {}), EP: "Shard(0)"}
 
 

@@ -52,15 +52,19 @@ def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     return ((label % local) * n + label // local).argsort(stable=True)  # by e * n + s
 
 
-def ep_counts(offs: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+def ep_counts(offs: torch.Tensor, axis: str, size: int, placement: torch.Tensor | None = None,
+              load: torch.Tensor | None = None) -> torch.Tensor:
     """Exchange the per-expert row counts over ``axis`` (``size`` ranks).
 
     Args:
         offs: running row counts over all ``E`` experts (``E`` divisible by ``size``).
+        placement: the expert in each slot (``[E]``; rank ``j`` holds slots ``j E/size ..``),
+            None for experts in order (:mod:`graphpass.runtime.expert_placement` moves them).
+        load: a ``[E]`` float64 tally the per-expert counts are added to (routing statistics).
 
     Returns:
-        ``splits`` ``[2, size, E/size]``: the rows this rank sends to each rank per local expert of
-        that rank, and the rows it receives from each rank per own local expert.
+        ``splits`` ``[2, size, E/size]``: the rows this rank sends to each rank per slot of that
+        rank, and the rows it receives from each rank per own slot.
     """
     num_experts = offs.shape[0]
     if num_experts % size:
@@ -71,6 +75,10 @@ def ep_counts(offs: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     splits = offs.new_empty(2, size, local, dtype=torch.long)
     sent = splits[0].view(-1)
     torch.sub(offs, F.pad(offs, (1, -1)), out=sent)  # per-expert counts, written in place
+    if load is not None:
+        load.add_(sent)
+    if placement is not None:
+        sent.copy_(sent[placement])  # by slot
     group = mesh_lib.current().group(axis)
     if group is None:
         splits[1].copy_(splits[0])
@@ -119,14 +127,30 @@ class _Combine(torch.autograd.Function):
         return received.index_select(0, ctx.order), None, None, None
 
 
-def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _moved(placement: torch.Tensor | None) -> bool:
+    return placement is not None and not bool(torch.equal(placement, torch.arange(placement.numel(),
+                                                                                   device=placement.device)))
+
+
+def _slot_order(splits: torch.Tensor, placement: torch.Tensor) -> torch.Tensor:
+    """Indices of the expert-sorted rows in slot order (slot ``s`` holds expert
+    ``placement[s]``), from the counts sent per slot (``splits[0]``)."""
+    by_slot = splits[0].reshape(-1)
+    by_expert = torch.empty_like(by_slot).index_copy_(0, placement, by_slot)
+    expert_start = by_expert.cumsum(0) - by_expert
+    slot_start = by_slot.cumsum(0) - by_slot
+    shift = torch.repeat_interleave(expert_start[placement] - slot_start, by_slot)
+    return shift + torch.arange(shift.numel(), device=shift.device)
+
+
+def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str, placement: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Send ``rows`` (sorted by expert, the kept ones first, ``splits`` from :func:`ep_counts`)
-    to the ranks of ``axis`` that hold their experts.
+    to the ranks of ``axis`` that hold their experts (by ``placement``, as for ep_counts).
 
     Returns:
-        ``(local_rows, local_offs)``: the rows of this rank's ``E/size`` experts from every rank,
-        expert-major, and their running counts (for ``grouped_mm`` with the local expert
-        weights).
+        ``(local_rows, local_offs)``: the rows of this rank's ``E/size`` slots from every rank,
+        slot-major, and their running counts (for ``grouped_mm`` with the local expert weights).
     """
     if is_fake(rows):
         return rows.new_empty(rows.shape), splits.new_empty(splits.shape[2])
@@ -134,11 +158,14 @@ def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str) -> tuple[to
     group = mesh_lib.current().group(axis)
     if group is None:
         return rows, local_offs
+    if _moved(placement):  # the rows of each slot's expert, in slot order
+        rows = rows.index_select(0, _slot_order(splits, placement))
     return _Dispatch.apply(rows, splits, group), local_offs
 
 
-def ep_combine(local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, axis: str) -> torch.Tensor:
-    """Send the local experts' results (``local_out``, expert-major as :func:`ep_dispatch` gave
+def ep_combine(local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, axis: str,
+               placement: torch.Tensor | None = None) -> torch.Tensor:
+    """Send the local experts' results (``local_out``, slot-major as :func:`ep_dispatch` gave
     the rows) back to the ranks the rows came from, in their sorted order: ``num_rows`` rows,
     those that were not sent (dropped) zero."""
     if is_fake(local_out):
@@ -146,7 +173,11 @@ def ep_combine(local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, axi
     group = mesh_lib.current().group(axis)
     if group is None:
         return local_out
-    return _Combine.apply(local_out, splits, num_rows, group)
+    if not _moved(placement):
+        return _Combine.apply(local_out, splits, num_rows, group)
+    order = _slot_order(splits, placement)
+    home = _Combine.apply(local_out, splits, order.numel(), group)
+    return home.new_zeros(num_rows, *home.shape[1:]).index_copy(0, order, home)
 
 
 #: The ops the ``expert_parallel`` pass emits (graphpass.transitions has an entry for each).

@@ -6,7 +6,9 @@ rectangular pieces of the full tensor, each a view of one local tensor:
 - a ZeRO shard (``gp.shard``) is a run of dim-0 rows of the tensor it shards; its padding rows
   belong to nothing, and a rank whose rows are all padding holds no piece;
 - a tensor-parallel shard (``gp.tp_shard``) is chunk r of one dim, or chunk r of each fused part
-  along it (``parts``: q, k and v of a fused projection), which is one piece per part;
+  along it (``parts``: q, k and v of a fused projection), which is one piece per part; experts
+  sharded over ``ep`` are chunk r of dim 0 while in order, and one piece per expert once
+  dynamic placement has moved them (the expert a slot holds);
 - a split operator's slice (``gp.split``) sits at its ``start`` along its dim.
 
 They compose in that order from the local tensor outwards (ZeRO shards the tensor-parallel chunk or
@@ -112,10 +114,26 @@ def _split(pieces: list[Piece], split: Mapping) -> tuple[list[Piece], tuple[int,
     return moved, tuple(split["shape"])
 
 
-def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh) -> Layout | None:
+def _placed(pieces: list[Piece], placement: torch.Tensor) -> list[Piece]:
+    """Pieces of stacked experts whose dim-0 positions are slots: one piece per row, at the row
+    of the expert its slot holds (``placement[slot]``)."""
+    if torch.equal(placement, torch.arange(placement.numel(), device=placement.device)):
+        return pieces
+    expert_at = placement.tolist()
+    out = []
+    for piece in pieces:
+        for r in range(piece.sizes[0]):
+            index = (slice(piece.index[0].start + r, piece.index[0].start + r + 1), *piece.index[1:])
+            out.append(Piece((expert_at[piece.offsets[0] + r], *piece.offsets[1:]), index))
+    return out
+
+
+def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
+              placement: torch.Tensor | None = None) -> Layout | None:
     """The layout of ``get_attr`` node ``node``'s tensor ``local`` on this rank, under the first
     original key it stands for (tied weights are saved once); None for a node standing for no key
-    (a module a pass created)."""
+    (a module a pass created). ``placement``: for experts sharded over ``ep``, the expert in
+    each slot (:mod:`graphpass.runtime.expert_placement`); None: in order."""
     split = node.meta.get(meta.SPLIT)
     keys = split["state_keys"] if split is not None else node.meta.get(meta.STATE_KEYS, ())
     if not keys:
@@ -127,6 +145,8 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh) ->
     if meta.TP_SHARD in node.meta:
         shard = node.meta[meta.TP_SHARD]
         pieces, shape = _tensor_parallel(pieces, shard, mesh.axis_rank(shard["axis"]), mesh.axis_size(shard["axis"]))
+        if placement is not None and shard["dim"] == 0:
+            pieces = _placed(pieces, placement)
     if split is not None:
         pieces, shape = _split(pieces, split)
     pieces = [p for p in pieces if all(n > 0 for n in p.sizes)]

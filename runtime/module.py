@@ -194,7 +194,8 @@ class DistributedModule(nn.Module):
                 continue
             seen.add(node.target)
             tensor = self._attr(node.target)
-            layout = layout_of(node, tensor, self._mesh) if isinstance(tensor, torch.Tensor) else None
+            layout = (layout_of(node, tensor, self._mesh, self._placement(self._tp_sharded.get(node.target)))
+                      if isinstance(tensor, torch.Tensor) else None)
             if layout is not None:
                 entries.append((layout, tensor))
         read = {k for keys in self._graph_keys for k in keys}
@@ -221,11 +222,19 @@ class DistributedModule(nn.Module):
                 local = [out.get(t, self._attr(t)) for t in targets]
                 dims = [self._tp_sharded[t]["dim"] for t in targets]
                 parts = [self._tp_sharded[t].get("parts") for t in targets]
-                out.update(zip(targets, gather_tp_parameters(local, dims, axis, parts)))
+                for target, full in zip(targets, gather_tp_parameters(local, dims, axis, parts)):
+                    placement = self._placement(self._tp_sharded[target])
+                    # experts moved by dynamic placement: slot order back to expert order
+                    out[target] = full if placement is None else full[placement.argsort()]
             for target, slices in self._split.items():
                 parts = [out[t] if t in out else self._attr(t) for _, _, t in sorted(slices)]
                 out[target] = torch.cat(parts, dim=slices[0][1])
         return out
+
+    def _placement(self, shard: dict | None) -> torch.Tensor | None:
+        """The expert in each slot of a tensor sharded over ``ep`` (None for other tensors)."""
+        name = (shard or {}).get("placement")
+        return self._attr(name) if name is not None else None
 
     def _attr(self, target: str) -> torch.Tensor:
         module_path, _, name = target.rpartition(".")

@@ -172,3 +172,63 @@ def test_dense_to_sparse_routing_thins_on_schedule_and_expert_parallel_follows_e
     assert kept[0] == 1.0 and kept[0] > kept[1] > kept[2], kept  # dense, then sparser as it anneals
     for losses, _ in rank_pool(2).run(_phases, phases, {"ep": 2}, timeout_s=120):
         torch.testing.assert_close(losses, ref, rtol=RTOL, atol=0)
+
+
+# ------------------------------------------------------------------------------ dynamic placement
+
+
+def _train_moving(name: str, strategy_kwargs: dict, steps: int = 4, batch: int = 8):
+    """Train with ExpertPlacement deciding after every step (forced: the tiny model's cost model
+    would not move); the losses, full state, first step's gradients and the placements used."""
+    dmodel, data = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
+    placement = gp.ExpertPlacement(dmodel, opt, every=1, force=True)
+    losses, grads, moves = [], {}, []
+    for step, b in enumerate(data):
+        losses.append(dmodel.train_step(*b).item())
+        if step == 1:  # after the first move: gradients put together through the moved layout
+            grads = zoo.full_grads(dmodel)
+        opt.step()
+        opt.zero_grad()
+        moves += [(m.layer, m.moved, round(max(m.before), 4), round(max(m.after), 4)) for m in placement.step()]
+    placements = [dmodel._attr(name).tolist() for name, _, _ in placement.layers]
+    return losses, dmodel.full_state_dict(), grads, moves, placements
+
+
+def _reference_grads_at(name: str, step: int, steps: int = 4, batch: int = 8):
+    model = zoo.build(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for i, b in enumerate(zoo.batches(name, steps, batch)):
+        model(*b).backward()
+        if i == step:
+            return {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size, kwargs", [(2, {"ep": 2}), (4, {"ep": 4}), (4, {"ep": 2})])
+def test_moving_hot_experts_changes_where_they_run_not_what_they_compute(rank_pool, world_size, kwargs):
+    """Routing skewed towards experts 0 and 1 (contiguous placement puts them on one rank): the
+    greedy placement splits them up, weights and momentum move with them, and losses, gradients
+    and the full state stay those of one process (tolerances as above)."""
+    ref_losses, ref_state, _ = zoo.train_reference("moe_skewed", steps=4, batch=8)
+    ref_grads = _reference_grads_at("moe_skewed", 1)
+    for rank, (losses, state, grads, moves, placements) in enumerate(
+            rank_pool(world_size).run(_train_moving, "moe_skewed", kwargs, timeout_s=300)):
+        assert any(moved and after < before for _, moved, before, after in moves), moves
+        assert all(p != list(range(8)) for p in placements), placements  # every layer moved
+        zoo.assert_matches_reference(f"moe_skewed {kwargs} rank {rank}", losses, state, ref_losses, ref_state,
+                                     grads, ref_grads, rtol=RTOL, atol=ATOL)
+
+
+def test_greedy_placement_spreads_the_hot_experts_and_keeps_the_rest_in_place():
+    from graphpass.runtime.expert_placement import greedy_placement, rank_shares
+
+    loads = [40.0, 30.0, 10.0, 10.0, 5.0, 5.0]
+    new = greedy_placement(loads, 3, list(range(6)))
+    assert rank_shares(loads, list(range(6)), 3) == pytest.approx([0.7, 0.2, 0.1])
+    # two slots a rank: expert 0 (40) shares a rank with a 5 at best, so 0.45 is the optimum
+    assert max(rank_shares(loads, new, 3)) == pytest.approx(0.45)
+    assert sorted(new) == list(range(6)) and new[:1] == [0]  # expert 0 stays in slot 0
+    assert greedy_placement([1.0] * 4, 2, [0, 1, 2, 3]) == [0, 1, 2, 3]  # balanced: nothing moves

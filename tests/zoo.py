@@ -27,7 +27,26 @@ MOE_CONFIGS = {
     "moe_hash": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, gate="hash", gate_options={"vocab_size": VOCAB}),
     "moe_dense_to_sparse": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, gate="dense_to_sparse",
                                         gate_options={"noise": False, "threshold": 0.2, "temperature": (0.05, 0.05)}),
+    # top-2 of 8 experts, routing skewed towards the first ones (SkewedGate): the case for
+    # dynamic expert placement
+    "moe_skewed": MoEGPTConfig(vocab_size=VOCAB, block_size=SEQ, num_experts=8, d_hidden=32),
 }
+
+
+def _skewed_gate(d_model: int, num_experts: int) -> nn.Module:
+    """A top-2 gate whose logits favour the first experts by ``-log(e + 1)``: about half of the
+    rows go to experts 0 and 1, which contiguous placement puts on one rank."""
+    from graphpass.nn.gates import TopKGate
+
+    class SkewedGate(TopKGate):
+        def __init__(self):
+            super().__init__(d_model, num_experts, k=2)
+            self.register_buffer("bias", -torch.log(torch.arange(1, num_experts + 1, dtype=torch.float32)))
+
+        def logits(self, x: torch.Tensor) -> torch.Tensor:
+            return super().logits(x) + self.bias
+
+    return SkewedGate()
 
 
 class EncoderLM(nn.Module):
@@ -273,7 +292,11 @@ def build(name: str, seed: int = 0) -> nn.Module:
                                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ, **common)
         return HFCausalLM(Qwen2MoeForCausalLM(config))
     if name.startswith("moe_"):  # graphpass.nn.MoE decoders: moe_topk, moe_switch, moe_expert_choice, ...
-        return MoEGPT(MOE_CONFIGS[name])
+        model = MoEGPT(MOE_CONFIGS[name])
+        if name == "moe_skewed":
+            for block in model.h:
+                block.moe.gate = _skewed_gate(block.moe.gate.router.in_features, block.moe.num_experts)
+        return model
     raise KeyError(f"unknown test model {name!r}")
 
 
