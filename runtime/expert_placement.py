@@ -64,7 +64,8 @@ class Move:
 
 def greedy_placement(loads: list[float], ep: int, current: list[int]) -> list[int]:
     """The expert in each slot after the longest-processing-time greedy (see the module
-    docstring); ``current`` is the expert in each slot now."""
+    docstring); ``current`` (the expert in each slot now) where the greedy does not lower the
+    slowest rank's share."""
     num = len(loads)
     local = num // ep
     owner_now = {expert: slot // local for slot, expert in enumerate(current)}
@@ -83,7 +84,8 @@ def greedy_placement(loads: list[float], ep: int, current: list[int]) -> list[in
         staying = [e if e in slots[j] else None for e in mine]
         arriving = iter(sorted(e for e in slots[j] if e not in mine))
         out += [e if e is not None else next(arriving) for e in staying]
-    return out
+    # no better than now: stay (a move costs bytes and gains nothing)
+    return out if max(rank_shares(loads, out, ep)) < max(rank_shares(loads, current, ep)) else list(current)
 
 
 def rank_shares(loads: list[float], placement: list[int], ep: int) -> list[float]:
