@@ -177,9 +177,11 @@ def test_dense_to_sparse_routing_thins_on_schedule_and_expert_parallel_follows_e
 # ------------------------------------------------------------------------------ dynamic placement
 
 
-def _train_moving(name: str, strategy_kwargs: dict, steps: int = 4, batch: int = 8):
+def _train_moving(name: str, strategy_kwargs: dict, path: str, steps: int = 4, batch: int = 8):
     """Train with ExpertPlacement deciding after every step (forced: the tiny model's cost model
-    would not move); the losses, full state, first step's gradients and the placements used."""
+    would not move); the losses, full state, first step's gradients and the placements used.
+    Then save (experts moved) and load into a fresh program (experts in order): the state must
+    come back whole."""
     dmodel, data = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch)
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
     placement = gp.ExpertPlacement(dmodel, opt, every=1, force=True)
@@ -192,7 +194,13 @@ def _train_moving(name: str, strategy_kwargs: dict, steps: int = 4, batch: int =
         opt.zero_grad()
         moves += [(m.layer, m.moved, round(max(m.before), 4), round(max(m.after), 4)) for m in placement.step()]
     placements = [dmodel._attr(name).tolist() for name, _, _ in placement.layers]
-    return losses, dmodel.full_state_dict(), grads, moves, placements
+    state = dmodel.full_state_dict()
+    gp.save(dmodel, opt, path)
+    fresh, _ = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch)
+    gp.load(fresh, torch.optim.SGD(fresh.parameters(), lr=0.05, momentum=0.9), path)
+    reloaded = fresh.full_state_dict()
+    assert all(torch.equal(reloaded[k], state[k]) for k in state), "the checkpoint of moved experts did not reload"
+    return losses, state, grads, moves, placements
 
 
 def _reference_grads_at(name: str, step: int, steps: int = 4, batch: int = 8):
@@ -208,14 +216,15 @@ def _reference_grads_at(name: str, step: int, steps: int = 4, batch: int = 8):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size, kwargs", [(2, {"ep": 2}), (4, {"ep": 4}), (4, {"ep": 2})])
-def test_moving_hot_experts_changes_where_they_run_not_what_they_compute(rank_pool, world_size, kwargs):
+def test_moving_hot_experts_changes_where_they_run_not_what_they_compute(rank_pool, tmp_path, world_size, kwargs):
     """Routing skewed towards experts 0 and 1 (contiguous placement puts them on one rank): the
     greedy placement splits them up, weights and momentum move with them, and losses, gradients
-    and the full state stay those of one process (tolerances as above)."""
+    and the full state stay those of one process (tolerances as above); a checkpoint of the
+    moved experts reloads exactly into a program with them in order."""
     ref_losses, ref_state, _ = zoo.train_reference("moe_skewed", steps=4, batch=8)
     ref_grads = _reference_grads_at("moe_skewed", 1)
     for rank, (losses, state, grads, moves, placements) in enumerate(
-            rank_pool(world_size).run(_train_moving, "moe_skewed", kwargs, timeout_s=300)):
+            rank_pool(world_size).run(_train_moving, "moe_skewed", kwargs, str(tmp_path / "ck"), timeout_s=300)):
         assert any(moved and after < before for _, moved, before, after in moves), moves
         assert all(p != list(range(8)) for p in placements), placements  # every layer moved
         zoo.assert_matches_reference(f"moe_skewed {kwargs} rank {rank}", losses, state, ref_losses, ref_state,
