@@ -12,7 +12,10 @@ probability ``(e + 1) ** -skew / H``); the hottest experts sit together on the f
 * ``torch DDP``: the model eagerly under ``DistributedDataParallel`` (what a user would write):
   the reference of the ratio column;
 * ``gp dp``: ``Strategy(dp=n)``, experts replicated, each rank routing its own tokens;
-* ``gp ep=k``: ``Strategy(dp=n, ep=k)``, experts sharded over groups of ``k`` ranks.
+* ``gp ep=k``: ``Strategy(dp=n, ep=k)``, experts sharded over groups of ``k`` ranks;
+* ``+ placement``: the same with ``gp.ExpertPlacement(dmodel, opt, every=--every)`` deciding
+  every ``--every`` steps (its own cost model decides whether to move; ``layers moved`` counts
+  the layer moves it made, most in the warm-up).
 
 Columns: median step time (a step's time is its slowest rank's; each step starts at a barrier),
 its ratio to torch DDP's in the same run, ``slow/mean expert s``: on each rank the time the
@@ -30,9 +33,6 @@ this sandbox does not have. The cluster is 2 nodes x 2 ranks, the intra-node lin
 loopback figures (``graphpass profile``'s, else graphpass's CPU defaults), the inter-node link
 ``--inter-slowdown`` times slower in bandwidth and latency; the messages are one dispatch of the
 model above on one rank, 16 times less and 16 times more.
-
-Not here yet: dynamic expert placement (moving hot experts between ranks), which issue 11 asks
-this bench to compare against.
 
     python bench/moe.py                   # about two minutes on 2 cores
     python bench/moe.py --skews 0 1.5 --experts 8
@@ -90,6 +90,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skews", type=float, nargs="+", default=[0.0, 1.2])
     p.add_argument("--eps", type=int, nargs="+", default=None, help="ep degrees (default 2 and world size)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--every", type=int, default=2, help="steps between ExpertPlacement's decisions")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--inter-slowdown", type=float, default=8.0,
                    help="the inter-node link's bandwidth is the intra-node one's over this, its latency this times")
@@ -149,11 +150,14 @@ def _run_rank(args, skew: float, kind: str, ep: int) -> dict:
         dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=data[0],
                             strategy=gp.Strategy(dp=world, ep=ep))
         opt = torch.optim.SGD(dmodel.parameters(), lr=0.01)
+        placement = gp.ExpertPlacement(dmodel, opt, every=args.every) if kind == "place" else None
 
         def step(batch):
             dmodel.train_step(*batch)
             opt.step()
             opt.zero_grad()
+            if placement is not None:
+                placement.step()
     for batch in data[:args.warmup]:
         step(batch)
     times = []
@@ -163,7 +167,8 @@ def _run_rank(args, skew: float, kind: str, ep: int) -> dict:
         step(batch)
         times.append(time.perf_counter() - t0)
     seconds, rows = zip(*(_expert_work(lambda: step(data[-1])) for _ in range(3)))
-    return {"times": times, "experts": statistics.median(seconds), "rows": rows[0]}
+    moved = sum(m.moved for m in placement.history) if kind == "place" else 0
+    return {"times": times, "experts": statistics.median(seconds), "rows": rows[0], "moves": moved}
 
 
 def _row(args, skew: float, kind: str, ep: int) -> dict:
@@ -172,7 +177,7 @@ def _row(args, skew: float, kind: str, ep: int) -> dict:
     experts = [r["experts"] for r in results]
     rows = [r["rows"] for r in results]
     return {"step": statistics.median(steps), "slow_mean": max(experts) / statistics.mean(experts),
-            "rows": max(rows) / statistics.mean(rows)}
+            "rows": max(rows) / statistics.mean(rows), "moves": results[0]["moves"]}
 
 
 def _all_to_all_rows(args) -> list[str]:
@@ -200,19 +205,21 @@ def main(argv=None) -> None:
     print(f"MoE decoder: 2 layers, {args.experts} experts (top-2, dropless), d {args.n_embd}, expert hidden "
           f"{args.d_hidden}, {args.batch} x {args.seq} tokens per step; {args.world_size} gloo ranks, "
           f"{args.threads} thread(s) each; median of {args.rounds} steps after {args.warmup} warm-up")
-    kinds = [("torch DDP", "ddp", 1), ("gp dp", "gp", 1)] + [(f"gp ep={e}", "gp", e) for e in args.eps]
+    kinds = [("torch DDP", "ddp", 1), ("gp dp", "gp", 1)] + [
+        row for e in args.eps for row in ((f"gp ep={e}", "gp", e), (f"  + placement", "place", e))]
     for skew in args.skews:
         share = [(e + 1) ** -skew for e in range(args.experts)]
         hottest = max(share) / sum(share)
         print(f"\nrouting skew {skew:g} (Zipf): the hottest expert is the first choice of {hottest:.1%} of the "
               f"tokens ({1 / args.experts:.1%} balanced)")
-        print(f"  {'strategy':<12} {'step ms':>9} {'/ DDP':>7} {'slow/mean expert s':>19} {'slow/mean rows':>15}")
+        print(f"  {'strategy':<12} {'step ms':>9} {'/ DDP':>7} {'slow/mean expert s':>19} {'slow/mean rows':>15} "
+              f"{'layers moved':>13}")
         reference = None
         for label, kind, ep in kinds:
             r = _row(args, skew, kind, ep)
             reference = reference or r["step"]
             print(f"  {label:<12} {r['step'] * 1e3:9.1f} {r['step'] / reference:7.3f} {r['slow_mean']:19.2f} "
-                  f"{r['rows']:15.2f}")
+                  f"{r['rows']:15.2f} {r['moves'] if kind == 'place' else '':>13}")
     print()
     print("\n".join(_all_to_all_rows(args)))
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

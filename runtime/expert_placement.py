@@ -47,6 +47,7 @@ import torch.fx as fx
 
 from graphpass import meta
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.zero import _all_gather_flat
 
 
 @dataclass
@@ -221,7 +222,7 @@ class ExpertPlacement:
             tensors = [weight.data] + ([weight.grad] if weight.grad is not None else []) + self._states(weight)
             for tensor in tensors:
                 gathered = tensor.new_empty((self.ep * local, *tensor.shape[1:]))
-                dist.all_gather_into_tensor(gathered, tensor.contiguous(), group=group)
+                _all_gather_flat(gathered, tensor.contiguous(), group=group)
                 tensor.copy_(gathered[slot_of[mine]])
 
 
