@@ -97,6 +97,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BlockCost",
+    "ep_all_to_all",
     "Choice",
     "Layout",
     "Costing",
@@ -548,6 +549,20 @@ def _exchange_s(block: BlockCost, layout: Layout, scale: float, slowest: float, 
             else:
                 backward += 2 * copied / bandwidth
     return forward, backward
+
+
+def ep_all_to_all(blocks: Sequence[BlockCost], layout: Layout, costing: Costing) -> str:
+    """How the runtime should run the experts' exchanges on ``layout`` (``Plan.ep_all_to_all``):
+    ``"hierarchical"`` where the link model prices the two-level all-to-all below the flat one
+    for the largest exchange of one microbatch (the pricing above takes the cheaper already),
+    else ``"flat"``."""
+    group = layout.mesh.group_ranks("ep")
+    sizes = [size for b in blocks for name, size in b.exchanges if name == "ep dispatch"]
+    if layout.mesh.ep == 1 or not sizes:
+        return "flat"
+    size = max(sizes) * local_batch(layout, costing.batch) / costing.batch
+    flat = collective_time("all_to_all", size, group, costing.cluster, algorithm="ring")
+    return "hierarchical" if collective_time("all_to_all", size, group, costing.cluster) < flat else "flat"
 
 
 def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, comms: _Collectives) -> Priced:

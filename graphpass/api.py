@@ -198,7 +198,8 @@ def compile(  # noqa: A001 - the public name the contract uses
     captured, plan, local_inputs = _capture_and_plan(model, cluster, inputs, strategy, rank, world_size)
     gm = captured.gm
 
-    process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type)
+    process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type, node_size=(
+        cluster.devices_per_node if plan.ep_all_to_all == "hierarchical" else None))
     process_mesh.set_timeout(timeout_s)
     # Every rank starts from rank 0's weights (as DDP does), before passes cut shards from them.
     broadcast_replicated_state(gm, process_mesh)

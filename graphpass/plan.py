@@ -275,6 +275,10 @@ class Plan:
             ``transient_bytes``, ``grad_bytes`` (the gradients in ``state_bytes``), ``held_bytes``
             (gradients held across microbatches), ``loss_backward_bytes`` (the loss's backward
             working set, post block only).
+        ep_all_to_all: how expert parallelism's exchanges run: ``"flat"`` (one all-to-all over
+            the ``ep`` group) or ``"hierarchical"`` (two-level, Tutel's 2DH: within each node,
+            then one message per node pair; for ``ep`` groups spanning nodes of the cluster
+            given to ``compile``). The planner picks the cheaper by its link model.
         predicted_step_time_s: the cost model's step time, None until the planner prices it.
         predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
         predicted_stage_peaks_bytes: the cost model's peak on each ``pp`` rank (its stages), in
@@ -294,6 +298,7 @@ class Plan:
     microbatches: int = 1
     schedule: str = "1f1b"
     tp_parts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    ep_all_to_all: str = "flat"
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
     predicted_stage_peaks_bytes: tuple[int, ...] = ()
@@ -330,6 +335,8 @@ class Plan:
             raise ValueError(f"Plan.microbatches must be a positive int, got {self.microbatches!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.ep_all_to_all not in ("flat", "hierarchical"):
+            raise ValueError(f"Plan.ep_all_to_all must be 'flat' or 'hierarchical', got {self.ep_all_to_all!r}")
         for node, parts in self.tp_parts.items():
             if not parts or not all(isinstance(n, int) and n > 0 for n in parts):
                 raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")
@@ -427,6 +434,10 @@ class Plan:
             lines.append("sequence parallel: residual-stream activations sharded along the sequence on tp")
         if self.tp_parts:
             lines.append(f"fused projections sharded per part on tp: {len(self.tp_parts)} weights and biases")
+        if self.mesh.ep > 1:
+            lines.append(f"experts sharded over ep={self.mesh.ep} (inside dp={self.mesh.dp}); exchanges "
+                         + ("two-level (within nodes, then between them)" if self.ep_all_to_all == "hierarchical"
+                            else "flat all-to-all"))
         if self.split:
             parts = sorted({spec["parts"] for spec in self.split.values()})
             lines.append(f"operator splitting: {len(self.split)} linears into {parts} slices")
@@ -472,7 +483,7 @@ class Plan:
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
         for name in ("stages", "strategy", "zero", "recompute", "split", "sequence_parallel", "bucket_cap_bytes",
-                     "microbatches", "tp_parts"):
+                     "microbatches", "tp_parts", "ep_all_to_all"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out

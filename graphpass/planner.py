@@ -1181,5 +1181,6 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
         predicted_peak_memory_bytes=int(cand.peak_memory_bytes),
         predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
         schedule=layout.schedule,
+        ep_all_to_all=S.ep_all_to_all(blocks, layout, costing),
         breakdown=tuple(breakdown),
     )

@@ -317,13 +317,14 @@ def emit_vocab_parallel_cross_entropy(
 
 def emit_expert_exchange(
     gm: fx.GraphModule, rows: fx.Node, offs: fx.Node, last: fx.Node, axis: str, size: int, *,
-    placement: fx.Node, load: fx.Node, created_by: str,
+    placement: fx.Node, load: fx.Node, algorithm: str = "flat", created_by: str,
 ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Expert parallelism around one Mixture-of-Experts layer's grouped products: the count
     exchange and the dispatch of ``rows`` (sorted by expert, ``offs`` their running counts)
     right after ``rows``, and the combine right after ``last`` (the products' result leaving the
     experts), which takes over ``last``'s uses; ``placement`` and ``load`` are the layer's
-    buffers of the expert in each slot and of its routing tally. Returns ``(local_rows,
+    buffers of the expert in each slot and of its routing tally; ``algorithm`` ``"flat"`` or
+    ``"hierarchical"`` (``Plan.ep_all_to_all``). Returns ``(local_rows,
     local_offs, combined)``; the caller points the products at the local rows and offsets."""
     graph = gm.graph
     anchor = rows if list(graph.nodes).index(rows) > list(graph.nodes).index(offs) else offs
@@ -331,7 +332,8 @@ def emit_expert_exchange(
         splits = graph.call_function(_op(TABLE["ep token counts"]), (offs, axis, size),
                                      {"placement": placement, "load": load})
     with graph.inserting_after(splits):
-        dispatch = graph.call_function(_op(TABLE["ep dispatch"]), (rows, splits, axis), {"placement": placement})
+        dispatch = graph.call_function(_op(TABLE["ep dispatch"]), (rows, splits, axis),
+                                       {"placement": placement, "algorithm": algorithm})
     with graph.inserting_after(dispatch):
         local_rows = graph.call_function(operator.getitem, (dispatch, 0))
     with graph.inserting_after(local_rows):
@@ -339,7 +341,7 @@ def emit_expert_exchange(
     num_rows = int(rows.meta[meta.VAL].shape[0])
     with graph.inserting_after(last):
         combined = graph.call_function(_op(TABLE["ep combine"]), (last, splits, num_rows, axis),
-                                       {"placement": placement})
+                                       {"placement": placement, "algorithm": algorithm})
     last.replace_all_uses_with(combined, delete_user_cb=lambda user: user is not combined)
     for node, source in ((splits, offs), (dispatch, rows), (local_rows, rows), (local_offs, offs), (combined, last)):
         meta.copy_meta(source, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD,

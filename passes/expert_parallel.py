@@ -227,7 +227,8 @@ def expert_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
         for weight in region.weights:
             _shard(gm, weight, size, index, placement.target)
         local_rows, local_offs, _ = collectives.emit_expert_exchange(
-            gm, region.rows, region.offs, region.out, EP, size, placement=placement, load=load, created_by=NAME)
+            gm, region.rows, region.offs, region.out, EP, size, placement=placement, load=load,
+            algorithm=plan.ep_all_to_all, created_by=NAME)
         for product in region.products:
             product.replace_input_with(region.offs, local_offs)
             if product.args[0] is region.rows:

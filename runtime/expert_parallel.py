@@ -44,6 +44,75 @@ def _all_to_all(out: torch.Tensor, rows: torch.Tensor, out_splits: list[int] | N
     dist.all_to_all_single(out, rows, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
 
 
+def _transpose_blocks(counts: torch.Tensor) -> torch.Tensor:
+    """Row indices that reorder blocks laid out row-major by ``counts`` ``[p, q]`` (block
+    ``(a, b)`` has ``counts[a, b]`` rows) into column-major block order ``(b, a)``."""
+    flat = counts.reshape(-1)
+    starts = (flat.cumsum(0) - flat).reshape(counts.shape).t().reshape(-1)
+    sizes = counts.t().reshape(-1)
+    shift = torch.repeat_interleave(starts - (sizes.cumsum(0) - sizes), sizes)
+    return shift + torch.arange(shift.numel(), device=shift.device)
+
+
+class TwoLevel:
+    """The two-level (hierarchical) all-to-all of Tutel's 2DH / HetuMoE over an ``ep`` group of
+    ``k`` ranks on each of ``m`` nodes: rows first cross the node to the local rank with the
+    destination's index (intra-node all-to-all), then go to the destination's node in one
+    message per node pair (inter-node all-to-all among the ranks with that index). The result
+    is the flat exchange's, byte for byte and in the same order; the inter-node link carries
+    ``m - 1`` messages per rank instead of ``(m - 1) k``.
+
+    Args:
+        intra, inter: this rank's process groups (its ep ranks on its node; those with its
+            index on every node).
+        k, m: ranks per node, nodes; ``index``: this rank's index within its node.
+    """
+
+    def __init__(self, intra, inter, k: int, m: int, index: int):
+        self.intra, self.inter, self.k, self.m, self.index = intra, inter, k, m, index
+
+    def exchange(self, out: torch.Tensor, rows: torch.Tensor, recv: list[int], send: list[int]) -> None:
+        """``out`` receives from each ep rank ``recv[s]`` rows; ``rows`` holds ``send[d]`` rows
+        for each ep rank ``d``, in rank order (the flat exchange's contract)."""
+        k, m = self.k, self.m
+        sent = torch.tensor(send, dtype=torch.long, device=rows.device)
+        node = sent.new_empty(k * k * m)  # what each rank of my node sends where
+        _all_gather_counts(node, sent, self.intra)
+        node = node.reshape(k, m, k)[:, :, self.index]  # [source index, destination node] to my index
+        across = rows.index_select(0, _transpose_blocks(sent.reshape(m, k)))  # by destination index
+        mine = rows.new_empty(int(node.sum()), *rows.shape[1:])
+        _all_to_all(mine, across, node.sum(1).tolist(), sent.reshape(m, k).sum(0).tolist(), self.intra)
+        outbound = mine.index_select(0, _transpose_blocks(node))  # by destination node, then source
+        arriving = torch.tensor(recv, dtype=torch.long).reshape(m, k).sum(1).tolist()
+        _all_to_all(out, outbound, arriving, node.sum(0).tolist(), self.inter)
+
+
+def _all_gather_counts(out: torch.Tensor, counts: torch.Tensor, group) -> None:
+    dist.all_gather_into_tensor(out, counts, group=group)
+
+
+def _exchange(out: torch.Tensor, rows: torch.Tensor, recv: list[int], send: list[int], route) -> None:
+    """The all-to-all of ``rows`` (``send[d]`` to each ep rank) into ``out`` (``recv[s]`` from
+    each) over ``route``: a process group (flat) or a :class:`TwoLevel`."""
+    if isinstance(route, TwoLevel):
+        route.exchange(out, rows, recv, send)
+    else:
+        _all_to_all(out, rows, recv, send, route)
+
+
+def _route(axis: str, algorithm: str):
+    """The process group of ``axis`` (flat), or its :class:`TwoLevel` route (``"hierarchical"``
+    on a mesh built with nodes whose ep groups span them; else flat); None for one rank."""
+    if algorithm not in ("flat", "hierarchical"):
+        raise ValueError(f"expert exchange algorithm must be 'flat' or 'hierarchical', got {algorithm!r}")
+    mesh = mesh_lib.current()
+    two_level = mesh.two_level(axis) if algorithm == "hierarchical" else None
+    if two_level is not None:
+        intra, inter, k, m = two_level
+        return TwoLevel(intra, inter, k, m, mesh.axis_rank(axis) % k)
+    return mesh.group(axis)
+
+
 def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
     """The permutation that orders received rows (source-major: source ``s``'s rows of local
     expert 0, 1, ...) expert-major: ``received[order]``; ``recv_counts`` is ``[n sources, E local]``."""
@@ -94,7 +163,7 @@ class _Dispatch(torch.autograd.Function):
         order = _expert_major(splits[1])
         ctx.send, ctx.recv, ctx.order, ctx.group, ctx.num_rows = send, recv, order, group, rows.shape[0]
         received = rows.new_empty(sum(recv), *rows.shape[1:])
-        _all_to_all(received, rows[: sum(send)].contiguous(), recv, send, group)
+        _exchange(received, rows[: sum(send)].contiguous(), recv, send, group)
         return received.index_select(0, order)
 
     @staticmethod
@@ -102,7 +171,7 @@ class _Dispatch(torch.autograd.Function):
         source_major = torch.empty_like(grad).index_copy_(0, ctx.order, grad)
         kept = sum(ctx.send)
         out = grad.new_empty(ctx.num_rows, *grad.shape[1:])
-        _all_to_all(out[:kept], source_major, ctx.send, ctx.recv, ctx.group)
+        _exchange(out[:kept], source_major, ctx.send, ctx.recv, ctx.group)
         out[kept:].zero_()  # rows that stayed home (dropped) got no gradient here
         return out, None, None
 
@@ -116,14 +185,14 @@ class _Combine(torch.autograd.Function):
         source_major = torch.empty_like(local_out).index_copy_(0, order, local_out)
         out = local_out.new_empty(num_rows, *local_out.shape[1:])
         kept = sum(home)
-        _all_to_all(out[:kept], source_major, home, back, group)
+        _exchange(out[:kept], source_major, home, back, group)
         out[kept:].zero_()  # rows that were not sent (dropped) contribute nothing
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         received = grad.new_empty(sum(ctx.back), *grad.shape[1:])
-        _all_to_all(received, grad[: sum(ctx.home)].contiguous(), ctx.back, ctx.home, ctx.group)
+        _exchange(received, grad[: sum(ctx.home)].contiguous(), ctx.back, ctx.home, ctx.group)
         return received.index_select(0, ctx.order), None, None, None
 
 
@@ -143,19 +212,20 @@ def _slot_order(splits: torch.Tensor, placement: torch.Tensor) -> torch.Tensor:
     return shift + torch.arange(shift.numel(), device=shift.device)
 
 
-def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str, placement: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str, placement: torch.Tensor | None = None,
+                algorithm: str = "flat") -> tuple[torch.Tensor, torch.Tensor]:
     """Send ``rows`` (sorted by expert, the kept ones first, ``splits`` from :func:`ep_counts`)
     to the ranks of ``axis`` that hold their experts (by ``placement``, as for ep_counts).
 
     Returns:
         ``(local_rows, local_offs)``: the rows of this rank's ``E/size`` slots from every rank,
         slot-major, and their running counts (for ``grouped_mm`` with the local expert weights).
+        ``algorithm``: ``"flat"`` or ``"hierarchical"`` (:class:`TwoLevel`).
     """
     if is_fake(rows):
         return rows.new_empty(rows.shape), splits.new_empty(splits.shape[2])
     local_offs = splits[1].sum(0).cumsum(0)
-    group = mesh_lib.current().group(axis)
+    group = _route(axis, algorithm)
     if group is None:
         return rows, local_offs
     if _moved(placement):  # the rows of each slot's expert, in slot order
@@ -164,13 +234,13 @@ def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str, placement: 
 
 
 def ep_combine(local_out: torch.Tensor, splits: torch.Tensor, num_rows: int, axis: str,
-               placement: torch.Tensor | None = None) -> torch.Tensor:
+               placement: torch.Tensor | None = None, algorithm: str = "flat") -> torch.Tensor:
     """Send the local experts' results (``local_out``, slot-major as :func:`ep_dispatch` gave
     the rows) back to the ranks the rows came from, in their sorted order: ``num_rows`` rows,
     those that were not sent (dropped) zero."""
     if is_fake(local_out):
         return local_out.new_empty(num_rows, *local_out.shape[1:])
-    group = mesh_lib.current().group(axis)
+    group = _route(axis, algorithm)
     if group is None:
         return local_out
     if not _moved(placement):

@@ -37,9 +37,11 @@ class ProcessMesh:
         mesh: the plan's mesh (or an ordered ``{axis: size}``); the product must equal the
             world size.
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl).
+        node_size: ranks per node (global ranks ``0..k-1`` on the first node, ...): with it,
+            an ``ep`` group spanning nodes also gets its two-level groups (:meth:`two_level`).
     """
 
-    def __init__(self, mesh: Mesh | Mapping[str, int], device_type: str = "cpu"):
+    def __init__(self, mesh: Mesh | Mapping[str, int], device_type: str = "cpu", node_size: int | None = None):
         self.mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
         self.axes = dict(self.mesh)
         self.size = size = self.mesh.world_size
@@ -80,6 +82,40 @@ class ProcessMesh:
                 for combo in combinations(live, k):
                     self._joint[combo] = self._device_mesh[combo]._flatten().get_group()
 
+        # Two-level all-to-all over ep (Tutel's 2DH): per ep group, its ranks on each node, and
+        # its ranks with the same index on every node. Created by every rank in one order.
+        self._two_level: tuple | None = None
+        if node_size and self.mesh.ep > 1 and size > 1:
+            self._two_level = self._build_two_level(node_size)
+
+    def _build_two_level(self, node_size: int) -> tuple | None:
+        groups = sorted({tuple(self.mesh.group_ranks(EP, r)) for r in range(self.size)})
+        layout = []
+        for members in groups:
+            nodes = [r // node_size for r in members]
+            k = nodes.count(nodes[0])
+            blocks = [nodes[a:a + k] for a in range(0, len(members), k)]
+            if len(members) % k or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+                raise ValueError(f"the ep group {list(members)} does not lie as an equal number of consecutive ranks "
+                                 f"on each node of {node_size}; a two-level all-to-all needs that")
+            layout.append((members, k))
+        if all(k == len(members) for members, k in layout):
+            return None  # every ep group inside one node: the flat exchange is the two-level one
+        mine = None
+        for members, k in layout:
+            intra = [dist.new_group(list(members[a:a + k])) for a in range(0, len(members), k)]
+            inter = [dist.new_group(list(members[i::k])) for i in range(k)]
+            if self.rank in members:
+                g = members.index(self.rank)
+                mine = (intra[g // k], inter[g % k], k, len(members) // k)
+        return mine
+
+    def two_level(self, axis: str) -> tuple | None:
+        """``(intra-node group, inter-node group, ranks per node k, nodes m)`` of this rank's
+        ``ep`` group when the mesh was built with ``node_size`` and the group spans nodes; else
+        None."""
+        return self._two_level if axis == EP else None
+
     def set_timeout(self, timeout_s: float) -> None:
         """Make ``timeout_s`` the collective timeout of the default group and of every group of
         this mesh: a collective waiting for a dead or stuck peer raises after it."""
@@ -90,6 +126,8 @@ class ProcessMesh:
         groups: list[dist.ProcessGroup | None] = [None]  # the default group
         if self._device_mesh is not None:
             groups += [self._device_mesh.get_group(a) for a, n in self._dims.items() if n > 1]
+        if self._two_level is not None:
+            groups += [self._two_level[0], self._two_level[1]]
         for group in groups + list(self._joint.values()):
             _set_pg_timeout(timedelta(seconds=timeout_s), group)
 

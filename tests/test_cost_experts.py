@@ -131,3 +131,16 @@ def test_expert_loads_are_checked():
     with pytest.raises(ValueError, match="no Mixture-of-Experts layer"):
         gp.plan(zoo.build("gpt"), CLUSTER, zoo.batches("gpt", 1, 8)[0], expert_loads=[1.0])
 
+
+
+def test_an_ep_group_across_nodes_exchanges_in_two_levels_where_the_link_model_says_so(planner):
+    """On 2 nodes of 8 H100s, ep 16 spans both nodes: the two-level exchange sends one message
+    per node pair over InfiniBand instead of eight, and the plan says so; ep 4 stays in a node."""
+    config = MoEGPTConfig(vocab_size=32000, block_size=SEQ, n_layer=1, n_head=32, n_embd=D, num_experts=16, d_hidden=H)
+    with torch.device("meta"):
+        model = MoEGPT(config).to(torch.bfloat16)
+    idx = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    two_nodes = Planner(model, "h100-80g:2x8", (idx, idx))
+    assert two_nodes.price(gp.Strategy(dp=16, ep=16)).ep_all_to_all == "hierarchical"
+    assert two_nodes.price(gp.Strategy(dp=16, ep=4)).ep_all_to_all == "flat"
+    assert planner.price(gp.Strategy(dp=8, ep=8)).ep_all_to_all == "flat"  # one node

@@ -77,6 +77,36 @@ def _exchange(world: int):
     }
 
 
+def _flat_and_two_level():
+    """The exchange on 4 ranks declared as 2 nodes of 2: flat and two-level, the same rows in
+    the same order, and the same gradients (all bitwise)."""
+    import torch.distributed as dist
+
+    from graphpass.runtime.mesh import ProcessMesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    num_experts = LOCAL * world
+    rows, offs, _ = _rank_data(rank, num_experts)
+    mesh = ProcessMesh(Mesh.of(dp=world, ep=world), node_size=2)
+    out = {}
+    for algorithm in ("flat", "hierarchical"):
+        x = rows.detach().clone().requires_grad_()
+        with mesh_lib.active(mesh):
+            splits = ep_counts(offs, "ep", world)
+            local_rows, local_offs = ep_dispatch(x, splits, "ep", algorithm=algorithm)
+            back = ep_combine(local_rows * 2, splits, rows.shape[0], "ep", algorithm=algorithm)
+        (back * x.detach().cos()).sum().backward()  # any weights of the returned rows
+        out[algorithm] = (local_rows.detach(), back.detach(), x.grad)
+    return [torch.equal(a, b) for a, b in zip(out["flat"], out["hierarchical"])], mesh.two_level("ep") is not None
+
+
+@pytest.mark.timeout(120)
+def test_the_two_level_exchange_moves_the_rows_the_flat_one_does(rank_pool):
+    for rank, (equal, two_level) in enumerate(rank_pool(4).run(_flat_and_two_level, timeout_s=60)):
+        assert two_level, f"rank {rank}: no two-level groups for 2 nodes of 2"
+        assert equal == [True, True, True], f"rank {rank}: received rows, returned rows, gradients: {equal}"
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rows_go_to_their_experts_ranks_and_come_back_with_exact_gradients(rank_pool, world_size):
@@ -241,3 +271,35 @@ def test_greedy_placement_spreads_the_hot_experts_and_keeps_the_rest_in_place():
     assert max(rank_shares(loads, new, 3)) == pytest.approx(0.45)
     assert sorted(new) == list(range(6)) and new[:1] == [0]  # expert 0 stays in slot 0
     assert greedy_placement([1.0] * 4, 2, [0, 1, 2, 3]) == [0, 1, 2, 3]  # balanced: nothing moves
+
+
+def _train_two_level(name: str, steps: int = 3, batch: int = 8):
+    """ep 4 on 4 ranks declared as 2 nodes of 2, the exchanges two-level; the losses, full
+    state, first gradients and whether the program's exchanges ran two-level."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from graphpass.capture import capture
+    from graphpass.plan_builder import plan_from_strategy
+
+    model, data = zoo.build(name), zoo.batches(name, steps, batch)
+    world = dist.get_world_size()
+    cluster = dataclasses.replace(gp.Cluster.local(), num_nodes=2, devices_per_node=world // 2)
+    gm = capture(zoo.build(name), tuple(t[: batch // world] for t in data[0])).gm
+    plan = dataclasses.replace(plan_from_strategy(gm, gp.Strategy(dp=world, ep=world), ["test"]),
+                               ep_all_to_all="hierarchical")
+    dmodel = gp.compile(model, cluster, example_inputs=data[0], strategy=plan)
+    grads: dict = {}
+    losses = zoo.train_compiled(dmodel, data, on_first_step=lambda m: grads.update(zoo.full_grads(m)))
+    return losses, dmodel.full_state_dict(), grads, dmodel._mesh.two_level("ep") is not None
+
+
+@pytest.mark.timeout(300)
+def test_two_level_exchanges_train_as_one_process(rank_pool):
+    ref_losses, ref_state, ref_grads = zoo.train_reference("hf_mixtral", steps=3, batch=8)
+    for rank, (losses, state, grads, two_level) in enumerate(rank_pool(4).run(_train_two_level, "hf_mixtral",
+                                                                              timeout_s=200)):
+        assert two_level, f"rank {rank}: the program's ep group has no two-level route"
+        zoo.assert_matches_reference(f"hf_mixtral two-level rank {rank}", losses, state, ref_losses, ref_state,
+                                     grads, ref_grads, rtol=RTOL, atol=ATOL)
