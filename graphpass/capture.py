@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graphpass import meta
+from graphpass.nn.grouped_experts import substituted
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ def capture(
     for name in routes:
         start = time.perf_counter()
         try:
-            gm = _export(model, inputs) if name == "export" else _symbolic_trace(model, inputs)
+            # expert loops over data-dependent counts run as grouped products (graphpass.nn.grouped_experts)
+            with substituted(model):
+                gm = _export(model, inputs) if name == "export" else _symbolic_trace(model, inputs)
         except _BadModel:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is reported per route below
@@ -251,6 +254,9 @@ def _rebind(src: fx.GraphModule, model: nn.Module | None) -> fx.GraphModule:
         if node.op != "get_attr":
             continue
         kind = node.meta[meta.ATTR_KIND]
+        if kind == "module":  # a higher-order op's subgraph: holds no tensors, shared as it is
+            _set_attr(holder, node.target, _fetch(src, node.target), kind)
+            continue
         if not node.meta[meta.STATE_KEYS] and node.target not in tensors:  # a lifted constant
             tensor = _fetch(src, node.target).clone()
         elif model is None:
@@ -326,6 +332,12 @@ def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModul
             # export's check of a cast's input (dtype, device): it computes nothing, and its
             # device would fail the program on meta copies (planning a cluster from a laptop)
             # and on every other device
+            continue
+        if node.op == "get_attr" and isinstance(getattr(src, node.target, None), nn.Module):
+            # a subgraph of a higher-order op (a `with torch.no_grad():` block's body)
+            _set_attr(attrs.holder, node.target, getattr(src, node.target), "module")
+            env[node] = graph.get_attr(node.target)
+            env[node].meta[meta.ATTR_KIND] = "module"
             continue
         new = graph.node_copy(node, lambda n: env[n])
         env[node] = new
@@ -417,6 +429,8 @@ def _set_attr(root: nn.Module, target: str, tensor: torch.Tensor, kind: str) -> 
         module = getattr(module, part)
     if kind == "parameter":
         module.register_parameter(leaf, tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor))
+    elif kind == "module":
+        module.add_module(leaf, tensor)
     else:
         module.register_buffer(leaf, tensor)
 

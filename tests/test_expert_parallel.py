@@ -139,14 +139,16 @@ def _train(name: str, strategy_kwargs: dict, steps: int = 3, batch: int = 8):
 
 #: (model, Strategy fields besides dp = world size): every deterministic gate, dropless and
 #: capacity (by position and by score), ZeRO of the experts over edp and of the dense weights
-#: over dp, Hugging Face's Mixtral and Qwen2-MoE, tp (with sequence parallelism) and pp.
+#: over dp, Hugging Face's Mixtral and Qwen2-MoE, a torchtitan-style layer (experts as a loop
+#: over tolist() counts), tp (with sequence parallelism) and pp.
 CASES = {
     2: [("moe_topk", {"ep": 2}), ("moe_topk_capacity", {"ep": 2, "zero": 3}), ("moe_switch_score", {"ep": 2, "zero": 1}),
-        ("moe_expert_choice", {"ep": 2}), ("moe_hash", {"ep": 2, "zero": 2}), ("hf_qwen2_moe", {"ep": 2})],
+        ("moe_expert_choice", {"ep": 2}), ("moe_hash", {"ep": 2, "zero": 2}), ("hf_qwen2_moe", {"ep": 2}),
+        ("tt_moe", {"ep": 2, "zero": 3})],
     4: [("moe_topk", {"ep": 4}), ("moe_topk_capacity", {"ep": 2, "zero": 3}), ("moe_switch_score", {"ep": 4, "zero": 1}),
         ("moe_expert_choice", {"ep": 2, "zero": 2}), ("hf_mixtral", {"ep": 2, "zero": 2}),
         ("moe_topk", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}), ("hf_mixtral", {"dp": 2, "tp": 2, "ep": 2}),
-        ("moe_topk_capacity", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2})],
+        ("moe_topk_capacity", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2}), ("tt_moe", {"ep": 4})],
 }
 
 

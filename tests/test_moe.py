@@ -223,6 +223,65 @@ def test_an_moe_decoder_captures_as_a_static_graph_with_grouped_products():
     torch.testing.assert_close(captured.gm(*batch)[0], model(*batch), rtol=RTOL, atol=ATOL)
 
 
+def test_a_torchtitan_style_expert_loop_captures_as_grouped_products_and_the_model_is_untouched():
+    """torchtitan's experts loop over tolist() counts (no route captures that); capture runs them
+    through graphpass.nn.grouped_experts' grouped forward, which computes the same outputs, and
+    leaves the user's modules as they were."""
+    model = zoo.build("tt_moe")
+    batch = zoo.batches("tt_moe", 1, 4)[0]
+    captured = capture(model, batch)
+    names = [op_name(n) for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert captured.route == "export" and names.count("graphpass.grouped_mm") == 6  # 2 layers x (w1, w3, w2)
+    assert all("forward" not in vars(m) for m in model.modules())
+    torch.testing.assert_close(captured.gm(*batch)[0], model(*batch), rtol=RTOL, atol=ATOL)
+
+
+class _OtherExperts(torch.nn.Module):
+    """Experts under other names, written as a loop (a user's own module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Parameter(torch.randn(3, 4, 5))
+        self.down = torch.nn.Parameter(torch.randn(3, 5, 4))
+
+    def forward(self, rows, counts):
+        pieces = torch.split(rows, [int(c) for c in counts.tolist()])
+        return torch.cat([F.relu(p @ self.up[e]) @ self.down[e] for e, p in enumerate(pieces)])
+
+
+class _OtherMoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = _OtherExperts()
+
+    def forward(self, x):
+        expert = (x.sum(-1) > 0).long() + (x[:, 0] > 1).long()  # 0, 1 or 2 per row
+        order = expert.argsort(stable=True)
+        counts = (expert.unsqueeze(-1) == torch.arange(3)).sum(0)
+        out = self.experts(x[order], counts)
+        return torch.zeros_like(out).index_copy(0, order, out).pow(2).mean()
+
+
+def test_a_registered_expert_module_captures_through_its_grouped_forward():
+    from graphpass.nn import register_grouped_experts
+    from graphpass.nn.grouped_experts import _REGISTRY
+
+    x = torch.randn(16, 4)
+    model = _OtherMoE()
+    with pytest.raises(gp.CaptureError):
+        capture(model, (x,))
+    register_grouped_experts(_OtherExperts, lambda m, rows, counts: grouped_mm(
+        F.relu(grouped_mm(rows, m.up, counts.cumsum(0))), m.down, counts.cumsum(0)))
+    try:
+        captured = capture(model, (x,))
+    finally:
+        del _REGISTRY[_OtherExperts]
+    assert [op_name(n) for n in captured.gm.graph.nodes].count("graphpass.grouped_mm") == 2
+    torch.testing.assert_close(captured.gm(x)[0], model(x), rtol=RTOL, atol=ATOL)
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        register_grouped_experts(int, print)
+
+
 # ------------------------------------------------------------------------------ data parallel
 
 

@@ -49,6 +49,76 @@ def _skewed_gate(d_model: int, num_experts: int) -> nn.Module:
     return SkewedGate()
 
 
+class LoopExperts(nn.Module):
+    """Experts as torchtitan writes them without grouped GEMMs (``GroupedExperts``' for-loop
+    path): stacked ``w1``/``w3`` ``[E, h, d]`` and ``w2`` ``[E, d, h]``, a Python loop over the
+    per-expert token counts (``tolist()``), padding rows zero."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num_experts, hidden, dim) / dim ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden) / hidden ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, hidden, dim) / dim ** 0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        counts = [int(c) for c in num_tokens_per_expert.tolist()]
+        pieces = torch.split(x[: sum(counts)], counts, dim=0)
+        out = torch.cat([(F.silu(p @ self.w1[e].t()) * (p @ self.w3[e].t())) @ self.w2[e].t()
+                         for e, p in enumerate(pieces)])
+        return torch.vstack((out, out.new_zeros(x.shape[0] - sum(counts), out.shape[-1])))
+
+
+class LoopMoE(nn.Module):
+    """torchtitan's MoE layout: a softmax top-k router over flat tokens, counts by ``histc``
+    (tallied in a buffer, as its load balancing does), tokens sorted by expert, scores applied
+    before the experts, outputs scattered back."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = LoopExperts(dim, hidden, num_experts)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, slen, dim = x.shape
+        x = x.reshape(-1, dim)
+        scores = F.softmax(self.gate(x).float(), dim=1)
+        top_scores, chosen = scores.topk(self.top_k, dim=1)
+        counts = torch.histc(chosen.reshape(-1).float(), bins=self.num_experts, min=0, max=self.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        token = order // self.top_k
+        routed = x[token] * top_scores.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        out = self.experts(routed, counts)
+        return torch.zeros_like(x).index_add(0, token, out).reshape(bs, slen, dim)
+
+
+class LoopMoELM(nn.Module):
+    """A 2-layer decoder whose MLPs are :class:`LoopMoE` layers (the test model of a
+    torchtitan-style Mixture-of-Experts)."""
+
+    def __init__(self, dim: int = 64, n_head: int = 4, hidden: int = 48):
+        super().__init__()
+        from gpt import CausalSelfAttention
+
+        self.wte, self.wpe = nn.Embedding(VOCAB, dim), nn.Embedding(SEQ, dim)
+        self.attn = nn.ModuleList(CausalSelfAttention(GPTConfig(n_embd=dim, n_head=n_head, bias=False))
+                                  for _ in range(2))
+        self.moe = nn.ModuleList(LoopMoE(dim, hidden) for _ in range(2))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(5))
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for i in range(2):
+            x = x + self.attn[i](self.norms[2 * i](x))
+            x = x + self.moe[i](self.norms[2 * i + 1](x))
+        logits = self.head(self.norms[4](x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class EncoderLM(nn.Module):
     """``torch.nn.TransformerEncoder`` with token embeddings and an LM head."""
 
@@ -291,6 +361,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
                                 intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=96,
                                 num_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ, **common)
         return HFCausalLM(Qwen2MoeForCausalLM(config))
+    if name == "tt_moe":  # torchtitan-style MoE: experts as a loop over tolist() counts
+        return LoopMoELM()
     if name.startswith("moe_"):  # graphpass.nn.MoE decoders: moe_topk, moe_switch, moe_expert_choice, ...
         model = MoEGPT(MOE_CONFIGS[name])
         if name == "moe_skewed":
