@@ -38,13 +38,14 @@ def zipf_loads(num_experts: int, skew: float) -> tuple[float, ...]:
     return tuple(w / total for w in weights)
 
 
-def rank_loads(loads: Sequence[float], ep: int, placement: Sequence[int] | None = None) -> list[float]:
+def rank_loads(loads: Sequence[float], ep: int, owner: Sequence[int] | None = None) -> list[float]:
     """The share of the routed rows each of the ``ep`` ranks receives: its experts' loads, the
-    experts laid out contiguously, or by ``placement`` (expert -> rank)."""
+    experts laid out contiguously, or by ``owner`` (expert -> rank; the runtime's placement
+    buffers say the opposite, slot -> expert)."""
     if len(loads) % ep:
         raise ValueError(f"{len(loads)} experts do not divide over ep={ep} ranks")
     local = len(loads) // ep
-    owner = placement if placement is not None else [e // local for e in range(len(loads))]
+    owner = owner if owner is not None else [e // local for e in range(len(loads))]
     out = [0.0] * ep
     for expert, load in enumerate(loads):
         out[owner[expert]] += load
@@ -52,12 +53,12 @@ def rank_loads(loads: Sequence[float], ep: int, placement: Sequence[int] | None 
     return [x / total for x in out] if total > 0 else [1.0 / ep] * ep
 
 
-def imbalance(loads: Sequence[float] | None, ep: int, placement: Sequence[int] | None = None) -> float:
+def imbalance(loads: Sequence[float] | None, ep: int, owner: Sequence[int] | None = None) -> float:
     """The slowest rank's expert work over the balanced share (see the module docstring); 1 for
-    ``loads`` None (balanced routing assumed) or ``ep = 1``."""
+    ``loads`` None (balanced routing assumed) or ``ep = 1``; ``owner``: expert -> rank."""
     if loads is None or ep == 1:
         return 1.0
-    return ep * max(rank_loads(loads, ep, placement))
+    return ep * max(rank_loads(loads, ep, owner))
 
 
 __all__ = ["zipf_loads", "rank_loads", "imbalance"]

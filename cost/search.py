@@ -588,6 +588,7 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
         else:
             backward_s += copied
     expert = ep > 1 and block.expert_params > 0
+    exchange_forward = exchange_backward = 0.0
     if expert:
         # Experts sharded over ep: the slowest rank's experts compute (and receive) the most
         # rows; the exchanges move them there and back, blocking (cost/experts.py).
@@ -596,9 +597,11 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
         forward_s += (slowest - 1.0) * expert_forward
         backward_s += (slowest - 1.0) * expert_backward
         exchange_forward, exchange_backward = _exchange_s(block, layout, scale, slowest, comms, bandwidth)
-        forward_s += exchange_forward
-        backward_s += exchange_backward
+    # A recomputed layer runs its compute again, not its exchanges (collectives stay outside
+    # the recomputed regions, their outputs saved).
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
+    forward_s += exchange_forward
+    backward_s += exchange_backward
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 
     zero = choice.zero
@@ -614,6 +617,8 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
                                    zero if edp > 1 else 0, edp, "edp", layout, costing, comms))
     saved = block.saved_bytes * scale
     act = block.input_bytes * scale if choice.recompute else saved
+    if expert and choice.recompute:  # the dispatched rows, an exchange's output, stay saved
+        act += sum(size for name, size in block.exchanges if name == "ep dispatch") * scale
     transient = (saved + block.backward_bytes * scale if choice.recompute else 0.0) + sum(g.transient for g in groups)
     if zero == 0:
         window = backward_s

@@ -16,8 +16,9 @@ experts are sharded over groups of ``ep`` consecutive data-parallel ranks while 
 split over all of ``dp``): ``{"dp": 4, "ep": 2}`` is 4 ranks, not 8. A rank's ``ep`` coordinate
 is its ``dp`` coordinate modulo ``ep``; the derived axis ``edp`` (expert data parallel,
 Megatron-Core's word) is the rest, ``dp // ep`` ranks holding the same experts, over which the
-expert weights' gradients are reduced. ``edp`` is not a key of the mapping; :meth:`Mesh.size`,
-:meth:`Mesh.coordinate` and :meth:`Mesh.group_ranks` know it.
+expert weights' gradients are reduced (without ``ep``, all of ``dp``). ``edp`` is not a key of
+the mapping; :meth:`Mesh.size`, :meth:`Mesh.coordinate` and :meth:`Mesh.group_ranks` know it.
+An ``"ep": 1`` entry is dropped (it shards nothing).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class Mesh(Mapping):
     __slots__ = ("_axes",)
 
     def __init__(self, axes: Mapping[str, int] | Iterator[tuple[str, int]]):
-        items = tuple(dict(axes).items())
+        # ep = 1 shards nothing: the mesh without it (its dp is one axis, not two)
+        items = tuple((a, n) for a, n in dict(axes).items() if not (a == EP and n == 1))
         for axis, size in items:
             if not isinstance(axis, str) or not axis or "," in axis:
                 raise ValueError(f"mesh axis names must be non-empty strings without ',', got {axis!r}")
@@ -121,7 +123,7 @@ class Mesh(Mapping):
         return math.prod(self._size(name) for name in axis.split(","))
 
     def _size(self, name: str) -> int:
-        if name == EDP:
+        if name == EDP:  # without ep, every dp rank holds the same (unsharded) experts
             return self.get("dp", 1) // self.get(EP, 1)
         return self.get(name, 1)
 
@@ -149,7 +151,9 @@ class Mesh(Mapping):
         if axis in (EP, EDP) and EP in self:
             dp = self.coordinate(rank, "dp")
             return dp % self[EP] if axis == EP else dp // self[EP]
-        if axis not in self or axis == EDP:
+        if axis == EDP:
+            return self.coordinate(rank, "dp")
+        if axis not in self:
             raise KeyError(f"mesh axis {axis!r} is not in the mesh {dict(self)}")
         coord = rank
         for name, size in reversed(self._axes):
@@ -167,7 +171,9 @@ class Mesh(Mapping):
             dp = self.group_ranks("dp", rank)
             ep, mine = self[EP], self.coordinate(rank, "dp")
             return dp[mine - mine % ep:][:ep] if axis == EP else dp[mine % ep::ep]
-        if axis not in self or axis == EDP:
+        if axis == EDP:
+            return self.group_ranks("dp", rank)
+        if axis not in self:
             return [rank]
         live = [(name, n) for name, n in self._axes if name != EP]
         names = [name for name, _ in live]

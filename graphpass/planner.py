@@ -372,7 +372,9 @@ class GraphProfile:
         for region in regions:
             self.experts[self.owner[region.products[0].name].name].append(region)
         self.expert_weights = {w.name for region in regions for w in region.weights}
+        # ep must divide every layer's experts; expert_loads need one count for all layers
         self.num_experts = math.gcd(*(r.num_experts for r in regions)) if regions else 0
+        self.uniform_experts = len({r.num_experts for r in regions}) <= 1
 
     def _attr(self, target: str) -> torch.Tensor:
         path, _, name = target.rpartition(".")
@@ -596,14 +598,18 @@ class GraphProfile:
         return out
 
 
-def _check_loads(loads: Sequence[float] | None, num_experts: int) -> tuple[float, ...] | None:
+def _check_loads(loads: Sequence[float] | None, profile: "GraphProfile") -> tuple[float, ...] | None:
     """``expert_loads`` as the cost model takes them: one non-negative share per expert of the
     model's layers, normalised."""
     if loads is None:
         return None
     loads = tuple(float(x) for x in loads)
+    num_experts = profile.num_experts
     if not num_experts:
         raise ValueError("expert_loads is given, but the model has no Mixture-of-Experts layer the planner recognises")
+    if not profile.uniform_experts:
+        raise ValueError("expert_loads gives one share per expert, but the model's MoE layers have different numbers "
+                         "of experts; plan without expert_loads")
     if len(loads) != num_experts or any(x < 0 for x in loads) or not sum(loads) > 0:
         raise ValueError(f"expert_loads must be {num_experts} non-negative shares (one per expert of a layer), "
                          f"not all zero; got {len(loads)} values")
@@ -761,7 +767,7 @@ class Planner:
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
         self.costing = replace(_costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                         measure_ops, measure_together),
-                               expert_loads=_check_loads(expert_loads, self.profile.num_experts))
+                               expert_loads=_check_loads(expert_loads, self.profile))
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
         self._rejected: dict[int, str] = {}

@@ -333,7 +333,8 @@ def emit_expert_exchange(
                                      {"placement": placement, "load": load})
     with graph.inserting_after(splits):
         dispatch = graph.call_function(_op(TABLE["ep dispatch"]), (rows, splits, axis),
-                                       {"placement": placement, "algorithm": algorithm})
+                                       {"placement": placement, "algorithm": algorithm,
+                                        "offs_dtype": offs.meta[meta.VAL].dtype})
     with graph.inserting_after(dispatch):
         local_rows = graph.call_function(operator.getitem, (dispatch, 0))
     with graph.inserting_after(local_rows):

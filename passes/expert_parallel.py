@@ -3,7 +3,8 @@ the tokens to them by all-to-all.
 
 Contract: finds every MoE layer of the graph by its grouped products (:func:`expert_regions`:
 graphpass.nn's ``graphpass.grouped_mm``, Hugging Face's ``transformers.grouped_mm_fallback``,
-torch's ``aten._grouped_mm``; the products of one layer share one ``offs``). For each layer
+torch's ``aten._grouped_mm``; the products of one layer share one ``offs``; the local offsets
+keep the layer's offsets' dtype). For each layer
 whose expert weights the plan places ``Shard(0)`` on ``ep``, the pass replaces every expert
 weight by this rank's ``E/ep`` experts (recorded as ``gp.tp_shard`` on axis ``ep``, so
 checkpoints and ``full_state_dict`` put them back together), and emits through the one emitter
@@ -46,13 +47,11 @@ from graphpass.ops import op_base
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
 from graphpass.plan import Plan
+from graphpass.runtime.expert_parallel import LOAD_PREFIX, PLACEMENT_PREFIX
 
 log = logging.getLogger(__name__)
 
 NAME = "expert_parallel"
-#: The graph module's buffers of each sharded layer ``i``: the expert in each slot, and the
-#: routing tally (:mod:`graphpass.runtime.expert_placement`).
-PLACEMENT_PREFIX, LOAD_PREFIX = "ep_placement_", "ep_load_"
 #: The grouped products of Mixture-of-Experts layers graphpass recognises (op base names).
 GROUPED_PRODUCTS = ("grouped_mm", "grouped_mm_fallback", "_grouped_mm")
 #: Ops between an expert weight and its product that keep the expert dimension first.
@@ -245,7 +244,7 @@ def _layer_buffers(gm: fx.GraphModule, region: ExpertRegion, i: int) -> tuple[fx
     routed to each expert since the last rebalance."""
     out = []
     for name, tensor, kind in ((f"{PLACEMENT_PREFIX}{i}", torch.arange(region.num_experts), "slots"),
-                               (f"{LOAD_PREFIX}{i}", torch.zeros(region.num_experts, dtype=torch.float64), "load")):
+                               (f"{LOAD_PREFIX}{i}", torch.zeros(region.num_experts, dtype=torch.long), "load")):
         gm.register_buffer(name, tensor.to(region.offs.meta[meta.VAL].device))
         with gm.graph.inserting_before(region.offs):
             node = gm.graph.get_attr(name)

@@ -11,7 +11,7 @@ three ops around the grouped products::
     splits = ep_counts(offs, 'ep', n)                 # [2, n, E/n]: rows sent to / received from each rank
     local_rows, local_offs = ep_dispatch(rows, splits, 'ep')
     ... grouped_mm(local_rows, local_weight, local_offs) ...
-    out = ep_combine(local_out, splits, rows, 'ep')   # back home, in the rows' order
+    out = ep_combine(local_out, splits, num_rows, 'ep')   # back home, in the rows' order
 
 - :func:`ep_counts` exchanges the per-expert row counts (an all-to-all of ``E`` integers per
   rank, no gradient): Megatron-Core's and torchtitan's first step, so that every rank knows how
@@ -37,6 +37,11 @@ import torch.nn.functional as F
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.fake import is_fake
 
+#: The buffers a compiled program keeps for each Mixture-of-Experts layer ``i`` whose experts
+#: are sharded over ``ep``: the expert in each slot, and the tally of rows routed to each expert
+#: (:mod:`graphpass.runtime.expert_placement` reads and writes them).
+PLACEMENT_PREFIX, LOAD_PREFIX = "ep_placement_", "ep_load_"
+
 
 def _all_to_all(out: torch.Tensor, rows: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
                 group) -> None:
@@ -60,7 +65,9 @@ class TwoLevel:
     destination's index (intra-node all-to-all), then go to the destination's node in one
     message per node pair (inter-node all-to-all among the ranks with that index). The result
     is the flat exchange's, byte for byte and in the same order; the inter-node link carries
-    ``m - 1`` messages per rank instead of ``(m - 1) k``.
+    ``m - 1`` messages per rank instead of ``(m - 1) k``. Each exchange first all-gathers the
+    node's per-destination counts (``n`` integers from each of its ``k`` ranks), one more
+    intra-node latency the cost model does not price.
 
     Args:
         intra, inter: this rank's process groups (its ep ranks on its node; those with its
@@ -129,7 +136,7 @@ def ep_counts(offs: torch.Tensor, axis: str, size: int, placement: torch.Tensor 
         offs: running row counts over all ``E`` experts (``E`` divisible by ``size``).
         placement: the expert in each slot (``[E]``; rank ``j`` holds slots ``j E/size ..``),
             None for experts in order (:mod:`graphpass.runtime.expert_placement` moves them).
-        load: a ``[E]`` float64 tally the per-expert counts are added to (routing statistics).
+        load: a ``[E]`` int64 tally the per-expert counts are added to (routing statistics).
 
     Returns:
         ``splits`` ``[2, size, E/size]``: the rows this rank sends to each rank per slot of that
@@ -213,18 +220,19 @@ def _slot_order(splits: torch.Tensor, placement: torch.Tensor) -> torch.Tensor:
 
 
 def ep_dispatch(rows: torch.Tensor, splits: torch.Tensor, axis: str, placement: torch.Tensor | None = None,
-                algorithm: str = "flat") -> tuple[torch.Tensor, torch.Tensor]:
+                algorithm: str = "flat", offs_dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
     """Send ``rows`` (sorted by expert, the kept ones first, ``splits`` from :func:`ep_counts`)
-    to the ranks of ``axis`` that hold their experts (by ``placement``, as for ep_counts).
+    to the ranks of ``axis`` that hold their experts (by ``placement``, as for ep_counts), by
+    ``algorithm``: ``"flat"`` or ``"hierarchical"`` (:class:`TwoLevel`).
 
     Returns:
         ``(local_rows, local_offs)``: the rows of this rank's ``E/size`` slots from every rank,
-        slot-major, and their running counts (for ``grouped_mm`` with the local expert weights).
-        ``algorithm``: ``"flat"`` or ``"hierarchical"`` (:class:`TwoLevel`).
+        slot-major, and their running counts in ``offs_dtype`` (the layer's own offsets' dtype:
+        torch's ``_grouped_mm`` takes int32 only) for ``grouped_mm`` with the local weights.
     """
     if is_fake(rows):
-        return rows.new_empty(rows.shape), splits.new_empty(splits.shape[2])
-    local_offs = splits[1].sum(0).cumsum(0)
+        return rows.new_empty(rows.shape), splits.new_empty(splits.shape[2], dtype=offs_dtype)
+    local_offs = splits[1].sum(0).cumsum(0).to(offs_dtype)
     group = _route(axis, algorithm)
     if group is None:
         return rows, local_offs

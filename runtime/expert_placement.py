@@ -47,6 +47,7 @@ import torch.fx as fx
 
 from graphpass import meta
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.expert_parallel import LOAD_PREFIX, PLACEMENT_PREFIX
 from graphpass.runtime.zero import _all_gather_flat
 
 
@@ -135,8 +136,6 @@ class ExpertPlacement:
     @staticmethod
     def _layers(gm: fx.GraphModule) -> list[tuple[str, str, list[str]]]:
         """(placement buffer, load buffer, expert weight targets) of each sharded layer."""
-        from graphpass.passes.expert_parallel import LOAD_PREFIX, PLACEMENT_PREFIX
-
         weights: dict[str, list[str]] = {}
         for node in gm.graph.nodes:
             shard = node.meta.get(meta.TP_SHARD) if node.op == "get_attr" else None
@@ -148,18 +147,27 @@ class ExpertPlacement:
                 weights.setdefault(shard["placement"], [])
                 if node.target not in weights[shard["placement"]]:
                     weights[shard["placement"]].append(node.target)
-        return [(name, LOAD_PREFIX + name[len(PLACEMENT_PREFIX):], targets) for name, targets in sorted(weights.items())]
+        layer = lambda name: int(name[len(PLACEMENT_PREFIX):])  # noqa: E731
+        return [(name, LOAD_PREFIX + name[len(PLACEMENT_PREFIX):], targets)
+                for name, targets in sorted(weights.items(), key=lambda item: layer(item[0]))]
 
     def _rates(self, flops_per_s: float | None, link_bytes_per_s: float | None) -> tuple[float, float]:
-        if flops_per_s is not None and link_bytes_per_s is not None:
-            return flops_per_s, link_bytes_per_s
+        """The cost model's rates, rank 0's on every rank (hosts may hold different profiles;
+        ranks that priced alike and decided apart would wait in different collectives)."""
         from graphpass.cluster import Cluster
 
-        cluster = Cluster.local()
-        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self._attr(self.layers[0][2][0]).dtype, "fp32")
-        peak = cluster.device.peak_tflops.get(dtype) or max(cluster.device.peak_tflops.values())
-        rate = flops_per_s or peak * 1e12 * cluster.device.compute_efficiency
-        return rate, link_bytes_per_s or cluster.intra_node.bandwidth_gbps * 1e9
+        if flops_per_s is None or link_bytes_per_s is None:
+            cluster = Cluster.local()
+            dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self._attr(self.layers[0][2][0]).dtype, "fp32")
+            peak = cluster.device.peak_tflops.get(dtype) or max(cluster.device.peak_tflops.values())
+            flops_per_s = flops_per_s or peak * 1e12 * cluster.device.compute_efficiency
+            # the ep group's slowest link: between nodes where it spans them
+            link = cluster.inter_node if self.mesh.two_level("ep") is not None else cluster.intra_node
+            link_bytes_per_s = link_bytes_per_s or link.bandwidth_gbps * 1e9
+        rates = [float(flops_per_s), float(link_bytes_per_s)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(rates, src=0)
+        return rates[0], rates[1]
 
     def _attr(self, target: str) -> torch.Tensor:
         return self.dmodel._attr(target)
@@ -220,10 +228,18 @@ class ExpertPlacement:
         for target in targets:
             weight = self._attr(target)
             tensors = [weight.data] + ([weight.grad] if weight.grad is not None else []) + self._states(weight)
+            # every rank of the group must move as many tensors (one all-gather each)
+            counts = torch.tensor([len(tensors), -len(tensors)], device=weight.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+            if counts[0] != -counts[1]:
+                raise RuntimeError(
+                    f"ExpertPlacement: the ranks of an ep group hold different tensors of {target!r} (a gradient or "
+                    f"optimizer state on some ranks only: {int(-counts[1])} to {int(counts[0])}); rebalance after "
+                    "optimizer.step() and zero_grad() on every rank")
             for tensor in tensors:
                 gathered = tensor.new_empty((self.ep * local, *tensor.shape[1:]))
                 _all_gather_flat(gathered, tensor.contiguous(), group=group)
-                tensor.copy_(gathered[slot_of[mine]])
+                tensor.copy_(gathered[slot_of[mine].to(gathered.device)])
 
 
 __all__ = ["ExpertPlacement", "Move", "greedy_placement", "rank_shares"]

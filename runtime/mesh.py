@@ -136,7 +136,9 @@ class ProcessMesh:
         in the mesh's order."""
         spans: set[str] = set()
         for name in axis.split(","):
-            if name not in self.axes and not (name == EDP and EP in self.axes):
+            if name == EDP and EP not in self.axes:
+                name = "dp"  # without ep, the ranks holding the same experts are all of dp
+            if name not in self.axes and name != EDP:
                 raise KeyError(f"mesh axis {name!r} is not in the mesh {self.axes}")
             spans.update((EDP, EP) if name == "dp" and EP in self.axes else (name,))
         return [d for d, n in self._dims.items() if d in spans and n > 1]

@@ -32,7 +32,7 @@ def test_zipf_loads_and_the_slowest_ranks_share():
     assert loads == pytest.approx([12 / 25, 6 / 25, 4 / 25, 3 / 25])  # 1, 1/2, 1/3, 1/4 over H_4 = 25/12
     assert rank_loads(loads, 2) == pytest.approx([18 / 25, 7 / 25])  # experts 0,1 on rank 0
     assert imbalance(loads, 2) == pytest.approx(36 / 25)
-    assert imbalance(loads, 2, placement=[0, 1, 1, 0]) == pytest.approx(2 * 15 / 25)  # hot and cold paired
+    assert imbalance(loads, 2, owner=[0, 1, 1, 0]) == pytest.approx(2 * 15 / 25)  # hot and cold paired
     assert imbalance(zipf_loads(8, 0.0), 8) == pytest.approx(1.0) and imbalance(None, 4) == 1.0
     assert imbalance(loads, 4) == pytest.approx(4 * 12 / 25)
     with pytest.raises(ValueError, match="do not divide"):

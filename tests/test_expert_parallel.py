@@ -145,10 +145,11 @@ CASES = {
     2: [("moe_topk", {"ep": 2}), ("moe_topk_capacity", {"ep": 2, "zero": 3}), ("moe_switch_score", {"ep": 2, "zero": 1}),
         ("moe_expert_choice", {"ep": 2}), ("moe_hash", {"ep": 2, "zero": 2}), ("hf_qwen2_moe", {"ep": 2}),
         ("tt_moe", {"ep": 2, "zero": 3})],
-    4: [("moe_topk", {"ep": 4}), ("moe_topk_capacity", {"ep": 2, "zero": 3}), ("moe_switch_score", {"ep": 4, "zero": 1}),
-        ("moe_expert_choice", {"ep": 2, "zero": 2}), ("hf_mixtral", {"ep": 2, "zero": 2}),
+    # 4 ranks: ep 4 = dp, ep 2 inside dp 4 (experts ZeRO-sharded over edp 2), and with tp / pp;
+    # the gates are the 2-rank run's (their routing does not depend on the layout)
+    4: [("moe_topk", {"ep": 4}), ("moe_topk_capacity", {"ep": 2, "zero": 3}),
         ("moe_topk", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}), ("hf_mixtral", {"dp": 2, "tp": 2, "ep": 2}),
-        ("moe_topk_capacity", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2}), ("tt_moe", {"ep": 4})],
+        ("moe_topk_capacity", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2})],
 }
 
 
@@ -247,7 +248,7 @@ def _reference_grads_at(name: str, step: int, steps: int = 4, batch: int = 8):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size, kwargs", [(2, {"ep": 2}), (4, {"ep": 4}), (4, {"ep": 2})])
+@pytest.mark.parametrize("world_size, kwargs", [(2, {"ep": 2}), (4, {"ep": 2})])
 def test_moving_hot_experts_changes_where_they_run_not_what_they_compute(rank_pool, tmp_path, world_size, kwargs):
     """Routing skewed towards experts 0 and 1 (contiguous placement puts them on one rank): the
     greedy placement splits them up, weights and momentum move with them, and losses, gradients

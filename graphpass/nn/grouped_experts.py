@@ -46,7 +46,12 @@ def register_grouped_experts(cls: type, forward: Callable) -> None:
 
 def _titan_forward(module: nn.Module, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """torchtitan's expert computation with grouped products (the loop's numerics: each
-    expert's rows in order, rows past the counts' sum zero)."""
+    expert's rows in order, rows past the counts' sum zero). A module of the same parameters
+    called otherwise (gpt-fast's experts take ``[tokens, k]`` expert indices) runs its own
+    forward."""
+    if not (isinstance(num_tokens_per_expert, torch.Tensor) and num_tokens_per_expert.dim() == 1
+            and num_tokens_per_expert.shape[0] == module.w1.shape[0] and x.dim() == 2):
+        return type(module).forward(module, x, num_tokens_per_expert)
     offs = num_tokens_per_expert.cumsum(0).to(torch.long)
     w1, w2, w3 = (w.to(x.dtype).transpose(-2, -1) for w in (module.w1, module.w2, module.w3))
     h = F.silu(grouped_mm(x, w1, offs)) * grouped_mm(x, w3, offs)
