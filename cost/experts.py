@@ -20,6 +20,7 @@ the skew HetuMoE and FlexMoE report for real gates early in training).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 
@@ -53,12 +54,55 @@ def rank_loads(loads: Sequence[float], ep: int, owner: Sequence[int] | None = No
     return [x / total for x in out] if total > 0 else [1.0 / ep] * ep
 
 
-def imbalance(loads: Sequence[float] | None, ep: int, owner: Sequence[int] | None = None) -> float:
-    """The slowest rank's expert work over the balanced share (see the module docstring); 1 for
-    ``loads`` None (balanced routing assumed) or ``ep = 1``; ``owner``: expert -> rank."""
-    if loads is None or ep == 1:
+def kept(loads: Sequence[float], capacity_factor: float | None) -> list[float]:
+    """Each expert's share of the routed rows that it computes: ``min(load_e, cf / E)`` under a
+    capacity factor (an expert keeps ``cf / E`` of the assignments), all of it dropless."""
+    if capacity_factor is None:
+        return list(loads)
+    return [min(load, capacity_factor / len(loads)) for load in loads]
+
+
+def dropped(loads: Sequence[float] | None, capacity_factor: float | None, num_experts: int = 1) -> float:
+    """The share of assignments a capacity factor drops when expert ``e`` is routed ``loads[e]``
+    of them (None: balanced over ``num_experts``). A lower bound: capacity applies per routing
+    group (a sequence), whose own skew drops more than the average loads say."""
+    loads = loads if loads is not None else [1.0 / num_experts] * num_experts
+    return max(0.0, 1.0 - sum(kept(loads, capacity_factor)))
+
+
+def choose_capacity(loads: Sequence[float] | None, candidates: Sequence[float | None], max_dropped: float,
+                    num_experts: int) -> float | None:
+    """The smallest capacity factor among ``candidates`` (None: dropless, the largest) whose
+    predicted drops (:func:`dropped`) stay within ``max_dropped``: the least padding and the
+    tightest bound on the slowest rank's work the budget allows.
+
+    Raises:
+        ValueError: no candidate drops little enough.
+    """
+    order = sorted(candidates, key=lambda cf: math.inf if cf is None else cf)
+    for cf in order:
+        if dropped(loads, cf, num_experts) <= max_dropped:
+            return cf
+    raise ValueError(f"no capacity factor among {list(candidates)} drops at most {max_dropped:.1%} of the "
+                     "assignments under these expert loads; add larger ones (or None, dropless)")
+
+
+def imbalance(loads: Sequence[float] | None, ep: int, owner: Sequence[int] | None = None,
+              capacity_factor: float | None = None) -> float:
+    """The slowest rank's expert work over the balanced dropless share (see the module
+    docstring); 1 for ``loads`` None (balanced routing assumed) and no capacity, or ``ep = 1``
+    without capacity; ``owner``: expert -> rank. Under a capacity factor each expert computes
+    at most ``cf / E`` of the rows (the kept share, below 1 where assignments are dropped, even
+    on one rank)."""
+    if capacity_factor is None and (loads is None or ep == 1):
         return 1.0
-    return ep * max(rank_loads(loads, ep, owner))
+    num = len(loads) if loads is not None else ep
+    shares = kept(loads if loads is not None else [1.0 / num] * num, capacity_factor)
+    local = num // ep
+    ranks = [0.0] * ep
+    for expert, share in enumerate(shares):
+        ranks[(owner[expert] if owner is not None else expert // local)] += share
+    return ep * max(ranks)
 
 
-__all__ = ["zipf_loads", "rank_loads", "imbalance"]
+__all__ = ["zipf_loads", "rank_loads", "imbalance", "kept", "dropped", "choose_capacity"]

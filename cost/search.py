@@ -271,6 +271,8 @@ class Costing:
         expert_loads: the share of routed rows each expert of a Mixture-of-Experts layer
             receives (measured or :func:`graphpass.cost.experts.zipf_loads`); None: balanced.
             Under ``ep`` the slowest rank's experts set the pace (:mod:`graphpass.cost.experts`).
+        capacity_factor: the MoE layers' capacity factor (None: dropless): each expert computes
+            at most ``cf / E`` of the routed rows.
     """
 
     cluster: Cluster
@@ -285,6 +287,7 @@ class Costing:
     host_contention: float = 1.0
     host_oversubscription: float = 1.0
     expert_loads: tuple[float, ...] | None = None
+    capacity_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -589,14 +592,16 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
             backward_s += copied
     expert = ep > 1 and block.expert_params > 0
     exchange_forward = exchange_backward = 0.0
-    if expert:
+    if block.expert_params > 0 and (expert or costing.capacity_factor is not None):
         # Experts sharded over ep: the slowest rank's experts compute (and receive) the most
-        # rows; the exchanges move them there and back, blocking (cost/experts.py).
-        slowest = expert_imbalance(costing.expert_loads, ep)
+        # rows; a capacity bounds what each expert computes; the exchanges move the rows there
+        # and back, blocking (cost/experts.py).
+        slowest = expert_imbalance(costing.expert_loads, ep, capacity_factor=costing.capacity_factor)
         expert_forward, expert_backward = block.expert_times[b]
         forward_s += (slowest - 1.0) * expert_forward
         backward_s += (slowest - 1.0) * expert_backward
-        exchange_forward, exchange_backward = _exchange_s(block, layout, scale, slowest, comms, bandwidth)
+        if expert:
+            exchange_forward, exchange_backward = _exchange_s(block, layout, scale, slowest, comms, bandwidth)
     # A recomputed layer runs its compute again, not its exchanges (collectives stay outside
     # the recomputed regions, their outputs saved).
     recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0

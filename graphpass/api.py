@@ -325,6 +325,8 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Te
     dp = source.mesh.dp  # type: ignore[union-attr]
     k = source.microbatches  # type: ignore[union-attr]
 
+    if given_plan is not None and given_plan.capacity_factor != "model":
+        apply_capacity_factor(model, given_plan.capacity_factor)
     # Capture at one microbatch of this rank's share: shapes are specialised in the graph.
     names = _input_names_guess(len(inputs))
     check_divisible(inputs, names, [["dp"] if dp > 1 else []] * len(inputs), Plan(mesh={"dp": dp}))
@@ -336,6 +338,27 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Te
     input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
     return captured, plan, local_inputs
+
+
+def apply_capacity_factor(model: nn.Module, capacity_factor: float | None) -> None:
+    """Give every ``graphpass.nn.MoE`` layer of ``model`` the plan's capacity factor (the model
+    then computes what the compiled program does, in one process too).
+
+    Raises:
+        ValueError: no such layer, or one whose gate chooses tokens (expert choice has its own
+            capacity).
+    """
+    from graphpass.nn.moe import MoE
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"Plan.capacity_factor={capacity_factor!r} applies to graphpass.nn.MoE layers, and "
+                         f"{type(model).__name__} has none; use capacity_factor='model'")
+    for name, layer in layers:
+        if not getattr(layer.gate, "token_choice", True):
+            raise ValueError(f"Plan.capacity_factor cannot be applied to {name!r}: its gate "
+                             f"({type(layer.gate).__name__}) lets experts choose tokens, with its own capacity")
+        layer.capacity_factor = capacity_factor
 
 
 def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int) -> Plan:

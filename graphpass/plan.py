@@ -275,6 +275,10 @@ class Plan:
             ``transient_bytes``, ``grad_bytes`` (the gradients in ``state_bytes``), ``held_bytes``
             (gradients held across microbatches), ``loss_backward_bytes`` (the loss's backward
             working set, post block only).
+        capacity_factor: the capacity factor ``compile`` gives every ``graphpass.nn.MoE`` layer
+            before capturing (the planner's choice within the user's drop budget:
+            ``gp.plan(..., capacity_factors=, max_dropped=)``); None is dropless; ``"model"``
+            (the default) keeps each layer's own.
         ep_all_to_all: how expert parallelism's exchanges run: ``"flat"`` (one all-to-all over
             the ``ep`` group) or ``"hierarchical"`` (two-level, Tutel's 2DH: within each node,
             then one message per node pair; for ``ep`` groups spanning nodes of the cluster
@@ -299,6 +303,7 @@ class Plan:
     schedule: str = "1f1b"
     tp_parts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     ep_all_to_all: str = "flat"
+    capacity_factor: float | str | None = "model"
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: int | None = None
     predicted_stage_peaks_bytes: tuple[int, ...] = ()
@@ -337,6 +342,9 @@ class Plan:
             raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.ep_all_to_all not in ("flat", "hierarchical"):
             raise ValueError(f"Plan.ep_all_to_all must be 'flat' or 'hierarchical', got {self.ep_all_to_all!r}")
+        cf = self.capacity_factor
+        if not (cf is None or cf == "model" or (isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf > 0)):
+            raise ValueError(f"Plan.capacity_factor must be a positive number, None (dropless) or 'model', got {cf!r}")
         for node, parts in self.tp_parts.items():
             if not parts or not all(isinstance(n, int) and n > 0 for n in parts):
                 raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")
@@ -438,6 +446,9 @@ class Plan:
             lines.append(f"experts sharded over ep={self.mesh.ep} (inside dp={self.mesh.dp}); exchanges "
                          + ("two-level (within nodes, then between them)" if self.ep_all_to_all == "hierarchical"
                             else "flat all-to-all"))
+        if self.capacity_factor != "model":
+            lines.append("MoE capacity factor: " + ("dropless" if self.capacity_factor is None
+                                                    else f"{self.capacity_factor:g}") + " (set by the plan)")
         if self.split:
             parts = sorted({spec["parts"] for spec in self.split.values()})
             lines.append(f"operator splitting: {len(self.split)} linears into {parts} slices")
@@ -483,7 +494,7 @@ class Plan:
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
         for name in ("stages", "strategy", "zero", "recompute", "split", "sequence_parallel", "bucket_cap_bytes",
-                     "microbatches", "tp_parts", "ep_all_to_all"):
+                     "microbatches", "tp_parts", "ep_all_to_all", "capacity_factor"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out

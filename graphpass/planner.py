@@ -598,6 +598,41 @@ class GraphProfile:
         return out
 
 
+def _model_capacity(model: nn.Module) -> float | None:
+    """The capacity factor the model's graphpass.nn.MoE layers share (None: dropless, or no
+    such layer, or layers that differ: priced as dropless, an upper bound)."""
+    from graphpass.nn.moe import MoE
+
+    factors = {m.capacity_factor for m in model.modules() if isinstance(m, MoE) and getattr(m.gate, "token_choice", True)}
+    return factors.pop() if len(factors) == 1 else None
+
+
+def _capacity(model: nn.Module, profile: "GraphProfile", loads: tuple[float, ...] | None,
+              candidates: Sequence[float | None] | None, max_dropped: float) -> tuple[float | str | None, str]:
+    """``(Plan.capacity_factor, reason)``: ``"model"`` unless ``candidates`` ask the planner to
+    choose (cost/experts.choose_capacity)."""
+    from graphpass.cost.experts import choose_capacity, dropped
+    from graphpass.nn.moe import MoE
+
+    if candidates is None:
+        return "model", ""
+    if not isinstance(max_dropped, (int, float)) or isinstance(max_dropped, bool) or not 0 <= max_dropped < 1:
+        raise ValueError(f"max_dropped must be a share in [0, 1), got {max_dropped!r}")
+    candidates = list(candidates)
+    if not candidates or any(cf is not None and not (isinstance(cf, (int, float)) and cf > 0) for cf in candidates):
+        raise ValueError(f"capacity_factors must be positive numbers or None (dropless), got {candidates!r}")
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers or not profile.num_experts:
+        raise ValueError(f"capacity_factors applies to graphpass.nn.MoE layers, and {type(model).__name__} has none")
+    if any(not getattr(m.gate, "token_choice", True) for m in layers):
+        raise ValueError("capacity_factors cannot be chosen for expert-choice gates (they have their own capacity)")
+    chosen = choose_capacity(loads, candidates, max_dropped, profile.num_experts)
+    share = dropped(loads, chosen, profile.num_experts)
+    return chosen, (f"capacity factor {'dropless' if chosen is None else f'{chosen:g}'}: the smallest of "
+                    f"{['dropless' if c is None else c for c in candidates]} whose predicted drops ({share:.1%} of "
+                    f"the assignments, at least: capacity is per sequence) stay within max_dropped {max_dropped:.1%}")
+
+
 def _check_loads(loads: Sequence[float] | None, profile: "GraphProfile") -> tuple[float, ...] | None:
     """``expert_loads`` as the cost model takes them: one non-negative share per expert of the
     model's layers, normalised."""
@@ -738,6 +773,8 @@ class Planner:
         measure_ops: bool = False,
         measure_together: bool = False,
         expert_loads: Sequence[float] | None = None,
+        capacity_factors: Sequence[float | None] | None = None,
+        max_dropped: float = 0.0,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -765,9 +802,15 @@ class Planner:
         remeasure = (_Remeasure(model, inputs, captured.gm, self.cluster, factor, measure_together)
                      if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
+        loads = _check_loads(expert_loads, self.profile)
+        self.capacity_factor, self._capacity_reason = _capacity(model, self.profile, loads, capacity_factors,
+                                                                max_dropped)
         self.costing = replace(_costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                         measure_ops, measure_together),
-                               expert_loads=_check_loads(expert_loads, self.profile))
+                               expert_loads=loads,
+                               capacity_factor=None if self.capacity_factor == "model" else self.capacity_factor)
+        if self.capacity_factor == "model":  # price the model's own capacity, where it has one
+            self.costing = replace(self.costing, capacity_factor=_model_capacity(model))
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
         self._rejected: dict[int, str] = {}
@@ -827,7 +870,8 @@ class Planner:
                 f"does NOT fit: predicted peak {cand.peak_memory_bytes / 2**30:.2f} GiB > budget "
                 f"{budget / 2**30:.2f} GiB"
             )
-        return _to_plan(self.profile, blocks, cand, costing, strategy, reasons, start)
+        return _to_plan(self.profile, blocks, cand, costing, strategy, reasons, start,
+                        (self.capacity_factor, self._capacity_reason))
 
     def _even_stages(self, strategy: Strategy) -> list[list[int]]:
         """The blocks of each stage of the cut ``compile`` makes for a uniform Strategy (the
@@ -861,7 +905,7 @@ class Planner:
         best, found, infeasible = S.search(layouts, usable, costing, time_limit_s)
         reasons = _reasons(best, found, infeasible, self._rejected, costing, len(usable), self.measure_s)
         return _to_plan(self.profile, layouts[(best.layout.mesh.tp, best.layout.sequence_parallel)], best, costing,
-                        None, reasons, start - self.measure_s)
+                        None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason))
 
 
 def plan(
@@ -874,6 +918,8 @@ def plan(
     *,
     optimizer_states: int = _ADAM_STATES,
     expert_loads: Sequence[float] | None = None,
+    capacity_factors: Sequence[float | None] | None = None,
+    max_dropped: float = 0.0,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -890,6 +936,12 @@ def plan(
             a layer receives (measured counts, or ``graphpass.cost.experts.zipf_loads(E, skew)``);
             default balanced. Under expert parallelism the rank with the hottest experts sets
             the pace (``docs/moe.md``).
+        capacity_factors: let the planner choose the capacity factor of the model's
+            ``graphpass.nn.MoE`` layers among these (None: dropless): the smallest whose
+            predicted drops under ``expert_loads`` stay within ``max_dropped`` (a share of the
+            assignments). It changes what the model computes, so it is chosen only when asked;
+            ``compile`` applies ``Plan.capacity_factor`` to the layers.
+        max_dropped: the drop budget for ``capacity_factors`` (default 0: no drops predicted).
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -905,7 +957,8 @@ def plan(
     if not isinstance(strategy, Strategy) and strategy != "auto":
         raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
     planner = Planner(model, cluster, example_inputs, memory_budget,
-                      optimizer_states=optimizer_states, expert_loads=expert_loads)
+                      optimizer_states=optimizer_states, expert_loads=expert_loads,
+                      capacity_factors=capacity_factors, max_dropped=max_dropped)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
 
 
@@ -1159,7 +1212,9 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
 
 
 def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
-             strategy: Strategy | None, reasons: list[str], start: float) -> Plan:
+             strategy: Strategy | None, reasons: list[str], start: float,
+             capacity: tuple[float | str | None, str] = ("model", "")) -> Plan:
+    capacity_factor, capacity_reason = capacity
     layout = cand.layout
     mesh = layout.mesh
     choices = {n.name: choice for gblock, choice in zip(profile.blocks, cand.choices) for n in (*gblock.nodes, *gblock.params)}
@@ -1176,7 +1231,7 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                 "transient_bytes": pr.transient_bytes, "grad_bytes": pr.grad_bytes, "held_bytes": pr.held_bytes,
                 "loss_backward_bytes": pr.start_bytes,
             })
-    reasons = list(reasons)
+    reasons = list(reasons) + ([capacity_reason] if capacity_reason else [])
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
     base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
                              microbatches=layout.microbatches, strategy=strategy, reasons=reasons)
@@ -1188,5 +1243,6 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
         predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
         schedule=layout.schedule,
         ep_all_to_all=S.ep_all_to_all(blocks, layout, costing),
+        capacity_factor=capacity_factor,
         breakdown=tuple(breakdown),
     )

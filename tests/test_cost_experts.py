@@ -17,7 +17,7 @@ import torch
 import graphpass as gp
 import zoo
 from graphpass.cost.collectives import collective_time, sync_time
-from graphpass.cost.experts import imbalance, rank_loads, zipf_loads
+from graphpass.cost.experts import choose_capacity, dropped, imbalance, rank_loads, zipf_loads
 from graphpass.cost.search import Layout
 from graphpass.planner import Planner
 from graphpass.transitions import TABLE
@@ -39,12 +39,16 @@ def test_zipf_loads_and_the_slowest_ranks_share():
         rank_loads(loads, 3)
 
 
-@pytest.fixture(scope="module")
-def planner():
+def _mixtral_shaped():
     config = MoEGPTConfig(vocab_size=32000, block_size=SEQ, n_layer=2, n_head=32, n_embd=D, num_experts=E, d_hidden=H)
     with torch.device("meta"):
         model = MoEGPT(config).to(torch.bfloat16)
-    idx = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return model, torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+
+
+@pytest.fixture(scope="module")
+def planner():
+    model, idx = _mixtral_shaped()
     return Planner(model, CLUSTER, (idx, idx))
 
 
@@ -144,3 +148,42 @@ def test_an_ep_group_across_nodes_exchanges_in_two_levels_where_the_link_model_s
     assert two_nodes.price(gp.Strategy(dp=16, ep=16)).ep_all_to_all == "hierarchical"
     assert two_nodes.price(gp.Strategy(dp=16, ep=4)).ep_all_to_all == "flat"
     assert planner.price(gp.Strategy(dp=8, ep=8)).ep_all_to_all == "flat"  # one node
+
+
+def test_a_capacity_drops_what_exceeds_it_and_bounds_the_slowest_rank():
+    loads = zipf_loads(4, 1.0)  # 0.48, 0.24, 0.16, 0.12
+    assert dropped(loads, 1.25) == pytest.approx(0.48 - 0.3125)  # each expert keeps 1.25 / 4 at most
+    assert dropped(None, 1.0, 4) == 0.0 and dropped(loads, None) == 0.0
+    assert imbalance(loads, 2, capacity_factor=1.25) == pytest.approx(2 * (0.3125 + 0.24))
+    assert imbalance(None, 1, capacity_factor=0.5) == pytest.approx(0.5)  # half the rows computed
+    assert choose_capacity(loads, [1.0, 1.25, 1.5, 2.0, None], 0.10, 4) == 2.0  # 1.5 drops 10.5%
+    assert choose_capacity(loads, [1.0, 1.25, 1.5, 2.0, None], 0.11, 4) == 1.5
+    assert choose_capacity(loads, [None, 1.0], 0.0, 4) is None
+    with pytest.raises(ValueError, match="no capacity factor among"):
+        choose_capacity(loads, [1.0], 0.0, 4)
+
+
+def test_the_planner_chooses_a_capacity_within_the_drop_budget_and_prices_its_bound(planner):
+    model, idx = _mixtral_shaped()
+    loads = zipf_loads(E, 1.0)
+    capped = Planner(model, CLUSTER, (idx, idx), expert_loads=loads, capacity_factors=(1.0, 1.5, 2.0, 3.0, None),
+                     max_dropped=0.05)
+    chosen = capped.auto()
+    assert chosen.capacity_factor == choose_capacity(loads, (1.0, 1.5, 2.0, 3.0, None), 0.05, E) == 3.0
+    assert any(r.startswith("capacity factor 3:") for r in chosen.reasons), chosen.reasons
+    # (the hottest expert gets 1/H_8 = 36.8% of the rows: 2.0 keeps 25% of them and would drop
+    # 11.8%, 3.0 keeps 37.5%.) A capacity that drops bounds the slowest rank: ep 8 at 2.0 is priced
+    # below ep 8 dropless.
+    saved = planner.costing
+    try:
+        planner.costing = dataclasses.replace(saved, expert_loads=loads)
+        dropless = planner.price(gp.Strategy(dp=8, ep=8)).predicted_step_time_s
+        planner.costing = dataclasses.replace(saved, expert_loads=loads, capacity_factor=2.0)
+        at_two = planner.price(gp.Strategy(dp=8, ep=8)).predicted_step_time_s
+    finally:
+        planner.costing = saved
+    assert at_two < dropless
+    with pytest.raises(ValueError, match="max_dropped must be a share"):
+        Planner(model, CLUSTER, (idx, idx), capacity_factors=(1.0,), max_dropped=1.5)
+    with pytest.raises(ValueError, match="has none"):
+        gp.plan(zoo.build("hf_mixtral"), CLUSTER, zoo.batches("hf_mixtral", 1, 8)[0], capacity_factors=(1.0,))

@@ -323,6 +323,27 @@ def test_hugging_face_moe_decoders_capture_statically_and_train_sharded_as_one_p
                                          rtol=RTOL, atol=ATOL)
 
 
+def _train_capacity_from_plan(steps: int = 3, batch: int = 8):
+    """The dropless top-k decoder compiled with a plan that sets capacity factor 1.0."""
+    import dataclasses
+
+    dmodel, data = zoo.compile_on_ranks("moe_topk", {"ep": 2}, steps, batch,
+                                        plan_edit=lambda plan: dataclasses.replace(plan, capacity_factor=1.0))
+    return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_a_plans_capacity_factor_is_what_the_compiled_layers_run(rank_pool):
+    """compile gives the plan's capacity factor to every graphpass.nn.MoE layer: the dropless
+    decoder then trains as its capacity-1.0 twin (same weights) does in one process."""
+    ref_losses, ref_state, _ = zoo.train_reference("moe_topk_capacity", steps=3, batch=8)
+    dropless, _, _ = zoo.train_reference("moe_topk", steps=3, batch=8)
+    assert dropless != pytest.approx(ref_losses, rel=1e-6)  # the capacity drops something
+    for rank, (losses, state) in enumerate(rank_pool(2).run(_train_capacity_from_plan, timeout_s=120)):
+        zoo.assert_matches_reference(f"moe_topk capacity 1.0 from the plan, rank {rank}", losses, state,
+                                     ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+
+
 def _annealed(name: str, step: int, steps: int = 2, batch: int = 8):
     """Train ``name``'s dense-to-sparse gates annealed to ``step`` after compile; the losses."""
     import torch.distributed as dist
