@@ -145,9 +145,10 @@ CASES = {
     2: [("moe_topk", {"ep": 2}), ("moe_topk_capacity", {"ep": 2, "zero": 3}), ("moe_switch_score", {"ep": 2, "zero": 1}),
         ("moe_expert_choice", {"ep": 2}), ("moe_hash", {"ep": 2, "zero": 2}), ("hf_qwen2_moe", {"ep": 2}),
         ("tt_moe", {"ep": 2, "zero": 3})],
-    # 4 ranks: ep 4 = dp, ep 2 inside dp 4 (experts ZeRO-sharded over edp 2), and with tp / pp;
-    # the gates are the 2-rank run's (their routing does not depend on the layout)
-    4: [("moe_topk", {"ep": 4}), ("moe_topk_capacity", {"ep": 2, "zero": 3}),
+    # 4 ranks: ep 4 = dp (dropless and capacity), ep 2 inside dp 4 (experts ZeRO-sharded over
+    # edp 2; dropless ep 2 x dp 4 is the placement test's), and with tp / pp; the other gates are
+    # the 2-rank run's (their routing does not depend on the layout)
+    4: [("moe_topk", {"ep": 4}), ("moe_switch_score", {"ep": 4, "zero": 1}), ("moe_topk_capacity", {"ep": 2, "zero": 3}),
         ("moe_topk", {"dp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}), ("hf_mixtral", {"dp": 2, "tp": 2, "ep": 2}),
         ("moe_topk_capacity", {"dp": 2, "pp": 2, "ep": 2, "microbatches": 2})],
 }
