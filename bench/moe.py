@@ -41,7 +41,6 @@ model above on one rank, 16 times less and 16 times more.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -206,7 +205,7 @@ def main(argv=None) -> None:
           f"{args.d_hidden}, {args.batch} x {args.seq} tokens per step; {args.world_size} gloo ranks, "
           f"{args.threads} thread(s) each; median of {args.rounds} steps after {args.warmup} warm-up")
     kinds = [("torch DDP", "ddp", 1), ("gp dp", "gp", 1)] + [
-        row for e in args.eps for row in ((f"gp ep={e}", "gp", e), (f"  + placement", "place", e))]
+        row for e in args.eps for row in ((f"gp ep={e}", "gp", e), ("  + placement", "place", e))]
     for skew in args.skews:
         share = [(e + 1) ** -skew for e in range(args.experts)]
         hottest = max(share) / sum(share)

@@ -38,7 +38,6 @@ slots), pipelined programs; both raise ``NotImplementedError``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
