@@ -805,12 +805,11 @@ class Planner:
         loads = _check_loads(expert_loads, self.profile)
         self.capacity_factor, self._capacity_reason = _capacity(model, self.profile, loads, capacity_factors,
                                                                 max_dropped)
+        # the capacity priced: the plan's choice, else the model's own (where it has one)
+        capacity = _model_capacity(model) if self.capacity_factor == "model" else self.capacity_factor
         self.costing = replace(_costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                         measure_ops, measure_together),
-                               expert_loads=loads,
-                               capacity_factor=None if self.capacity_factor == "model" else self.capacity_factor)
-        if self.capacity_factor == "model":  # price the model's own capacity, where it has one
-            self.costing = replace(self.costing, capacity_factor=_model_capacity(model))
+                               expert_loads=loads, capacity_factor=capacity)
         self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
         self._rejected: dict[int, str] = {}

@@ -118,28 +118,20 @@ def _weight(product: fx.Node, num_experts: int) -> fx.Node:
     return node
 
 
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+def _reached(nodes: list[fx.Node], step) -> set[fx.Node]:
+    """Every node reached from ``nodes`` by repeatedly following ``step(node)`` (its inputs, or
+    its users), ``nodes`` themselves only if reached again."""
     seen, stack = set(), list(nodes)
     while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                stack.append(arg)
-    return seen
-
-
-def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen, stack = set(), list(nodes)
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
+        for other in step(stack.pop()):
+            if other not in seen:
+                seen.add(other)
+                stack.append(other)
     return seen
 
 
 def _region(offs: fx.Node, products: list[fx.Node]) -> ExpertRegion:
-    inside = (_descendants(products) & _ancestors(products)) | set(products)
+    inside = (_reached(products, lambda n: n.users) & _reached(products, lambda n: n.all_input_nodes)) | set(products)
     entries = {p.args[0] for p in products if p.args[0] not in inside}
     if len(entries) != 1:
         raise NotImplementedError(
