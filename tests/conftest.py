@@ -22,7 +22,7 @@ _REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT / "examples") not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT / "examples"))
 
-from graphpass.runtime.launch import RankPool
+pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,22 +41,10 @@ def _isolated_profile_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def rank_pool():
-    """Return ``get(world_size) -> RankPool``, one cached pool per world size in this session.
-
-    A pool whose run failed or timed out restarts its ranks on the next ``run``, so one
-    failing test does not poison the others. All pools are closed at session teardown.
-    """
-    pools: dict[int, RankPool] = {}
-
-    def get(world_size: int) -> RankPool:
-        if world_size not in pools:
-            pools[world_size] = RankPool(world_size)
-        return pools[world_size]
-
-    yield get
-    for pool in pools.values():
-        pool.close()
+def rank_pool(graphpass_ranks):
+    """``get(world_size) -> RankPool``: the graphpass pytest plugin's ``graphpass_ranks`` (one live
+    pool per world size for the session; a failed or timed-out run restarts its ranks next time)."""
+    return graphpass_ranks
 
 
 # ======================================================================================

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt import GPT, GPTConfig
+from graphpass.testing import full_grads  # noqa: F401 - zoo.full_grads, used by the parity tests
 from moe_gpt import MoEGPT, MoEGPTConfig
 
 VOCAB = 256
@@ -454,28 +455,6 @@ def compile(model: nn.Module, example_inputs, strategy):  # noqa: A001 - gp.comp
 
     with gp.reusing_captures(_CAPTURES):
         return gp.compile(model, gp.Cluster.local(), example_inputs=example_inputs, strategy=strategy)
-
-
-def full_grads(dmodel) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient under its ``state_dict`` key, put together on every rank
-    from the pieces each rank holds (ZeRO shards, tp chunks, experts, pipeline stages) by the
-    layouts checkpoints use; a collective over all ranks."""
-    import torch.distributed as dist
-
-    mine = []
-    for layout, tensor in dmodel.checkpoint_state()[0]:
-        if isinstance(tensor, nn.Parameter) and tensor.grad is not None:
-            pieces = [(piece.offsets, view.detach().clone()) for piece, view in zip(layout.pieces, layout.views(tensor.grad))]
-            mine.append((layout.key, layout.shape, pieces))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[str, torch.Tensor] = {}
-    for held in everyone:
-        for key, shape, pieces in held:
-            full = out.setdefault(key, torch.zeros(shape))
-            for offsets, piece in pieces:
-                full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
-    return out
 
 
 def compile_on_ranks(name: str, strategy_kwargs: dict, steps: int, batch: int, plan_edit=None):

@@ -1,0 +1,182 @@
+"""Golden files of a distributed program: the plan and every collective, in order, with the pass
+that added it.
+
+``program_text(model, example_inputs, strategy, world_size)`` runs graphpass's passes in this
+process for one rank (no ranks are started; capture, plan and passes are what ``compile`` runs)
+and describes the result: the plan's fields (its predictions, which depend on the machine, left
+out), then each pipeline stage's inputs, collectives and outputs. ``assert_golden(path, text)``
+compares that with a file under review in the user's repository: a change in torch, transformers,
+graphpass or the model that adds, drops or moves a collective fails with a diff that names the
+pass responsible. The ``--graphpass-update-golden`` pytest flag (or ``GRAPHPASS_UPDATE_GOLDEN=1``)
+rewrites the files instead; review their diff like code.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphpass import meta
+from graphpass.ops import op_name
+from graphpass.plan import Plan, Strategy, pipeline_rank
+
+UPDATE_ENV = "GRAPHPASS_UPDATE_GOLDEN"
+
+#: Plan fields that depend on the machine or the planner's wording, not on the program.
+_UNSTABLE_FIELDS = ("predicted_step_time_s", "predicted_peak_memory_bytes", "predicted_stage_peaks_bytes",
+                    "breakdown", "reasons")
+
+
+class GoldenMismatch(AssertionError):
+    """A program differs from its golden file; the message says what moved and which pass did it."""
+
+
+def update_requested() -> bool:
+    """True when golden files are to be rewritten (``--graphpass-update-golden`` or the env var)."""
+    return os.environ.get(UPDATE_ENV, "") not in ("", "0")
+
+
+def _tensor(val) -> str:
+    return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}" if isinstance(val, torch.Tensor) else "-"
+
+
+def _value(node: fx.Node) -> str:
+    val = node.meta.get(meta.VAL)
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_tensor(v) for v in val) + ")"
+    return _tensor(val) + (" (grad)" if node.meta.get(meta.REQUIRES_GRAD) else "")
+
+
+def collective_line(node: fx.Node) -> str:
+    """``[pass] op over axis (what it moves) -> result``: the parameters it moves by name, or the
+    values it moves by dtype and shape."""
+    axis = node.meta.get(meta.AXIS)
+    params = [a.target for a in node.all_input_nodes if a.op == "get_attr"]
+    moved = ", ".join(params) if params else ", ".join(_value(a) for a in node.all_input_nodes)
+    by = node.meta.get(meta.CREATED_BY, "captured")
+    return f"  [{by}] {op_name(node)}" + (f" over {axis}" if axis else "") + f" ({moved}) -> {_value(node)}"
+
+
+def stage_lines(stage: fx.GraphModule, title: str, last: bool) -> list[str]:
+    """One program (a pipeline stage, or the whole rank's graph): what it receives, its
+    collectives in order, what it sends on (``last``: returns)."""
+    from graphpass.passes.collectives import is_collective
+
+    lines = [title]
+    lines += [f"  receives {n.name}: {_value(n)}" for n in stage.graph.nodes if n.op == "placeholder"]
+    lines += [collective_line(n) for n in stage.graph.nodes if is_collective(n)]
+    output = stage.graph.find_nodes(op="output")[0]
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    for value in returned:
+        if isinstance(value, fx.Node):
+            lines.append(f"  {'returns' if last else 'sends'} {value.name}: {_value(value)}")
+    return lines
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """The plan's program-defining fields, one line per entry (predictions, the strategy it was
+    made from and replicated placements left out)."""
+    data = plan.to_dict()
+    lines = []
+    # Replicated placements are the default: only the others are listed.
+    data["placements"] = {node: by_axis for node, by_axis in data["placements"].items()
+                          if any(p != "Replicate()" for p in by_axis.values())}
+    for name, value in data.items():
+        if name in _UNSTABLE_FIELDS or name == "strategy":  # the strategy heads the text
+            continue
+        if isinstance(value, dict) and value and name != "mesh":
+            lines += [f"plan.{name}[{key}] = {value[key]}" for key in sorted(value)]
+        else:
+            lines.append(f"plan.{name} = {value}")
+    return lines
+
+
+def program_text(model: nn.Module, example_inputs: Sequence[torch.Tensor], strategy: Strategy | Plan,
+                 world_size: int, *, rank: int = 0) -> str:
+    """The golden text of ``model`` compiled with ``strategy`` on ``world_size`` ranks, seen from
+    ``rank``: the plan, then each pipeline stage (or the one program) with its collectives.
+
+    Runs capture and the passes in this process at one microbatch of the rank's share of the
+    global batch ``example_inputs``; nothing is launched. ``"auto"`` has no golden text (its plan
+    depends on the machine the planner measures): give the Strategy or Plan it chose.
+    """
+    from graphpass.capture import capture
+    from graphpass.pass_manager import PassContext, run_passes
+    from graphpass.passes import passes_for
+    from graphpass.passes.partition_stages import cut_stages
+    from graphpass.plan_builder import plan_from_strategy
+
+    if not isinstance(strategy, (Strategy, Plan)):
+        raise TypeError(f"program_text: strategy must be a graphpass.Strategy or Plan (the plan 'auto' chose), "
+                        f"got {strategy!r}")
+    if isinstance(strategy, Strategy):
+        strategy.check(world_size)
+    dp = strategy.dp if isinstance(strategy, Strategy) else strategy.mesh.dp
+    chunks = dp * strategy.microbatches
+    rows = example_inputs[0].shape[0] // chunks
+    local = tuple(t.narrow(0, 0, rows) if t.dim() and t.shape[0] == example_inputs[0].shape[0] else t
+                  for t in example_inputs)
+    gm = capture(model, local).gm
+    plan = plan_from_strategy(gm, strategy, ["golden"]) if isinstance(strategy, Strategy) else strategy
+    gm, _ = run_passes(gm, plan, PassContext(rank=rank, world_size=world_size, example_inputs=local),
+                       passes_for(plan))
+    stages = cut_stages(gm, plan.stages) if len(plan.stages) > 1 else [gm]
+    lines = [f"{type(model).__name__} on {world_size} ranks, rank {rank}"]
+    if isinstance(strategy, Strategy):
+        lines.append(repr(strategy))
+    lines += plan_lines(plan)
+    for s, stage in enumerate(stages):
+        title = (f"stage {s} (pp rank {pipeline_rank(s, plan.mesh.pp)})" if len(stages) > 1 else "program")
+        lines += stage_lines(stage, title, s == len(stages) - 1)
+    return "\n".join(lines) + "\n"
+
+
+def explain_diff(expected: str, actual: str) -> list[str]:
+    """What changed between two golden texts, a line per change: collectives added, dropped or
+    moved (with the pass that added them) and plan entries changed."""
+    old, new = expected.splitlines(), actual.splitlines()
+    added: list[tuple[int, str]] = []
+    dropped: list[tuple[int, str]] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=old, b=new, autojunk=False).get_opcodes():
+        if tag in ("delete", "replace"):
+            dropped += [(i, old[i]) for i in range(i1, i2)]
+        if tag in ("insert", "replace"):
+            added += [(j, new[j]) for j in range(j1, j2)]
+    out = []
+    moved = {line for _, line in added} & {line for _, line in dropped}
+    for line in sorted(moved):
+        (i, _), (j, _) = next(d for d in dropped if d[1] == line), next(a for a in added if a[1] == line)
+        out.append(f"moved (line {i + 1} -> {j + 1}):{line}")
+    out += [f"added (line {j + 1}):{line}" for j, line in added if line not in moved]
+    out += [f"dropped (was line {i + 1}):{line}" for i, line in dropped if line not in moved]
+    return [line.replace(":  [", ": [", 1) for line in out]
+
+
+def assert_golden(path: str | os.PathLike, text: str) -> None:
+    """``text`` equals the golden file at ``path``; with updating requested, write it instead.
+
+    Raises:
+        GoldenMismatch: the texts differ (or the file is missing); the message lists each added,
+            dropped or moved collective with the pass that added it, then the unified diff.
+    """
+    path = Path(path)
+    if update_requested():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return
+    if not path.exists():
+        raise GoldenMismatch(f"golden file {path} is missing; write it with pytest --graphpass-update-golden "
+                             f"(or {UPDATE_ENV}=1) and commit it")
+    expected = path.read_text()
+    if text == expected:
+        return
+    summary = "\n".join(explain_diff(expected, text))
+    diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), str(path), "now"))
+    raise GoldenMismatch(f"the distributed program differs from {path} (rewrite with pytest "
+                         f"--graphpass-update-golden if the change is intended):\n{summary}\n\n{diff}")

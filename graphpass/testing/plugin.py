@@ -1,0 +1,51 @@
+"""The graphpass pytest plugin (loaded by the ``pytest11`` entry point when graphpass is installed).
+
+* ``--graphpass-update-golden``: golden files (:func:`graphpass.testing.assert_golden`, and
+  ``assert_parity(golden_dir=...)``) are rewritten instead of compared.
+* ``graphpass_ranks``: a fixture returning ``get(world_size) -> RankPool``: live local ranks, one
+  pool per world size, kept for the whole session so every test pays each rank's start-up (spawn,
+  imports, first capture) once. A run that fails or outlives its timeout kills all its ranks and
+  raises with the failing rank's traceback; the pool starts fresh ranks on its next run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from graphpass.testing.golden import UPDATE_ENV
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("graphpass")
+    group.addoption("--graphpass-update-golden", action="store_true", default=False,
+                    help="rewrite graphpass golden files instead of comparing with them")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--graphpass-update-golden", default=False) and UPDATE_ENV not in os.environ:
+        os.environ[UPDATE_ENV] = "1"  # ranks and in-process checks read it
+        config._graphpass_set_update = True  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "_graphpass_set_update", False):
+        os.environ.pop(UPDATE_ENV, None)
+
+
+@pytest.fixture(scope="session")
+def graphpass_ranks():
+    """``get(world_size) -> RankPool``, one live pool per world size for the session."""
+    from graphpass.runtime.launch import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in pools:
+            pools[world_size] = RankPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

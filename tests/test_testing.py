@@ -1,0 +1,150 @@
+"""graphpass.testing, the harness users run in their CI: parity failures read well, golden files
+catch a changed program and the update flag rewrites them, bad arguments are named."""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+
+import graphpass as gp
+import graphpass.api
+from graphpass.pass_manager import graph_pass
+from graphpass.passes import passes_for
+from graphpass.runtime.grad_sync import all_reduce_grads
+from graphpass.testing import ParityError, assert_parity, program_text
+from graphpass.testing.golden import explain_diff
+from graphpass.testing.parity import compare, describe, fit_strategy, train_reference
+
+from test_gpt_parity import build_model, make_batches
+
+
+@graph_pass("drop_one_all_reduce")
+def _drop_one_all_reduce(gm, plan, ctx):
+    """Test-only: the first gradient bucket is not all-reduced (its parameters' local gradients
+    stay as they are on each rank)."""
+    bucket = next(n for n in gm.graph.nodes if n.target is all_reduce_grads)
+    grads = bucket.args[1:]
+    for user in list(bucket.users):
+        user.replace_all_uses_with(grads[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(bucket)
+    gm.recompile()
+    return gm
+
+
+def _broken_compile(model, example_inputs, strategy):
+    with mock.patch.object(graphpass.api, "passes_for", lambda plan: (*passes_for(plan), _drop_one_all_reduce)):
+        return gp.compile(model, gp.Cluster.local(), example_inputs=example_inputs, strategy=strategy)
+
+
+def test_a_dropped_gradient_all_reduce_fails_naming_the_worst_parameter(graphpass_ranks):
+    with pytest.raises(ParityError) as info:
+        assert_parity(build_model, make_batches, [gp.Strategy()], world_sizes=(2,), ranks=graphpass_ranks,
+                      compile_fn=_broken_compile)
+    message = str(info.value)
+    print(message)
+    assert "1 of 1 runs differ from one process" in message
+    assert "dp2-tp1-pp1 on 2 ranks: FAILED; worst " in message
+    assert "rtol=1e-05, atol=1e-06" in message
+    # The first bucket holds the last layers' parameters (gradients are bucketed in backward order).
+    worst = message.split("worst ")[1]
+    assert worst.startswith(("gradient of ", "lm_head", "ln_f", "h.1.")), worst
+    excess = float(worst.split(", ")[-1].split("x the tolerance")[0])
+    assert excess > 100, worst  # a gradient of half the batch is off by far more than rounding
+
+
+def test_results_name_each_strategy_and_its_worst_error(graphpass_ranks):
+    results = assert_parity(build_model, make_batches, [gp.Strategy(zero=2)], world_sizes=(2,),
+                            ranks=graphpass_ranks)
+    (result,) = results
+    assert result.passed and result.strategy == "dp2-tp1-pp1-zero2" and result.world_size == 2
+    assert 0 <= result.worst.excess <= 1 and result.worst.error < 1e-5
+
+
+def test_compare_reports_the_largest_error_over_its_tolerance():
+    batches = [tuple(t[:4] for t in b) for b in make_batches()]
+    ref = train_reference(build_model, batches)
+    assert compare(ref, ref).excess == 0
+    state = dict(ref.state)
+    state["ln_f.weight"] = state["ln_f.weight"].clone()
+    state["ln_f.weight"][5] += 1e-3
+    worst = compare(dataclasses.replace(ref, state=state), ref)
+    assert worst.what == "ln_f.weight after 3 steps" and worst.index == (5,)
+    assert worst.error == pytest.approx(1e-3, rel=1e-3)
+    assert worst.excess == pytest.approx(1e-3 / (1e-6 + 1e-5 * abs(worst.reference)), rel=1e-3)
+    missing = dataclasses.replace(ref, grads={k: v for k, v in ref.grads.items() if k != "wte.weight"})
+    assert "gradient of wte.weight (missing" in compare(missing, ref).what
+
+
+def test_strategies_fill_each_world_size_or_are_refused():
+    assert fit_strategy(gp.Strategy(tp=2), 4) == gp.Strategy(dp=2, tp=2)
+    assert fit_strategy(gp.Strategy(zero=3), 2) == gp.Strategy(dp=2, zero=3)
+    assert describe(fit_strategy(gp.Strategy(tp=2, sequence_parallel=True), 4)) == "dp2-tp2-pp1-sequence_parallel"
+    with pytest.raises(ValueError, match="uses 4 ranks, which does not divide world size 2"):
+        fit_strategy(gp.Strategy(tp=4), 2)
+    with pytest.raises(ValueError, match="seed inside model_fn"):
+        assert_parity(lambda: torch.nn.Linear(2, 2), make_batches, [gp.Strategy()])
+    with pytest.raises(ValueError, match="steps=3 needs at least 3"):
+        assert_parity(build_model, lambda: make_batches()[:2], [gp.Strategy()])
+    with pytest.raises(NotImplementedError, match="only 'gloo'"):
+        assert_parity(build_model, make_batches, backend="nccl")
+
+
+def _golden_case(bucket_cap_bytes: int) -> str:
+    from graphpass.capture import capture
+    from graphpass.plan_builder import plan_from_strategy
+
+    batch = make_batches()[0]
+    plan = plan_from_strategy(capture(build_model(), tuple(t[:4] for t in batch)).gm, gp.Strategy(dp=2), ["test"])
+    return program_text(build_model(), batch, dataclasses.replace(plan, bucket_cap_bytes=bucket_cap_bytes), 2)
+
+
+def test_a_changed_bucket_size_changes_the_golden_text_and_the_diff_names_the_pass():
+    one, many = _golden_case(2**30), _golden_case(40_000)
+    assert one != many
+    changes = explain_diff(one, many)
+    assert any(c.startswith("dropped") and "plan.bucket_cap_bytes = 1073741824" in c for c in changes)
+    assert any(c.startswith("added") and "[insert_collectives] all_reduce_grads over dp" in c for c in changes)
+
+
+GOLDEN_TEST = '''
+import dataclasses, pathlib, sys
+sys.path.insert(0, {examples!r})
+import graphpass as gp
+from graphpass.capture import capture
+from graphpass.plan_builder import plan_from_strategy
+from graphpass.testing import assert_golden, program_text
+from test_gpt_parity import build_model, make_batches
+
+def test_program():
+    batch = make_batches()[0]
+    plan = plan_from_strategy(capture(build_model(), tuple(t[:4] for t in batch)).gm, gp.Strategy(dp=2), ["t"])
+    plan = dataclasses.replace(plan, bucket_cap_bytes={cap})
+    assert_golden(pathlib.Path(__file__).parent / "golden" / "gpt.txt", program_text(build_model(), batch, plan, 2))
+'''
+
+
+def test_the_update_flag_rewrites_a_golden_file_that_no_longer_matches(pytester, monkeypatch):
+    import pathlib
+
+    monkeypatch.delenv("GRAPHPASS_UPDATE_GOLDEN", raising=False)
+    examples = str(pathlib.Path(__file__).resolve().parent.parent / "examples")
+    pytester.makepyfile(test_user=GOLDEN_TEST.format(examples=examples, cap=2**30))
+    assert pytester.runpytest_inprocess().ret != 0  # no golden file yet: fails, says how to write it
+    pytester.runpytest_inprocess("--graphpass-update-golden").assert_outcomes(passed=1)
+    pytester.runpytest_inprocess().assert_outcomes(passed=1)
+    golden = pytester.path / "golden" / "gpt.txt"
+    before = golden.read_text()
+
+    pytester.makepyfile(test_user=GOLDEN_TEST.format(examples=examples, cap=40_000))
+    result = pytester.runpytest_inprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*differs from*golden*gpt.txt*--graphpass-update-golden*",
+                                 "*added (line *): [[]insert_collectives] all_reduce_grads over dp*"])
+    assert golden.read_text() == before
+    pytester.runpytest_inprocess("--graphpass-update-golden").assert_outcomes(passed=1)
+    assert golden.read_text() != before
+    pytester.runpytest_inprocess().assert_outcomes(passed=1)
