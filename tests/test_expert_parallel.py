@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphpass as gp
 import zoo
+from graphpass.testing import full_grads
 
 from graphpass.mesh import Mesh
 from graphpass.nn import grouped_mm
@@ -133,7 +134,7 @@ def test_under_fake_tensors_the_exchange_returns_the_balanced_shapes():
 def _train(name: str, strategy_kwargs: dict, steps: int = 3, batch: int = 8):
     dmodel, data = zoo.compile_on_ranks(name, strategy_kwargs, steps, batch)
     grads: dict = {}
-    losses = zoo.train_compiled(dmodel, data, on_first_step=lambda m: grads.update(zoo.full_grads(m)))
+    losses = zoo.train_compiled(dmodel, data, on_first_step=lambda m: grads.update(full_grads(m)))
     return losses, dmodel.full_state_dict(), grads
 
 
@@ -223,7 +224,7 @@ def _train_moving(name: str, strategy_kwargs: dict, path: str, steps: int = 4, b
     for step, b in enumerate(data):
         losses.append(dmodel.train_step(*b).item())
         if step == 1:  # after the first move: gradients put together through the moved layout
-            grads = zoo.full_grads(dmodel)
+            grads = full_grads(dmodel)
         opt.step()
         opt.zero_grad()
         moves += [(m.layer, m.moved, round(max(m.before), 4), round(max(m.after), 4)) for m in placement.step()]
@@ -295,7 +296,7 @@ def _train_two_level(name: str, steps: int = 3, batch: int = 8):
                                ep_all_to_all="hierarchical")
     dmodel = gp.compile(model, cluster, example_inputs=data[0], strategy=plan)
     grads: dict = {}
-    losses = zoo.train_compiled(dmodel, data, on_first_step=lambda m: grads.update(zoo.full_grads(m)))
+    losses = zoo.train_compiled(dmodel, data, on_first_step=lambda m: grads.update(full_grads(m)))
     return losses, dmodel.full_state_dict(), grads, dmodel._mesh.two_level("ep") is not None
 
 

@@ -12,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt import GPT, GPTConfig
-from graphpass.testing import full_grads  # noqa: F401 - zoo.full_grads, used by the parity tests
 from moe_gpt import MoEGPT, MoEGPTConfig
 
 VOCAB = 256
@@ -397,18 +396,10 @@ def batches(name: str, n: int, batch: int = 8, seed: int = 1) -> list[tuple[torc
 
 def train_reference(name: str, steps: int = 3, batch: int = 8, lr: float = 0.05):
     """Train ``name`` in this process with SGD+momentum: (losses, state_dict, grads of step 1)."""
-    model = build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses, first_grads = [], None
-    for b in batches(name, steps, batch):
-        loss = model(*b)
-        loss.backward()
-        if first_grads is None:
-            first_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, first_grads
+    from graphpass.testing import train_reference as reference
+
+    trace = reference(lambda: build(name), batches(name, steps, batch), "sgd-momentum", lr)
+    return trace.losses, trace.state, trace.grads
 
 
 def train_compiled(dmodel, data, lr: float = 0.05, on_first_step=None) -> list[float]:
