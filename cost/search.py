@@ -340,6 +340,8 @@ class Candidate:
     how: str = "ilp"
     #: (label, step time, peak) of the uniform baselines priced on this mesh, for explain().
     uniform: list[tuple[str, float, float]] = field(default_factory=list)
+    #: the slowest tail after the schedule: exposed data-parallel communication + optimizer step.
+    tail_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -827,7 +829,8 @@ def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]]
     fill = 1.0 - ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 0.0
     step = _shared_host_step(path, layout.mesh.pp, m * layout.virtual_stages, costing.host_contention,
                              costing.host_oversubscription, fill) + max(tails)
-    return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how)
+    return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how,
+                     tail_s=max(tails))
 
 
 def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float,

@@ -1,16 +1,28 @@
-"""The ``graphpass`` command line: inspect presets, plans and dumps without writing Python.
+"""The ``graphpass`` command line: plan, launch and inspect without writing Python.
 
-    graphpass presets                 # the cluster presets and their figures
-    graphpass explain plan.json       # Plan.explain() of a saved plan
+    graphpass plan configs:build --arg gpt3-175b --cluster h100-80g:128x8 --batch 1536x2048
+                                      # plan a model built on the meta device; print the plan
+    graphpass run -n 4 train.py ARGS  # run a script on 4 local ranks through torchrun
+    graphpass explain plan.json [--html plan.html]   # Plan.explain() of a saved plan (and its page)
     graphpass dumps DIR               # summary.txt and the collectives in each rank's final graph
+    graphpass presets                 # the cluster presets and their figures
     graphpass profile --world-size 2  # measure this machine; Cluster.local(2) then loads it
+    graphpass env                     # versions, backends, devices and profiles, for bug reports
+
+Bad input exits with status 2 and one line saying what to change.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import inspect
+import os
 import pathlib
+import platform
 import re
+import subprocess
 import sys
 
 from graphpass.cluster import Cluster, presets
@@ -31,12 +43,170 @@ def _presets(_: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``graphpass plan: error: ...``) and exit status 2."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _Usage(Exception):
+    """Bad input found after parsing: printed as one line, exit status 2."""
+
+
 def _explain(args: argparse.Namespace) -> int:
     path = pathlib.Path(args.plan)
     if not path.is_file():
-        print(f"graphpass explain: no such plan file {path}", file=sys.stderr)
-        return 2
-    print(Plan.from_json(path.read_text()).explain())
+        raise _Usage(f"no such plan file {path}")
+    try:
+        plan = Plan.from_json(path.read_text())
+    except (ValueError, TypeError) as exc:
+        raise _Usage(f"{path} is not a saved plan: {exc}") from None
+    print(plan.explain())
+    if args.html:
+        plan.to_html(args.html)
+        print(f"page: {pathlib.Path(args.html).resolve()}")
+    return 0
+
+
+def _load_factory(spec: str):
+    """``MODULE:FACTORY`` → the callable: MODULE is an importable dotted name or a ``.py`` path
+    (its directory goes on ``sys.path``, so its own imports resolve); the working directory is
+    searched first."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise _Usage(f"factory {spec!r} must be MODULE:FACTORY, e.g. configs:build or examples/configs.py:build")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = pathlib.Path(module_name).resolve()
+            if not path.is_file():
+                raise _Usage(f"no such module file {module_name}")
+            sys.path.insert(0, str(path.parent))
+            loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[path.stem] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise _Usage(f"cannot import {module_name!r} for the factory {spec!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise _Usage(f"module {module_name!r} has no factory {attr!r} (a callable returning the model)")
+    return factory
+
+
+def _batch_shape(text: str) -> tuple[int, ...]:
+    match = re.fullmatch(r"(\d+)(?:x(\d+))?", text.strip())
+    if not match or int(match.group(1)) < 1 or (match.group(2) is not None and int(match.group(2)) < 1):
+        raise _Usage(f"--batch {text!r} must be BATCHxSEQ (e.g. 512x2048) or BATCH")
+    return tuple(int(g) for g in match.groups() if g is not None)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from graphpass.planner import parse_memory, plan, resolve_cluster
+
+    try:
+        cluster = resolve_cluster(args.cluster)
+    except (ValueError, KeyError) as exc:
+        raise _Usage(f"--cluster: {str(exc).strip(chr(39))}") from None
+    try:
+        budget = None if args.memory is None else parse_memory(args.memory, "--memory")
+    except ValueError as exc:
+        raise _Usage(str(exc)) from None
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    shape = _batch_shape(args.batch)
+    factory = _load_factory(args.factory)
+    wants_batch = "batch" in inspect.signature(factory).parameters
+    with torch.device("meta"):
+        built = factory(*args.arg, batch=shape) if wants_batch else factory(*args.arg)
+    model, inputs = built if isinstance(built, tuple) else (built, None)
+    if not isinstance(model, torch.nn.Module):
+        raise _Usage(f"factory {args.factory!r} returned {type(model).__name__}, not a torch.nn.Module "
+                     "(or a (model, example_inputs) pair)")
+    model = model.to(dtypes[args.dtype])
+    if inputs is None:
+        if len(shape) != 2:
+            raise _Usage(f"--batch {args.batch!r}: a model given without example inputs takes token ids and "
+                         "targets of shape BATCHxSEQ (or let the factory return (model, example_inputs))")
+        inputs = tuple(torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
+    try:
+        chosen = plan(model, cluster, inputs, memory_budget=budget, time_limit_s=args.time_limit,
+                      optimizer_states=args.optimizer_states)
+    except ValueError as exc:  # NoPlanError, PlanningError: nothing fits, nothing to plan
+        raise _Usage(str(exc).splitlines()[0]) from None
+    print(f"{args.factory}{'(' + ', '.join(args.arg) + ')' if args.arg else ''}: "
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.3g}B parameters, {args.dtype}, "
+          f"batch {args.batch} on {cluster.explain()}")
+    print(chosen.explain())
+    if args.json:
+        pathlib.Path(args.json).write_text(chosen.to_json() + "\n")
+        print(f"plan: {pathlib.Path(args.json).resolve()}")
+    if args.html:
+        chosen.to_html(args.html)
+        print(f"page: {pathlib.Path(args.html).resolve()}")
+    return 0
+
+
+def torchrun_command(nproc: int, script: str, script_args: list[str], port: int) -> list[str]:
+    """The torchrun line ``graphpass run`` executes: one node, every address 127.0.0.1."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "--local-addr", "127.0.0.1",
+            script, *script_args]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from graphpass.runtime.launch import free_port
+
+    if args.n < 1:
+        raise _Usage(f"-n {args.n}: give the number of local ranks, 1 or more")
+    if not pathlib.Path(args.script).is_file():
+        raise _Usage(f"no such script {args.script}")
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, as graphpass.launch does
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.n)))
+    return subprocess.call(torchrun_command(args.n, args.script, args.args, free_port()), env=env)
+
+
+def _env(_: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import graphpass
+    from graphpass.cluster import cache_dir
+
+    def version(name: str) -> str:
+        try:
+            return importlib.import_module(name).__version__
+        except ImportError:
+            return "not installed"
+        except AttributeError:
+            return "installed"
+
+    print(f"graphpass {graphpass.__version__} ({pathlib.Path(graphpass.__file__).parent})")
+    print(f"python {platform.python_version()} on {platform.platform()}, {os.cpu_count()} CPUs")
+    print(f"torch {torch.__version__} (CUDA build {torch.version.cuda or 'none'})")
+    for name in ("ortools", "sympy", "networkx", "transformers", "tqdm", "pytest"):
+        print(f"{name} {version(name)}")
+    backends = [b for b in ("gloo", "nccl", "mpi") if getattr(dist, f"is_{b}_available")()]
+    print(f"torch.distributed backends: {', '.join(backends) or 'none'}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            print(f"cuda:{i} {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    else:
+        print("devices: cpu only (no CUDA device visible)")
+    root = cache_dir()
+    files = sorted(p.relative_to(root) for p in root.rglob("*.json")) if root.is_dir() else []
+    print(f"profile cache {root}: " + (", ".join(map(str, files)) if files else "no profiles (graphpass profile writes one)"))
+    for var in ("GRAPHPASS_CACHE_DIR", "GRAPHPASS_DUMP_DIR", "GRAPHPASS_DISABLE_PASSES", "GRAPHPASS_QUIET",
+                "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "WORLD_SIZE"):
+        if var in os.environ:
+            print(f"{var}={os.environ[var]}")
     return 0
 
 
@@ -44,8 +214,7 @@ def _dumps(args: argparse.Namespace) -> int:
     root = pathlib.Path(args.dir)
     summary = root / "summary.txt"
     if not summary.is_file():
-        print(f"graphpass dumps: {root} has no summary.txt (was it written with dump_dir=?)", file=sys.stderr)
-        return 2
+        raise _Usage(f"{root} has no summary.txt (was it written with dump_dir=?)")
     print(summary.read_text().rstrip())
     for rank_dir in sorted(root.glob("rank*")):
         graphs = sorted(rank_dir.glob("*.py"))
@@ -63,31 +232,77 @@ def _profile(args: argparse.Namespace) -> int:
     try:
         report = run_profile(world_size=args.world_size, path=args.out, dtypes=dtypes, quick=args.quick)
     except ValueError as exc:
-        print(f"graphpass profile: {exc}", file=sys.stderr)
-        return 2
+        raise _Usage(str(exc)) from None
     print(report.summary())
     return 0
 
 
+_EPILOGS = {
+    "plan": """example:
+  graphpass plan examples/configs.py:build --arg gpt3-175b --cluster h100-80g:128x8 \\
+      --memory 70GiB --batch 1536x2048 --dtype bf16 --json plan.json --html plan.html
+
+FACTORY(*ARGS) runs under torch.device("meta") (nothing is allocated) and returns the model, whose
+forward(idx, targets) takes BATCHxSEQ token ids, or (model, example_inputs); a factory with a
+`batch` parameter is given the --batch shape as a tuple.""",
+    "run": """example:
+  graphpass run -n 4 examples/train_gpt.py --world-size 4 --steps 5
+
+Runs torchrun with one node on 127.0.0.1. On a real cluster run torchrun on every node instead:
+  torchrun --nnodes NODES --nproc-per-node GPUS --node-rank I \\
+      --rdzv-backend c10d --rdzv-endpoint HOST0:29500 train.py ARGS""",
+    "explain": "example:\n  graphpass explain dumps/plan.json --html plan.html",
+    "dumps": "example:\n  graphpass dumps dumps/train_gpt",
+    "presets": "example:\n  graphpass presets",
+    "profile": "example:\n  graphpass profile --world-size 2 --quick",
+    "env": "example:\n  graphpass env > env.txt   # attach to a bug report",
+}
+
+
+def _subparser(sub, name: str, help_text: str, fn):
+    p = sub.add_parser(name, help=help_text, description=help_text, epilog=_EPILOGS[name],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(fn=fn)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``graphpass`` console script."""
-    parser = argparse.ArgumentParser(prog="graphpass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("presets", help="list cluster presets").set_defaults(fn=_presets)
-    p = sub.add_parser("explain", help="explain a saved plan.json")
+    parser = _Parser(prog="graphpass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = _subparser(sub, "plan", "plan a model for a cluster without the cluster (fake tensors)", _plan)
+    p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. configs:build or examples/configs.py:build")
+    p.add_argument("--arg", action="append", default=[], metavar="ARG", help="a string argument to the factory (repeatable)")
+    p.add_argument("--cluster", required=True, help="preset NAME or NAME:NODESxGPUS, e.g. h100-80g:16x8 (see graphpass presets)")
+    p.add_argument("--batch", required=True, help="global batch, BATCHxSEQ for token models, e.g. 512x2048")
+    p.add_argument("--memory", default=None, help="per-device budget, e.g. 70GiB (default 90%% of the device)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="parameter dtype (default bf16)")
+    p.add_argument("--optimizer-states", type=int, default=2, help="fp32 states per parameter (2: Adam, 1: SGD momentum)")
+    p.add_argument("--time-limit", type=float, default=None, help="stop searching after this many seconds")
+    p.add_argument("--json", default=None, help="write the plan as JSON here")
+    p.add_argument("--html", default=None, help="write the plan's page here")
+    p = _subparser(sub, "run", "run a script on N local ranks through torchrun (loopback only)", _run)
+    p.add_argument("-n", type=int, required=True, help="local ranks")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    p = _subparser(sub, "explain", "explain a saved plan.json", _explain)
     p.add_argument("plan")
-    p.set_defaults(fn=_explain)
-    p = sub.add_parser("dumps", help="summarise a dump directory")
+    p.add_argument("--html", default=None, help="also write the plan's page here")
+    p = _subparser(sub, "dumps", "summarise a dump directory", _dumps)
     p.add_argument("dir")
-    p.set_defaults(fn=_dumps)
-    p = sub.add_parser("profile", help="measure this machine's device and links into a cluster JSON")
+    _subparser(sub, "presets", "list cluster presets", _presets)
+    p = _subparser(sub, "profile", "measure this machine's device and links into a cluster JSON", _profile)
     p.add_argument("--world-size", type=int, default=1, help="local ranks to profile (default 1)")
     p.add_argument("--out", default=None, help="JSON path (default: where Cluster.local looks)")
     p.add_argument("--dtypes", default=None, help="comma-separated matmul dtypes, e.g. bf16,fp32")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (seconds)")
-    p.set_defaults(fn=_profile)
+    _subparser(sub, "env", "print versions, backends, devices and profiles for a bug report", _env)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except _Usage as exc:
+        print(f"graphpass {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

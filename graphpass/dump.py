@@ -4,7 +4,7 @@ Layout under ``dump_dir`` (``dump_dir=`` argument or ``GRAPHPASS_DUMP_DIR``)::
 
     rank{r}/00_capture.py            the captured single-device graph
     rank{r}/{NN:02d}_{pass}.py       the graph after pass NN, headed by its PassRecord line
-    plan.json, plan.txt              the plan (JSON, and Plan.explain())
+    plan.json, plan.txt, plan.html   the plan (JSON, Plan.explain(), Plan.to_html())
     summary.txt                      capture route and one line per pass
 
 Each graph file is the generated Python of the GraphModule (with shapes) followed by a table of
@@ -90,11 +90,12 @@ class Dumper:
         self.graph(index, record.name, gm, record.header(index))
 
     def finish(self, plan: Plan, route: str, capture_s: float, records: Sequence[PassRecord]) -> None:
-        """Write ``plan.json``, ``plan.txt`` and ``summary.txt`` (rank 0 only)."""
+        """Write ``plan.json``, ``plan.txt``, ``plan.html`` and ``summary.txt`` (rank 0 only)."""
         if self.root is None or self.rank != 0:
             return
         (self.root / "plan.json").write_text(plan.to_json() + "\n")
         (self.root / "plan.txt").write_text(plan.explain() + "\n")
+        plan.to_html(self.root / "plan.html")
         lines = [f"capture via {route} ({capture_s:.2f} s)"]
         lines += [r.header(i) for i, r in enumerate(records, start=1)]
         (self.root / "summary.txt").write_text("\n".join(lines) + "\n")

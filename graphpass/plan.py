@@ -13,6 +13,8 @@ Placements use torch's words (``torch.distributed.tensor``): ``Shard(dim)``, ``R
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
@@ -287,6 +289,15 @@ class Plan:
         predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
         predicted_stage_peaks_bytes: the cost model's peak on each ``pp`` rank (its stages), in
             order; ``()`` until priced.
+        time_split_s: the predicted step split (seconds, summing to ``predicted_step_time_s``):
+            ``compute`` and ``tp_comm`` (the slowest pipeline rank's microbatches),
+            ``dp_comm_exposed`` (data-parallel communication not hidden behind backward),
+            ``optimizer`` and ``bubble`` (pipeline fill and drain); empty until priced.
+        memory_budget_bytes: the per-device budget the planner fitted the plan under.
+        devices_per_node: devices per node of the planned cluster (ranks ``n * k .. n * k + k - 1``
+            share node ``n``).
+        alternatives: the runner-up meshes and the closest that did not fit, each ``layout``,
+            ``step_time_s`` (None: not fitting), ``peak_bytes`` and ``why`` it lost.
         reasons: human-readable lines saying why the plan is what it is (shown by ``explain``).
     """
 
@@ -308,6 +319,10 @@ class Plan:
     predicted_peak_memory_bytes: int | None = None
     predicted_stage_peaks_bytes: tuple[int, ...] = ()
     breakdown: tuple[Mapping[str, Any], ...] = ()
+    time_split_s: Mapping[str, float] = field(default_factory=dict)
+    memory_budget_bytes: int | None = None
+    devices_per_node: int | None = None
+    alternatives: tuple[Mapping[str, Any], ...] = ()
     reasons: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -388,6 +403,8 @@ class Plan:
         data["tp_parts"] = {k: list(v) for k, v in self.tp_parts.items()}
         data["reasons"] = list(self.reasons)
         data["breakdown"] = [dict(row) for row in self.breakdown]
+        data["time_split_s"] = dict(self.time_split_s)
+        data["alternatives"] = [dict(row) for row in self.alternatives]
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -409,6 +426,7 @@ class Plan:
         kwargs["recompute"] = tuple(kwargs.get("recompute", ()))
         kwargs["predicted_stage_peaks_bytes"] = tuple(kwargs.get("predicted_stage_peaks_bytes", ()))
         kwargs["breakdown"] = tuple(dict(row) for row in kwargs.get("breakdown", ()))
+        kwargs["alternatives"] = tuple(dict(row) for row in kwargs.get("alternatives", ()))
         kwargs["tp_parts"] = {k: tuple(v) for k, v in kwargs.get("tp_parts", {}).items()}
         return cls(**kwargs)
 
@@ -458,7 +476,11 @@ class Plan:
         time_s = self.predicted_step_time_s
         mem = self.predicted_peak_memory_bytes
         lines.append("predicted step time: " + ("not priced" if time_s is None else f"{time_s * 1e3:.2f} ms"))
-        lines.append("predicted peak memory: " + ("not priced" if mem is None else f"{mem / 2**30:.2f} GiB"))
+        lines.append("predicted peak memory: " + ("not priced" if mem is None else f"{mem / 2**30:.2f} GiB") + (
+            "" if self.memory_budget_bytes is None else f" of a {self.memory_budget_bytes / 2**30:.2f} GiB budget"))
+        if self.time_split_s:
+            lines.append("step time split: " + ", ".join(
+                f"{name.replace('_', ' ')} {t * 1e3:.2f} ms" for name, t in self.time_split_s.items()))
         lines.extend(self._breakdown_lines())
         lines.extend(f"why: {r}" for r in self.reasons)
         return "\n".join(lines)
@@ -483,6 +505,14 @@ class Plan:
                 f"{total('state_bytes') / 2**30:.3f} | {total('activation_bytes') / 2**30:.3f}"
             )
         return lines
+
+    def to_html(self, path: str | os.PathLike) -> pathlib.Path:
+        """Write a self-contained page of this plan (no network, no external scripts): the mesh
+        and ranks on nodes, pipeline stages, every block's choice, the predicted time split and
+        memory per device against the budget, the runner-up meshes. Returns the path."""
+        from graphpass.plan_html import write_html
+
+        return write_html(self, path)
 
     def diff(self, other: "Plan") -> list[str]:
         """Lines describing how ``other`` differs from this plan (empty when equal)."""

@@ -904,7 +904,8 @@ class Planner:
         best, found, infeasible = S.search(layouts, usable, costing, time_limit_s)
         reasons = _reasons(best, found, infeasible, self._rejected, costing, len(usable), self.measure_s)
         return _to_plan(self.profile, layouts[(best.layout.mesh.tp, best.layout.sequence_parallel)], best, costing,
-                        None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason))
+                        None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
+                        _alternatives(best, found, infeasible))
 
 
 def plan(
@@ -1043,7 +1044,6 @@ class _Remeasure:
         found = self.graph(batch) if self.cluster.name.startswith("local") else None
         if found is None:
             return ProgramTimes()
-        from graphpass.cost import profiler
 
         other, sliced = found
         try:
@@ -1210,9 +1210,19 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
     return lines
 
 
+def _alternatives(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float]) -> list[dict]:
+    """The runner-up meshes (the next three by step time) and the closest ones that do not fit,
+    each with why it lost (``Plan.alternatives``)."""
+    out = [{"layout": str(c.layout), "step_time_s": c.step_time_s, "peak_bytes": int(c.peak_memory_bytes),
+            "why": f"{c.step_time_s / best.step_time_s:.2f}x slower"} for c in found[1:4]]
+    out += [{"layout": mesh, "step_time_s": None, "peak_bytes": int(need), "why": "does not fit the budget"}
+            for mesh, need in sorted(infeasible.items(), key=lambda kv: kv[1])[:2]]
+    return out
+
+
 def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
              strategy: Strategy | None, reasons: list[str], start: float,
-             capacity: tuple[float | str | None, str] = ("model", "")) -> Plan:
+             capacity: tuple[float | str | None, str] = ("model", ""), alternatives: Sequence[dict] = ()) -> Plan:
     capacity_factor, capacity_reason = capacity
     layout = cand.layout
     mesh = layout.mesh
@@ -1232,6 +1242,17 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
             })
     reasons = list(reasons) + ([capacity_reason] if capacity_reason else [])
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
+    # The step on the slowest pp rank: its microbatches' compute and tp collectives, then the
+    # tail (exposed dp communication, optimizer); the rest of the step is the pipeline bubble.
+    m, slowest = layout.microbatches, max(range(len(cand.stage_times_s)), key=lambda r: cand.stage_times_s[r])
+    work = m * cand.stage_times_s[slowest]
+    tp = sum(cand.priced[i].tp_comm_s for s, indices in enumerate(cand.stages)
+             if layout.rank_of(s) == slowest for i in indices) * m
+    bubble = max(0.0, cand.step_time_s - work - cand.tail_s)
+    tp = min(tp, work)
+    time_split = {"compute": max(0.0, cand.step_time_s - tp - cand.tail_s - bubble), "tp_comm": tp,
+                  "dp_comm_exposed": cand.exposed_comm_s, "optimizer": max(0.0, cand.tail_s - cand.exposed_comm_s),
+                  "bubble": bubble}
     base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
                              microbatches=layout.microbatches, strategy=strategy, reasons=reasons)
     return replace(
@@ -1244,4 +1265,8 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
         ep_all_to_all=S.ep_all_to_all(blocks, layout, costing),
         capacity_factor=capacity_factor,
         breakdown=tuple(breakdown),
+        time_split_s=time_split,
+        memory_budget_bytes=int(costing.memory_limit_bytes),
+        devices_per_node=costing.cluster.devices_per_node,
+        alternatives=tuple(alternatives),
     )

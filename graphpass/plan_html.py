@@ -1,0 +1,196 @@
+"""A plan as one self-contained HTML page (``Plan.to_html``): inline CSS and SVG, one small inline
+script, nothing fetched.
+
+Sections: the headline figures; the mesh with every rank on its node (coloured by pipeline stage,
+its ``pp/dp/tp`` coordinates on hover); the predicted step split into compute, tensor-parallel
+communication, exposed data-parallel communication, optimizer and pipeline bubble; memory per
+pipeline rank against the budget; every block's choice and figures (``Plan.breakdown``); the
+runner-up meshes and why they lost; the planner's reasons. Every figure carries a ``data-*``
+attribute with the exact value it shows, so a test (or a user's script) can read the page back.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import pathlib
+from typing import TYPE_CHECKING, Any
+
+from graphpass.units import format_bytes
+
+if TYPE_CHECKING:
+    from graphpass.plan import Plan
+
+#: Nodes drawn in the mesh picture; larger clusters show this many and say how many more.
+MAX_NODES_DRAWN = 32
+_STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
+                  "#9c755f", "#bab0ac")
+_SPLIT_COLOURS = {"compute": "#4e79a7", "tp_comm": "#f28e2b", "dp_comm_exposed": "#e15759",
+                  "optimizer": "#59a14f", "bubble": "#bab0ac"}
+
+_CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; color: #222; max-width: 1200px; }
+h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; } td, th { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: right; }
+th { background: #f6f6f6; } td.l, th.l { text-align: left; }
+.node { display: flex; align-items: center; margin: 2px 0; } .node span.label { width: 70px; color: #666; }
+.rank { width: 26px; height: 18px; margin-right: 2px; border-radius: 3px; color: #fff; font-size: 10px;
+        display: inline-flex; align-items: center; justify-content: center; }
+.bar { display: flex; height: 22px; border: 1px solid #ccc; } .bar div { height: 100%; }
+.legend span { display: inline-block; width: 12px; height: 12px; margin: 0 4px 0 12px; vertical-align: middle; }
+tr.hl td { background: #fff6d5; } .muted { color: #777; } .over { color: #b00; font-weight: 600; }
+"""
+
+_SCRIPT = """
+document.querySelectorAll("tr[data-block]").forEach(function (row) {
+  row.addEventListener("mouseenter", function () { row.classList.add("hl"); });
+  row.addEventListener("mouseleave", function () { row.classList.remove("hl"); });
+});
+document.getElementById("rendered").textContent = "rendered";
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _gib(num: float) -> str:
+    return format_bytes(num)
+
+
+def _mesh_section(plan: "Plan") -> str:
+    mesh, world = plan.mesh, plan.world_size
+    per_node = plan.devices_per_node or world
+    nodes = -(-world // per_node)
+    rows = []
+    for node in range(min(nodes, MAX_NODES_DRAWN)):
+        cells = []
+        for rank in range(node * per_node, min(world, (node + 1) * per_node)):
+            coords = {axis: mesh.coordinate(rank, axis) for axis in ("pp", "dp", "tp", "ep") if mesh.size(axis) > 1}
+            stage = coords.get("pp", 0)
+            title = f"rank {rank}: " + (", ".join(f"{a} {c}" for a, c in coords.items()) or "the only rank")
+            cells.append(f'<span class="rank" data-rank="{rank}" data-pp="{stage}" title="{_e(title)}" '
+                         f'style="background:{_STAGE_COLOURS[stage % len(_STAGE_COLOURS)]}">{rank}</span>')
+        rows.append(f'<div class="node" data-node="{node}"><span class="label">node {node}</span>{"".join(cells)}</div>')
+    more = (f'<p class="muted">... {nodes - MAX_NODES_DRAWN} more nodes laid out the same way</p>'
+            if nodes > MAX_NODES_DRAWN else "")
+    axes = " x ".join(f"{a}={n}" for a, n in mesh.items())
+    groups = "; ".join(f"{a} groups: ranks {mesh.group_ranks(a, 0)} (rank 0's)" for a in ("tp", "ep", "dp", "pp")
+                       if mesh.size(a) > 1 and len(mesh.group_ranks(a, 0)) <= 16)
+    where = f"{nodes} nodes of {per_node}" if plan.devices_per_node else "nodes unknown (a plan not made by the planner)"
+    return (f'<h2>Mesh</h2><p data-mesh="{_e(dict(mesh))}">{_e(axes)} on {world} devices, {where}. '
+            f'Colour: pipeline stage (pp rank); hover a rank for its coordinates.</p>'
+            f'<p class="muted">{_e(groups)}</p>{"".join(rows)}{more}')
+
+
+def _stages_section(plan: "Plan") -> str:
+    if len(plan.stages) == 1:
+        return "<h2>Pipeline</h2><p>No pipeline: every rank runs the whole model.</p>"
+    from graphpass.plan import pipeline_rank
+
+    items = "".join(f'<li data-stage="{s}">stage {s} (pp rank {pipeline_rank(s, plan.mesh.pp)}) starts at <code>{_e(start)}</code></li>'
+                    for s, start in enumerate(plan.stages))
+    return (f"<h2>Pipeline</h2><p>{len(plan.stages)} stages on pp={plan.mesh.pp}, schedule {_e(plan.schedule)}, "
+            f"{plan.microbatches} microbatches.</p><ol start=0>{items}</ol>")
+
+
+def _time_section(plan: "Plan") -> str:
+    if not plan.time_split_s or not plan.predicted_step_time_s:
+        return "<h2>Step time</h2><p>Not priced (give the plan to graphpass.plan to predict it).</p>"
+    total = plan.predicted_step_time_s
+    bars, legend = [], []
+    for name, seconds in plan.time_split_s.items():
+        share = 100.0 * seconds / total
+        label = name.replace("_", " ")
+        bars.append(f'<div style="width:{share:.3f}%;background:{_SPLIT_COLOURS.get(name, "#999")}" '
+                    f'title="{_e(label)}: {_ms(seconds)}"></div>')
+        legend.append(f'<span style="background:{_SPLIT_COLOURS.get(name, "#999")}"></span>{_e(label)} '
+                      f'<b data-time="{_e(name)}" data-value="{seconds!r}">{_ms(seconds)}</b>')
+    return (f'<h2>Step time</h2><p>Predicted <b data-step-time="{total!r}">{_ms(total)}</b> per step.</p>'
+            f'<div class="bar">{"".join(bars)}</div><p class="legend">{"".join(legend)}</p>')
+
+
+def _memory_section(plan: "Plan") -> str:
+    peaks = list(plan.predicted_stage_peaks_bytes) or (
+        [plan.predicted_peak_memory_bytes] if plan.predicted_peak_memory_bytes else [])
+    if not peaks:
+        return "<h2>Memory</h2><p>Not priced.</p>"
+    budget = plan.memory_budget_bytes
+    scale = max([*peaks, budget or 0])
+    rows = []
+    for r, peak in enumerate(peaks):
+        over = budget is not None and peak > budget
+        width = 100.0 * peak / scale
+        mark = f'<div style="position:absolute;left:{100.0 * budget / scale:.3f}%;top:0;bottom:0;border-left:2px dashed #b00"></div>' if budget else ""
+        rows.append(
+            f'<tr><td class="l">pp rank {r}</td><td class="{"over" if over else ""}" data-peak="{r}" data-value="{peak}">'
+            f'{_gib(peak)}</td><td style="width:60%"><div class="bar" style="position:relative">'
+            f'<div style="width:{width:.3f}%;background:{"#e15759" if over else "#4e79a7"}"></div>{mark}</div></td></tr>')
+    head = (f'Budget <b data-budget="{budget}">{_gib(budget)}</b> per device (dashed line).' if budget
+            else "No budget recorded.")
+    return f"<h2>Memory per device</h2><p>{head}</p><table style=\"width:100%\">{''.join(rows)}</table>"
+
+
+def _blocks_section(plan: "Plan") -> str:
+    if not plan.breakdown:
+        return "<h2>Blocks</h2><p>No per-block figures (the plan was not priced).</p>"
+    head = ("<tr><th class=l>block</th><th>stage</th><th class=l>choice</th><th>compute + tp ms</th>"
+            "<th>tp comm ms</th><th>dp comm ms</th><th>state GiB</th><th>activations GiB</th></tr>")
+    rows = []
+    for i, row in enumerate(plan.breakdown):
+        rows.append(
+            f'<tr data-block="{i}"><td class="l">{_e(row["block"])}</td><td>{row["stage"]}</td>'
+            f'<td class="l">{_e(row["choice"])}</td>'
+            + "".join(f'<td data-key="{key}" data-value="{row[key]!r}">{row[key] * scale:.{digits}f}</td>'
+                      for key, scale, digits in (("time_s", 1e3, 3), ("tp_comm_s", 1e3, 3), ("dp_comm_s", 1e3, 3),
+                                                 ("state_bytes", 2**-30, 4), ("activation_bytes", 2**-30, 4)))
+            + "</tr>")
+    extras = []
+    if plan.sequence_parallel:
+        extras.append("sequence parallelism on tp")
+    if plan.mesh.ep > 1:
+        extras.append(f"experts over ep={plan.mesh.ep} ({plan.ep_all_to_all} exchanges)")
+    if plan.split:
+        extras.append(f"{len(plan.split)} linears split (OSDP)")
+    note = f'<p>{_e("; ".join(extras))}</p>' if extras else ""
+    return f"<h2>Blocks ({len(plan.breakdown)})</h2>{note}<table>{head}{''.join(rows)}</table>"
+
+
+def _alternatives_section(plan: "Plan") -> str:
+    if not plan.alternatives:
+        return ""
+    rows = "".join(
+        f'<tr data-alternative="{i}"><td class="l">{_e(a["layout"])}</td>'
+        f'<td>{"-" if a["step_time_s"] is None else _ms(a["step_time_s"])}</td><td>{_gib(a["peak_bytes"])}</td>'
+        f'<td class="l">{_e(a["why"])}</td></tr>' for i, a in enumerate(plan.alternatives))
+    return ('<h2>Runner-up meshes</h2><table><tr><th class=l>mesh</th><th>step</th><th>peak</th>'
+            f'<th class=l>why not</th></tr>{rows}</table>')
+
+
+def render(plan: "Plan") -> str:
+    """The page's HTML text."""
+    time_s, peak = plan.predicted_step_time_s, plan.predicted_peak_memory_bytes
+    summary = (f"{_e(plan.mesh)} on {plan.world_size} devices"
+               + (f", {_ms(time_s)} per step" if time_s else "") + (f", peak {_gib(peak)}" if peak else ""))
+    reasons = "".join(f"<li>{_e(r)}</li>" for r in plan.reasons)
+    body = "".join((
+        f"<h1>graphpass plan: {summary}</h1>",
+        _mesh_section(plan), _stages_section(plan), _time_section(plan), _memory_section(plan),
+        _blocks_section(plan), _alternatives_section(plan),
+        f"<h2>Why</h2><ul>{reasons}</ul>" if reasons else "",
+        '<p class="muted" id="rendered"></p>',
+    ))
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>graphpass plan: {summary}</title>'
+            f"<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n")
+
+
+def write_html(plan: "Plan", path: str | os.PathLike) -> pathlib.Path:
+    """Write :func:`render`'s page to ``path``; returns it."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(plan), encoding="utf-8")
+    return path
