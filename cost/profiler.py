@@ -96,6 +96,7 @@ from graphpass.cluster import (
 from graphpass.cost.collectives import Link, all_gather_time, reduce_scatter_time
 from graphpass.cost.compute import _VIEWS
 from graphpass.grads import grad_requiring_nodes
+from graphpass.progress import Progress
 from graphpass.units import format_bytes
 from graphpass.ops import op_base
 
@@ -274,10 +275,16 @@ def _measure_device(kind: str, dtypes: Sequence[str], quick: bool, world_size: i
     """Achieved TFLOP/s per dtype and copy GB/s of this process's device (picklable result)."""
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     budget = _budget(kind, quick, world_size)
-    tflops = {dtype: _matmul_tflops(dtype, budget.matmul_sizes, device, budget) for dtype in dtypes}
+    tflops = {}
+    with Progress(len(dtypes) + 1, "profiling the device") as bar:
+        for dtype in dtypes:
+            bar.step(f"profiling {dtype} matmuls on {kind}")
+            tflops[dtype] = _matmul_tflops(dtype, budget.matmul_sizes, device, budget)
+        bar.step(f"profiling {kind} memory bandwidth")
+        bandwidth = _copy_gbps(budget.copy_bytes, device, budget)
     return {
         "tflops": tflops,
-        "memory_bandwidth_gbps": _copy_gbps(budget.copy_bytes, device, budget),
+        "memory_bandwidth_gbps": bandwidth,
         "threads": torch.get_num_threads(),
         "matmul_sizes": budget.matmul_sizes,
         "copy_bytes": budget.copy_bytes,
@@ -497,9 +504,12 @@ def _rank_profile(kind: str, dtypes: tuple[str, ...], quick: bool) -> dict[str, 
     # GPUs do not share compute with each other; CPU ranks of one host do.
     device["contention"] = _measure_contention(quick) if kind == "cpu" else None
     dist.barrier()
-    collectives = _measure_collectives(kind, quick)
-    # On GPU the ranks' compute is queued on streams; their drift is not measured yet.
-    collectives["sync"] = _measure_sync(quick) if kind == "cpu" else None
+    with Progress(2, "profiling links") as bar:
+        bar.step(f"timing all-reduce, all-gather, reduce-scatter over {dist.get_world_size()} ranks")
+        collectives = _measure_collectives(kind, quick)
+        bar.step("timing how far apart ranks arrive")
+        # On GPU the ranks' compute is queued on streams; their drift is not measured yet.
+        collectives["sync"] = _measure_sync(quick) if kind == "cpu" else None
     return {"device": device, "collectives": collectives}
 
 
@@ -1206,11 +1216,13 @@ def _measure_pending(pending: dict[str, list[fx.Node]], times: dict[str, tuple[f
     measured: dict[str, tuple[float, float]] = {}
     failed: dict[str, str] = {}
     start_s = time.perf_counter()
-    for key, group in pending.items():
-        try:
-            measured[key] = _measure_node(group[0], grad_nodes, torch_device)
-        except Exception as exc:  # noqa: BLE001 - reported below; the roofline prices the node
-            failed[group[0].name] = f"{op_base(group[0])}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    with Progress(len(pending), "timing ops") as bar:
+        for i, (key, group) in enumerate(pending.items(), start=1):
+            bar.step(f"timing op {i}/{len(pending)} {op_base(group[0])}")
+            try:
+                measured[key] = _measure_node(group[0], grad_nodes, torch_device)
+            except Exception as exc:  # noqa: BLE001 - reported below; the roofline prices the node
+                failed[group[0].name] = f"{op_base(group[0])}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     for key, value in measured.items():
         for node in pending.pop(key):
             times[node.name] = value

@@ -88,6 +88,7 @@ from graphpass.cluster import Cluster
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice, pipeline_rank
 from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
+from graphpass.progress import Progress
 from graphpass.units import format_bytes
 from graphpass.cost.collectives import collective_time, sync_time
 from graphpass.cost.experts import imbalance as expert_imbalance
@@ -965,16 +966,18 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
     deadline = start + (time_limit_s if time_limit_s is not None else math.inf)
     found: list[Candidate] = []
     infeasible: dict[str, float] = {}
-    for layout in mesh_list:
-        if time.perf_counter() > deadline and found:
-            log.warning("planner time limit %.1f s reached after %d meshes; keeping the best so far", time_limit_s, len(found) + len(infeasible))
-            break
-        blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
-        cand, smallest = solve_mesh(blocks, layout, costing, deadline, BASELINES)
-        if cand is None:
-            infeasible[str(layout)] = smallest
-        else:
-            found.append(cand)
+    with Progress(len(mesh_list), "solving meshes") as bar:
+        for i, layout in enumerate(mesh_list, start=1):
+            if time.perf_counter() > deadline and found:
+                log.warning("planner time limit %.1f s reached after %d meshes; keeping the best so far", time_limit_s, len(found) + len(infeasible))
+                break
+            bar.step(f"solving mesh {i}/{len(mesh_list)} {layout}")
+            blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
+            cand, smallest = solve_mesh(blocks, layout, costing, deadline, BASELINES)
+            if cand is None:
+                infeasible[str(layout)] = smallest
+            else:
+                found.append(cand)
     if not found:
         least = min(infeasible.values(), default=math.nan)
         raise NoPlanError(

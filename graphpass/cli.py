@@ -122,8 +122,12 @@ def _plan(args: argparse.Namespace) -> int:
     shape = _batch_shape(args.batch)
     factory = _load_factory(args.factory)
     wants_batch = "batch" in inspect.signature(factory).parameters
-    with torch.device("meta"):
-        built = factory(*args.arg, batch=shape) if wants_batch else factory(*args.arg)
+    try:
+        with torch.device("meta"):
+            built = factory(*args.arg, batch=shape) if wants_batch else factory(*args.arg)
+    except (TypeError, ValueError, KeyError) as exc:
+        called = f"{args.factory}({', '.join(map(repr, args.arg))})"
+        raise _Usage(f"{called} failed: {exc} (give the factory's arguments with --arg)") from None
     model, inputs = built if isinstance(built, tuple) else (built, None)
     if not isinstance(model, torch.nn.Module):
         raise _Usage(f"factory {args.factory!r} returned {type(model).__name__}, not a torch.nn.Module "
