@@ -69,7 +69,7 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 def test_plan_gpt3_175b_on_1024_h100s_prints_the_plan_table(tmp_path, capsys):
     out_json = tmp_path / "plan.json"
     assert main(["plan", str(_REPO / "examples" / "configs.py") + ":build", "--arg", "gpt3-175b",
-                 "--cluster", "h100-80g:128x8", "--batch", "1536x2048", "--memory", "70GiB",
+                 "--cluster", "h100-80g:128x8", "--batch", "1536x2048", "--memory", "70GiB", "--time-limit", "3",
                  "--json", str(out_json), "--html", str(tmp_path / "plan.html")]) == 0
     out = capsys.readouterr().out
     assert "175B parameters, bf16, batch 1536x2048 on" in out and "(1024 devices)" in out
