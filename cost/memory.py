@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from graphpass.plan import interleaved_rounds, pipeline_rank
+from graphpass.mesh import pipeline_rank
+from graphpass.plan import interleaved_rounds
 
 
 __all__ = [

@@ -85,8 +85,8 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 from graphpass.cluster import Cluster
-from graphpass.mesh import Mesh
-from graphpass.plan import Choice, pipeline_rank
+from graphpass.mesh import Mesh, pipeline_rank
+from graphpass.plan import Choice
 from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
 from graphpass.progress import Progress
 from graphpass.units import format_bytes
@@ -226,7 +226,7 @@ class Layout:
         return self.mesh.pp * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
-        """The ``pp`` rank that runs ``stage`` (:func:`graphpass.plan.pipeline_rank`)."""
+        """The ``pp`` rank that runs ``stage`` (:func:`graphpass.mesh.pipeline_rank`)."""
         return pipeline_rank(stage, self.mesh.pp)
 
     def __str__(self) -> str:

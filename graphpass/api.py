@@ -25,7 +25,8 @@ from graphpass.dump import Dumper, resolve_dump_dir
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import passes_for
 from graphpass.passes.partition_stages import cut_stages, shared_parameters
-from graphpass.plan import Plan, Strategy, check_pipeline, pipeline_rank
+from graphpass.mesh import pipeline_rank
+from graphpass.plan import Plan, Strategy, check_pipeline
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import verifier

@@ -180,3 +180,10 @@ class Mesh(Mapping):
         stride = math.prod(n for _, n in live[names.index(axis) + 1:])
         base = rank - self.coordinate(rank, axis) * stride
         return [base + i * stride for i in range(self[axis])]
+
+
+def pipeline_rank(stage: int, pp: int) -> int:
+    """The ``pp`` rank that runs pipeline stage ``stage``: rank ``r`` runs stages ``r, r + pp,
+    ...`` (one stage per rank unless the schedule interleaves; torch's ``PipelineStage`` and
+    interleaved schedules map stages the same way)."""
+    return stage % pp

@@ -150,13 +150,6 @@ INTERLEAVED = ("interleaved_1f1b",)
 ROUNDS = ("interleaved_1f1b", "zero_bubble")
 
 
-def pipeline_rank(stage: int, pp: int) -> int:
-    """The ``pp`` rank that runs pipeline stage ``stage``: rank ``r`` runs stages ``r, r + pp,
-    ...`` (one stage per rank unless the schedule interleaves; torch's ``PipelineStage`` and
-    interleaved schedules map stages the same way)."""
-    return stage % pp
-
-
 def interleaved_rounds(microbatches: int, pp: int) -> int:
     """The rounds torch's interleaved schedules run the microbatches in, ``max(1, m // pp)``;
     each round holds ``m / rounds`` microbatches, so the rounds must be equal."""

@@ -14,12 +14,13 @@ from __future__ import annotations
 import html
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from graphpass.mesh import pipeline_rank
 from graphpass.units import format_bytes
 
-if TYPE_CHECKING:
-    from graphpass.plan import Plan
+# The functions take a graphpass.plan.Plan (not imported: Plan.to_html imports this module).
+Plan = Any
 
 #: Nodes drawn in the mesh picture; larger clusters show this many and say how many more.
 MAX_NODES_DRAWN = 32
@@ -62,7 +63,7 @@ def _gib(num: float) -> str:
     return format_bytes(num)
 
 
-def _mesh_section(plan: "Plan") -> str:
+def _mesh_section(plan: Plan) -> str:
     mesh, world = plan.mesh, plan.world_size
     per_node = plan.devices_per_node or world
     nodes = -(-world // per_node)
@@ -87,18 +88,16 @@ def _mesh_section(plan: "Plan") -> str:
             f'<p class="muted">{_e(groups)}</p>{"".join(rows)}{more}')
 
 
-def _stages_section(plan: "Plan") -> str:
+def _stages_section(plan: Plan) -> str:
     if len(plan.stages) == 1:
         return "<h2>Pipeline</h2><p>No pipeline: every rank runs the whole model.</p>"
-    from graphpass.plan import pipeline_rank
-
     items = "".join(f'<li data-stage="{s}">stage {s} (pp rank {pipeline_rank(s, plan.mesh.pp)}) starts at <code>{_e(start)}</code></li>'
                     for s, start in enumerate(plan.stages))
     return (f"<h2>Pipeline</h2><p>{len(plan.stages)} stages on pp={plan.mesh.pp}, schedule {_e(plan.schedule)}, "
             f"{plan.microbatches} microbatches.</p><ol start=0>{items}</ol>")
 
 
-def _time_section(plan: "Plan") -> str:
+def _time_section(plan: Plan) -> str:
     if not plan.time_split_s or not plan.predicted_step_time_s:
         return "<h2>Step time</h2><p>Not priced (give the plan to graphpass.plan to predict it).</p>"
     total = plan.predicted_step_time_s
@@ -114,7 +113,7 @@ def _time_section(plan: "Plan") -> str:
             f'<div class="bar">{"".join(bars)}</div><p class="legend">{"".join(legend)}</p>')
 
 
-def _memory_section(plan: "Plan") -> str:
+def _memory_section(plan: Plan) -> str:
     peaks = list(plan.predicted_stage_peaks_bytes) or (
         [plan.predicted_peak_memory_bytes] if plan.predicted_peak_memory_bytes else [])
     if not peaks:
@@ -135,7 +134,7 @@ def _memory_section(plan: "Plan") -> str:
     return f"<h2>Memory per device</h2><p>{head}</p><table style=\"width:100%\">{''.join(rows)}</table>"
 
 
-def _blocks_section(plan: "Plan") -> str:
+def _blocks_section(plan: Plan) -> str:
     if not plan.breakdown:
         return "<h2>Blocks</h2><p>No per-block figures (the plan was not priced).</p>"
     head = ("<tr><th class=l>block</th><th>stage</th><th class=l>choice</th><th>compute + tp ms</th>"
@@ -160,7 +159,7 @@ def _blocks_section(plan: "Plan") -> str:
     return f"<h2>Blocks ({len(plan.breakdown)})</h2>{note}<table>{head}{''.join(rows)}</table>"
 
 
-def _alternatives_section(plan: "Plan") -> str:
+def _alternatives_section(plan: Plan) -> str:
     if not plan.alternatives:
         return ""
     rows = "".join(
@@ -171,7 +170,7 @@ def _alternatives_section(plan: "Plan") -> str:
             f'<th class=l>why not</th></tr>{rows}</table>')
 
 
-def render(plan: "Plan") -> str:
+def render(plan: Plan) -> str:
     """The page's HTML text."""
     time_s, peak = plan.predicted_step_time_s, plan.predicted_peak_memory_bytes
     summary = (f"{_e(plan.mesh)} on {plan.world_size} devices"
@@ -188,7 +187,7 @@ def render(plan: "Plan") -> str:
             f"<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n")
 
 
-def write_html(plan: "Plan", path: str | os.PathLike) -> pathlib.Path:
+def write_html(plan: Plan, path: str | os.PathLike) -> pathlib.Path:
     """Write :func:`render`'s page to ``path``; returns it."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from graphpass import meta
-from graphpass.plan import pipeline_rank
+from graphpass.mesh import pipeline_rank
 from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
 

@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.mesh import Mesh
-from graphpass.plan import Plan, pipeline_rank
+from graphpass.mesh import Mesh, pipeline_rank
+from graphpass.plan import Plan
 from graphpass.units import format_bytes
 from graphpass.runtime.collectives import COLLECTIVE_OPS
 from graphpass.runtime.layout import layout_of

@@ -24,13 +24,14 @@ import torch.nn as nn
 
 from graphpass import meta
 from graphpass.ops import op_name
-from graphpass.plan import Plan, Strategy, pipeline_rank
+from graphpass.mesh import pipeline_rank
+from graphpass.plan import Plan, Strategy
 
 UPDATE_ENV = "GRAPHPASS_UPDATE_GOLDEN"
 
 #: Plan fields that depend on the machine or the planner's wording, not on the program.
 _UNSTABLE_FIELDS = ("predicted_step_time_s", "predicted_peak_memory_bytes", "predicted_stage_peaks_bytes",
-                    "breakdown", "reasons")
+                    "breakdown", "reasons", "time_split_s", "memory_budget_bytes", "devices_per_node", "alternatives")
 
 
 class GoldenMismatch(AssertionError):
@@ -152,10 +153,10 @@ def explain_diff(expected: str, actual: str) -> list[str]:
     moved = {line for _, line in added} & {line for _, line in dropped}
     for line in sorted(moved):
         (i, _), (j, _) = next(d for d in dropped if d[1] == line), next(a for a in added if a[1] == line)
-        out.append(f"moved (line {i + 1} -> {j + 1}):{line}")
-    out += [f"added (line {j + 1}):{line}" for j, line in added if line not in moved]
-    out += [f"dropped (was line {i + 1}):{line}" for i, line in dropped if line not in moved]
-    return [line.replace(":  [", ": [", 1) for line in out]
+        out.append(f"moved (line {i + 1} -> {j + 1}): {line.strip()}")
+    out += [f"added (line {j + 1}): {line.strip()}" for j, line in added if line not in moved]
+    out += [f"dropped (was line {i + 1}): {line.strip()}" for i, line in dropped if line not in moved]
+    return out
 
 
 def assert_golden(path: str | os.PathLike, text: str) -> None:
