@@ -35,6 +35,8 @@ def _train_dp(name: str, steps: int, batch: int):
 def test_data_parallel_matches_one_process(rank_pool, world_size):
     pool = rank_pool(world_size)
     for name in zoo.MODELS:
+        if name == "gpt":
+            continue  # the example GPT under dp on 2 and 4 ranks: examples/test_gpt_parity.py
         ref_losses, ref_state, ref_grads = zoo.train_reference(name, steps=3, batch=8)
         results = pool.run(_train_dp, name, 3, 8, timeout_s=300)
         for rank, (losses, state, grads) in enumerate(results):

@@ -14,7 +14,7 @@ import graphpass.api
 from graphpass.pass_manager import graph_pass
 from graphpass.passes import passes_for
 from graphpass.runtime.grad_sync import all_reduce_grads
-from graphpass.testing import ParityError, assert_parity, program_text
+from graphpass.testing import GoldenMismatch, ParityError, assert_golden, assert_parity, program_text
 from graphpass.testing.golden import explain_diff
 from graphpass.testing.parity import compare, describe, fit_strategy, train_reference
 
@@ -102,8 +102,15 @@ def _golden_case(bucket_cap_bytes: int) -> str:
     return program_text(build_model(), batch, dataclasses.replace(plan, bucket_cap_bytes=bucket_cap_bytes), 2)
 
 
-def test_a_changed_bucket_size_changes_the_golden_text_and_the_diff_names_the_pass():
+def test_a_changed_bucket_size_changes_the_golden_text_and_the_diff_names_the_pass(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRAPHPASS_UPDATE_GOLDEN", raising=False)
     one, many = _golden_case(2**30), _golden_case(40_000)
+    with pytest.raises(GoldenMismatch, match="is missing; write it with pytest --graphpass-update-golden"):
+        assert_golden(tmp_path / "gpt.txt", one)
+    (tmp_path / "gpt.txt").write_text(one)
+    assert_golden(tmp_path / "gpt.txt", one)
+    with pytest.raises(GoldenMismatch, match=r"added \(line \d+\): \[insert_collectives\] all_reduce_grads"):
+        assert_golden(tmp_path / "gpt.txt", many)
     assert one != many
     changes = explain_diff(one, many)
     assert any(c.startswith("dropped") and "plan.bucket_cap_bytes = 1073741824" in c for c in changes)
@@ -111,40 +118,44 @@ def test_a_changed_bucket_size_changes_the_golden_text_and_the_diff_names_the_pa
 
 
 GOLDEN_TEST = '''
-import dataclasses, pathlib, sys
-sys.path.insert(0, {examples!r})
+import dataclasses, pathlib
+import torch
 import graphpass as gp
 from graphpass.capture import capture
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.testing import assert_golden, program_text
-from test_gpt_parity import build_model, make_batches
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.layers(x), y)
 
 def test_program():
-    batch = make_batches()[0]
-    plan = plan_from_strategy(capture(build_model(), tuple(t[:4] for t in batch)).gm, gp.Strategy(dp=2), ["t"])
+    batch = (torch.randn(8, 64), torch.randn(8, 64))
+    plan = plan_from_strategy(capture(MLP(), tuple(t[:4] for t in batch)).gm, gp.Strategy(dp=2), ["t"])
     plan = dataclasses.replace(plan, bucket_cap_bytes={cap})
-    assert_golden(pathlib.Path(__file__).parent / "golden" / "gpt.txt", program_text(build_model(), batch, plan, 2))
+    assert_golden(pathlib.Path(__file__).parent / "golden" / "mlp.txt", program_text(MLP(), batch, plan, 2))
 '''
 
 
 def test_the_update_flag_rewrites_a_golden_file_that_no_longer_matches(pytester, monkeypatch):
-    import pathlib
-
     monkeypatch.delenv("GRAPHPASS_UPDATE_GOLDEN", raising=False)
-    examples = str(pathlib.Path(__file__).resolve().parent.parent / "examples")
-    pytester.makepyfile(test_user=GOLDEN_TEST.format(examples=examples, cap=2**30))
-    assert pytester.runpytest_inprocess().ret != 0  # no golden file yet: fails, says how to write it
+    pytester.makepyfile(test_user=GOLDEN_TEST.format(cap=2**30))
     pytester.runpytest_inprocess("--graphpass-update-golden").assert_outcomes(passed=1)
-    pytester.runpytest_inprocess().assert_outcomes(passed=1)
-    golden = pytester.path / "golden" / "gpt.txt"
+    golden = pytester.path / "golden" / "mlp.txt"
     before = golden.read_text()
+    assert "plan.bucket_cap_bytes = 1073741824" in before
 
-    pytester.makepyfile(test_user=GOLDEN_TEST.format(examples=examples, cap=40_000))
+    pytester.makepyfile(test_user=GOLDEN_TEST.format(cap=20_000))
     result = pytester.runpytest_inprocess()
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*differs from*golden*gpt.txt*--graphpass-update-golden*",
+    result.stdout.fnmatch_lines(["*differs from*golden*mlp.txt*--graphpass-update-golden*",
                                  "*added (line *): [[]insert_collectives] all_reduce_grads over dp*"])
     assert golden.read_text() == before
     pytester.runpytest_inprocess("--graphpass-update-golden").assert_outcomes(passed=1)
-    assert golden.read_text() != before
-    pytester.runpytest_inprocess().assert_outcomes(passed=1)
+    after = golden.read_text()
+    assert after != before and "plan.bucket_cap_bytes = 20000" in after
+    assert after.count("all_reduce_grads over dp") > before.count("all_reduce_grads over dp")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -203,14 +204,27 @@ def default_compile(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], 
     return gp.compile(model, gp.Cluster.local(), example_inputs=example_inputs, strategy=strategy)
 
 
+#: This rank's captures for the current ``assert_parity`` call: ``(call id, store)``.
+_CAPTURES: list = [None, {}]
+
+
 def train_on_rank(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequence], strategy, steps: int,
-                  optimizer: str | Callable, lr: float, compile_fn: Callable | None) -> Trace | None:
+                  optimizer: str | Callable, lr: float, compile_fn: Callable | None,
+                  call_id: str | None = None) -> Trace | None:
     """Run on every rank of a launched job: compile and train as :func:`train_reference` does;
-    rank 0 returns the trace (full gradients and state gathered from all ranks), others None."""
+    rank 0 returns the trace (full gradients and state gathered from all ranks), others None.
+
+    The strategies of one ``assert_parity`` call (one ``call_id``) compile through one
+    ``graphpass.reusing_captures`` store: the model is traced once per local batch shape."""
     import torch.distributed as dist
 
+    from graphpass.capture import reusing_captures
+
+    if _CAPTURES[0] != call_id or call_id is None:
+        _CAPTURES[:] = [call_id, {}]
     batches = global_batches(batch_fn, steps)
-    dmodel = (compile_fn or default_compile)(model_fn(), batches[0], strategy)
+    with reusing_captures(_CAPTURES[1]):
+        dmodel = (compile_fn or default_compile)(model_fn(), batches[0], strategy)
     opt = make_optimizer(optimizer, dmodel.parameters(), lr)
     losses, grads = [], {}
     for step, batch in enumerate(batches):
@@ -321,6 +335,7 @@ def assert_parity(
             parameter, error and the tolerance.
         graphpass.testing.golden.GoldenMismatch: a program differs from its golden file.
     """
+    from graphpass.capture import reusing_captures
     from graphpass.runtime.launch import RankPool
     from graphpass.testing.golden import assert_golden, program_text
 
@@ -338,12 +353,13 @@ def assert_parity(
     if not runs:
         raise ValueError("assert_parity: no strategy fits any of world_sizes " + str(tuple(world_sizes)))
     reference = train_reference(model_fn, batches, optimizer, lr)
+    call_id = uuid.uuid4().hex
     results: list[ParityResult] = []
     owned: dict[int, RankPool] = {}
     try:
         for world_size, given, strategy in runs:
             pool = ranks(world_size) if ranks is not None else owned.setdefault(world_size, RankPool(world_size))
-            trace = pool.run(train_on_rank, model_fn, batch_fn, strategy, steps, optimizer, lr, compile_fn,
+            trace = pool.run(train_on_rank, model_fn, batch_fn, strategy, steps, optimizer, lr, compile_fn, call_id,
                              timeout_s=timeout_s)[0]
             results.append(ParityResult(describe(strategy), world_size, compare(trace, reference, rtol, atol),
                                         rtol, atol))
@@ -357,9 +373,10 @@ def assert_parity(
             f"|got - ref| <= atol + rtol * |ref|, rtol={rtol:g}, atol={atol:g}; see graphpass.testing.parity):\n"
             + "\n".join(f"  {r}" for r in failed))
     if golden_dir is not None:
-        for world_size, _, strategy in runs:
-            if isinstance(strategy, str):
-                continue  # "auto": the plan depends on the machine
-            name = f"{describe(strategy)}-w{world_size}.txt"
-            assert_golden(Path(golden_dir) / name, program_text(model_fn(), batches[0], strategy, world_size))
+        with reusing_captures():
+            for world_size, _, strategy in runs:
+                if isinstance(strategy, str):
+                    continue  # "auto": the plan depends on the machine
+                name = f"{describe(strategy)}-w{world_size}.txt"
+                assert_golden(Path(golden_dir) / name, program_text(model_fn(), batches[0], strategy, world_size))
     return results
