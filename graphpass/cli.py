@@ -164,14 +164,14 @@ def torchrun_command(nproc: int, script: str, script_args: list[str], port: int)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from graphpass.runtime.launch import free_port
+    from graphpass.runtime.launch import free_port, pin_gloo_to_loopback
 
     if args.n < 1:
         raise _Usage(f"-n {args.n}: give the number of local ranks, 1 or more")
     if not pathlib.Path(args.script).is_file():
         raise _Usage(f"no such script {args.script}")
+    pin_gloo_to_loopback()  # loopback only, as graphpass.launch does (unless GLOO_SOCKET_IFNAME is set)
     env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only, as graphpass.launch does
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.n)))
     return subprocess.call(torchrun_command(args.n, args.script, args.args, free_port()), env=env)
 

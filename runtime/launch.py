@@ -164,7 +164,7 @@ def init_from_env(timeout_s: float = 60.0, *, backend: str = "gloo") -> None:
             "is not set; start the script with torchrun or use launch()/RankPool"
         )
     if os.environ["MASTER_ADDR"] in (_LOOPBACK, "localhost"):
-        _pin_gloo_to_loopback()  # single-node run: keep gloo off external interfaces
+        pin_gloo_to_loopback()  # single-node run: keep gloo off external interfaces
     dist.init_process_group(
         backend, init_method="env://", timeout=timedelta(seconds=timeout_s)
     )
@@ -544,7 +544,9 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, collective_t
         MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
-    _pin_gloo_to_loopback()
+    pin_gloo_to_loopback()
+    if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK convention
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
         dist.init_process_group(
             backend, init_method=f"tcp://{_LOOPBACK}:{port}", rank=rank,
@@ -593,7 +595,7 @@ def _exit_when_parent_dies() -> None:
     threading.Thread(target=watch, name="graphpass-parent-watch", daemon=True).start()
 
 
-def _pin_gloo_to_loopback() -> None:
+def pin_gloo_to_loopback() -> None:
     """Make gloo use the loopback interface unless the user chose one."""
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return

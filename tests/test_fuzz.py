@@ -19,7 +19,7 @@ rtol 1e-5 / atol 1e-6 pass it and nothing more (a gradient not averaged, doubled
 off by a factor, a shard at the wrong offset by ~1e-2).
 
 CI runs a fixed seed (``SEED``, or ``GRAPHPASS_FUZZ_SEED``) and a few examples on every mesh of
-2 and 4 ranks (``EXAMPLES_PER_MESH``, 30 in all), without shrinking (each try is a multi-rank
+2 and 4 ranks (``EXAMPLES_PER_MESH``, 27 in all), without shrinking (each try is a multi-rank
 compile and run); a failure names the example, the seed and a one-line replay through
 ``bench/fuzz.py``, which also runs the long fuzz (``python bench/fuzz.py --examples 500 --seed N``).
 """
@@ -46,10 +46,10 @@ RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
 LR = 0.05
 SEED = int(os.environ.get("GRAPHPASS_FUZZ_SEED", "20261203"))
-#: CI examples per mesh: every (dp, tp, pp) of 2 ranks (3 meshes) and of 4 ranks (6), 30 examples in
+#: CI examples per mesh: every (dp, tp, pp) of 2 ranks (3 meshes) and of 4 ranks (6), 27 examples in
 #: all. One takes ~1 s on 2 ranks and ~2 s on 4 ranks of this 2-core machine when it is quiet
 #: (export on every rank is most of it): the file ran in 69 s, about twice that beside another run.
-EXAMPLES_PER_MESH = {2: 6, 4: 2}
+EXAMPLES_PER_MESH = {2: 5, 4: 2}
 
 #: a model has at most this many layers: pp=4, or pp=2 with two virtual stages each, needs 4
 MAX_DEPTH = 4

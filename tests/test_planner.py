@@ -153,7 +153,9 @@ def _summary(plan):
 
 
 def test_rediscovers_dp_then_sharding_then_tp_pp_and_recompute(planner_13b):
-    budgets = [36, 20, 12, 8]
+    # 36 GiB: dp x tp with ZeRO-2/3; 12: pipeline stages; 8: recompute (20 GiB, dp 8 x tp 4 with
+    # 4 microbatches, adds no new tool and was dropped for suite time).
+    budgets = [36, 12, 8]
     plans = {g: planner_13b.auto(memory_budget=f"{g}GiB") for g in budgets}
     for g, plan in plans.items():  # never a plan over budget
         assert plan.predicted_peak_memory_bytes <= g * GiB, (g, plan.explain())

@@ -89,8 +89,10 @@ def test_strategies_fill_each_world_size_or_are_refused():
         assert_parity(lambda: torch.nn.Linear(2, 2), make_batches, [gp.Strategy()])
     with pytest.raises(ValueError, match="steps=3 needs at least 3"):
         assert_parity(build_model, lambda: make_batches()[:2], [gp.Strategy()])
-    with pytest.raises(NotImplementedError, match="only 'gloo'"):
+    with pytest.raises(ValueError, match=r"needs 4 GPUs, this machine has 0"):
         assert_parity(build_model, make_batches, backend="nccl")
+    with pytest.raises(ValueError, match=r"'gloo' \(CPU ranks\) or 'nccl'"):
+        assert_parity(build_model, make_batches, backend="mpi")
 
 
 def _golden_case(bucket_cap_bytes: int) -> str:

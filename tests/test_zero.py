@@ -48,6 +48,8 @@ def test_zero_stages_match_one_process(rank_pool, world_size):
         ref = zoo.train_reference(name, steps=3, batch=8)
         full_numel = sum(p.numel() for p in zoo.build(name).parameters())
         for zero in (1, 2, 3):
+            if (name, zero) == ("gpt", 3):
+                continue  # the example GPT under ZeRO-3 on 2 and 4 ranks: examples/test_gpt_parity.py
             results = pool.run(_train, name, {"zero": zero}, timeout_s=300)
             _check(results, f"{name} zero={zero} on {world_size}", ref)
             # The optimizer sees only shards: about 1/N of the parameters (plus row padding).

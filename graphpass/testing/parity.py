@@ -157,21 +157,35 @@ def global_batches(batch_fn: Callable[[], Sequence], steps: int) -> list[tuple[t
     return out
 
 
+def _device() -> torch.device:
+    """This process's device: its current GPU under NCCL (the ranks' and the reference's), else the CPU."""
+    import torch.distributed as dist
+
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _on(device: torch.device, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device) for t in batch)
+
+
 def train_reference(model_fn: Callable[[], nn.Module], batches: Sequence[tuple[torch.Tensor, ...]],
-                    optimizer: str | Callable = "sgd-momentum", lr: float = 0.05) -> Trace:
-    """Train ``model_fn()`` on ``batches`` in this process, one global batch per step."""
-    model = model_fn()
+                    optimizer: str | Callable = "sgd-momentum", lr: float = 0.05,
+                    device: str | torch.device = "cpu") -> Trace:
+    """Train ``model_fn()`` on ``batches`` in this process (on ``device``), one global batch per
+    step; the trace's tensors are on the CPU."""
+    model = model_fn().to(device)
     opt = make_optimizer(optimizer, model.parameters(), lr)
     losses, grads = [], {}
     for step, batch in enumerate(batches):
-        loss = model(*batch)
+        loss = model(*_on(torch.device(device), batch))
         loss.backward()
         if step == 0:
-            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+            grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters() if p.grad is not None}
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-    return Trace(losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    return Trace(losses, grads, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
 
 
 def full_grads(dmodel) -> dict[str, torch.Tensor]:
@@ -222,9 +236,10 @@ def train_on_rank(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequ
 
     if _CAPTURES[0] != call_id or call_id is None:
         _CAPTURES[:] = [call_id, {}]
-    batches = global_batches(batch_fn, steps)
+    device = _device()
+    batches = [_on(device, batch) for batch in global_batches(batch_fn, steps)]
     with reusing_captures(_CAPTURES[1]):
-        dmodel = (compile_fn or default_compile)(model_fn(), batches[0], strategy)
+        dmodel = (compile_fn or default_compile)(model_fn().to(device), batches[0], strategy)
     opt = make_optimizer(optimizer, dmodel.parameters(), lr)
     losses, grads = [], {}
     for step, batch in enumerate(batches):
@@ -325,7 +340,9 @@ def assert_parity(
         golden_dir: also check each Strategy's program against ``golden_dir/<strategy>-w<n>.txt``
             (:func:`graphpass.testing.golden.assert_golden`).
         timeout_s: limit of one strategy's run; every rank is killed after it.
-        backend: ``"gloo"`` (CPU ranks on 127.0.0.1).
+        backend: ``"gloo"`` (CPU ranks on 127.0.0.1) or ``"nccl"`` (rank r on GPU r, the
+            reference on GPU 0; TF32 left as the user set it: turn it off, or loosen the
+            tolerances, where convolutions run in TF32).
 
     Returns:
         One :class:`ParityResult` per strategy and world size (all passed).
@@ -339,9 +356,11 @@ def assert_parity(
     from graphpass.runtime.launch import RankPool
     from graphpass.testing.golden import assert_golden, program_text
 
-    if backend != "gloo":
-        raise NotImplementedError(f"assert_parity(backend={backend!r}): only 'gloo' (CPU ranks on this machine) is "
-                                  "implemented; NCCL ranks on local GPUs are not yet")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"assert_parity(backend={backend!r}): 'gloo' (CPU ranks) or 'nccl' (one local GPU per rank)")
+    if backend == "nccl" and torch.cuda.device_count() < max(world_sizes):
+        raise ValueError(f"assert_parity(backend='nccl', world_sizes={tuple(world_sizes)}) needs {max(world_sizes)} "
+                         f"GPUs, this machine has {torch.cuda.device_count()}")
     if not strategies:
         raise ValueError("assert_parity: strategies is empty")
     if any(not isinstance(w, int) or w < 1 for w in world_sizes):
@@ -352,13 +371,15 @@ def assert_parity(
             if not (isinstance(s, Plan) and s.world_size != w)]
     if not runs:
         raise ValueError("assert_parity: no strategy fits any of world_sizes " + str(tuple(world_sizes)))
-    reference = train_reference(model_fn, batches, optimizer, lr)
+    reference = train_reference(model_fn, batches, optimizer, lr, "cuda:0" if backend == "nccl" else "cpu")
     call_id = uuid.uuid4().hex
     results: list[ParityResult] = []
     owned: dict[int, RankPool] = {}
     try:
         for world_size, given, strategy in runs:
-            pool = ranks(world_size) if ranks is not None else owned.setdefault(world_size, RankPool(world_size))
+            pool = ranks(world_size) if ranks is not None else None
+            if pool is None or pool.backend != backend:
+                pool = owned.setdefault(world_size, RankPool(world_size, backend=backend))
             trace = pool.run(train_on_rank, model_fn, batch_fn, strategy, steps, optimizer, lr, compile_fn, call_id,
                              timeout_s=timeout_s)[0]
             results.append(ParityResult(describe(strategy), world_size, compare(trace, reference, rtol, atol),
