@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 from graphpass.cluster import Cluster, presets
+from graphpass.planner import DEFAULT_MEMORY_FRACTION
 from graphpass.plan import Plan
 
 # fx prints a call to graphpass.runtime.<module>.<op> as graphpass_runtime_<module>_<op>(...).
@@ -121,18 +122,30 @@ def _plan(args: argparse.Namespace) -> int:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     shape = _batch_shape(args.batch)
     factory = _load_factory(args.factory)
-    wants_batch = "batch" in inspect.signature(factory).parameters
+    called = f"{args.factory}({', '.join(map(repr, args.arg))})"
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        signature = None
+    wants_batch = signature is not None and "batch" in signature.parameters
+    extra = {"batch": shape} if wants_batch else {}
+    if signature is not None:
+        try:
+            signature.bind(*args.arg, **extra)
+        except TypeError as exc:
+            raise _Usage(f"{called}: {exc} (give the factory's arguments with --arg)") from None
     try:
         with torch.device("meta"):
-            built = factory(*args.arg, batch=shape) if wants_batch else factory(*args.arg)
-    except (TypeError, ValueError, KeyError) as exc:
-        called = f"{args.factory}({', '.join(map(repr, args.arg))})"
-        raise _Usage(f"{called} failed: {exc} (give the factory's arguments with --arg)") from None
+            built = factory(*args.arg, **extra)
+    except (ValueError, KeyError) as exc:  # the factory refusing its arguments (an unknown config name)
+        raise _Usage(f"{called} raised {type(exc).__name__}: {exc}") from None
     model, inputs = built if isinstance(built, tuple) else (built, None)
     if not isinstance(model, torch.nn.Module):
         raise _Usage(f"factory {args.factory!r} returned {type(model).__name__}, not a torch.nn.Module "
                      "(or a (model, example_inputs) pair)")
     model = model.to(dtypes[args.dtype])
+    if inputs is not None:  # floating inputs take the model's dtype, as its activations will
+        inputs = tuple(t.to(dtypes[args.dtype]) if t.is_floating_point() else t for t in inputs)
     if inputs is None:
         if len(shape) != 2:
             raise _Usage(f"--batch {args.batch!r}: a model given without example inputs takes token ids and "
@@ -141,8 +154,8 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         chosen = plan(model, cluster, inputs, memory_budget=budget, time_limit_s=args.time_limit,
                       optimizer_states=args.optimizer_states)
-    except ValueError as exc:  # NoPlanError, PlanningError: nothing fits, nothing to plan
-        raise _Usage(str(exc).splitlines()[0]) from None
+    except ValueError as exc:  # NoPlanError, PlanningError, a batch no mesh divides: the inputs' fault
+        raise _Usage(str(exc).splitlines()[0].replace("raise memory_budget", "raise --memory")) from None
     print(f"{args.factory}{'(' + ', '.join(args.arg) + ')' if args.arg else ''}: "
           f"{sum(p.numel() for p in model.parameters()) / 1e9:.3g}B parameters, {args.dtype}, "
           f"batch {args.batch} on {cluster.explain()}")
@@ -279,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arg", action="append", default=[], metavar="ARG", help="a string argument to the factory (repeatable)")
     p.add_argument("--cluster", required=True, help="preset NAME or NAME:NODESxGPUS, e.g. h100-80g:16x8 (see graphpass presets)")
     p.add_argument("--batch", required=True, help="global batch, BATCHxSEQ for token models, e.g. 512x2048")
-    p.add_argument("--memory", default=None, help="per-device budget, e.g. 70GiB (default 90%% of the device)")
+    p.add_argument("--memory", default=None, help="per-device budget, e.g. 70GiB (default "
+                   f"{DEFAULT_MEMORY_FRACTION * 100:.0f}%% of the device)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="parameter dtype (default bf16)")
     p.add_argument("--optimizer-states", type=int, default=2, help="fp32 states per parameter (2: Adam, 1: SGD momentum)")
     p.add_argument("--time-limit", type=float, default=None, help="stop searching after this many seconds")

@@ -238,6 +238,12 @@ def placement_to_str(placement: Placement) -> str:
     raise TypeError(f"unsupported placement {placement!r}")
 
 
+#: Plan fields that are the planner's predictions and account, not the program: ``Plan.diff``
+#: and golden program texts leave them out.
+PREDICTIONS = ("predicted_step_time_s", "predicted_peak_memory_bytes", "predicted_stage_peaks_bytes", "breakdown",
+               "time_split_s", "memory_budget_bytes", "devices_per_node", "alternatives", "reasons")
+
+
 @dataclass(frozen=True)
 class Plan:
     """How to run one captured graph on a mesh.
@@ -508,7 +514,8 @@ class Plan:
         return write_html(self, path)
 
     def diff(self, other: "Plan") -> list[str]:
-        """Lines describing how ``other`` differs from this plan (empty when equal)."""
+        """Lines describing how ``other``'s program differs from this plan's (empty when equal;
+        the predictions, :data:`PREDICTIONS`, are not compared)."""
         out = []
         if dict(self.mesh) != dict(other.mesh):
             out.append(f"mesh: {dict(self.mesh)} -> {dict(other.mesh)}")
@@ -516,8 +523,9 @@ class Plan:
             a, b = self.placements.get(node), other.placements.get(node)
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
-        for name in ("stages", "strategy", "zero", "recompute", "split", "sequence_parallel", "bucket_cap_bytes",
-                     "microbatches", "tp_parts", "ep_all_to_all", "capacity_factor"):
+        for name in (f.name for f in fields(self)):
+            if name in ("mesh", "placements") or name in PREDICTIONS:
+                continue
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out

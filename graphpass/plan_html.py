@@ -98,8 +98,12 @@ def _stages_section(plan: Plan) -> str:
 
 
 def _time_section(plan: Plan) -> str:
-    if not plan.time_split_s or not plan.predicted_step_time_s:
+    if not plan.predicted_step_time_s:
         return "<h2>Step time</h2><p>Not priced (give the plan to graphpass.plan to predict it).</p>"
+    if not plan.time_split_s:
+        return (f'<h2>Step time</h2><p>Predicted <b data-step-time="{plan.predicted_step_time_s!r}">'
+                f"{_ms(plan.predicted_step_time_s)}</b> per step; no split recorded (a plan saved before "
+                "graphpass recorded one).</p>")
     total = plan.predicted_step_time_s
     bars, legend = [], []
     for name, seconds in plan.time_split_s.items():
@@ -142,7 +146,7 @@ def _blocks_section(plan: Plan) -> str:
     rows = []
     for i, row in enumerate(plan.breakdown):
         rows.append(
-            f'<tr data-block="{i}"><td class="l">{_e(row["block"])}</td><td>{row["stage"]}</td>'
+            f'<tr data-block="{i}"><td class="l">{_e(row["block"])}</td><td>{_e(row["stage"])}</td>'
             f'<td class="l">{_e(row["choice"])}</td>'
             + "".join(f'<td data-key="{key}" data-value="{row[key]!r}">{row[key] * scale:.{digits}f}</td>'
                       for key, scale, digits in (("time_s", 1e3, 3), ("tp_comm_s", 1e3, 3), ("dp_comm_s", 1e3, 3),

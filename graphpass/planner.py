@@ -902,10 +902,12 @@ class Planner:
         usable = [m for m in mesh_list if (m.mesh.tp, m.sequence_parallel) in layouts]
         _, costing = self._with_budget(memory_budget)
         best, found, infeasible = S.search(layouts, usable, costing, time_limit_s)
-        reasons = _reasons(best, found, infeasible, self._rejected, costing, len(usable), self.measure_s)
+        alternatives = _alternatives(best, found, infeasible)
+        reasons = _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
+                           self.measure_s)
         return _to_plan(self.profile, layouts[(best.layout.mesh.tp, best.layout.sequence_parallel)], best, costing,
                         None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
-                        _alternatives(best, found, infeasible))
+                        alternatives)
 
 
 def plan(
@@ -1170,8 +1172,9 @@ def _contended(gm: fx.GraphModule, cluster: Cluster, times: Mapping[str, tuple[f
     return out
 
 
-def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float],
-             rejected: Mapping[int, str], costing: S.Costing, tried: int, measure_s: float) -> list[str]:
+def _reasons(best: S.Candidate, found: list[S.Candidate], alternatives: Sequence[Mapping[str, Any]],
+             infeasible: int, rejected: Mapping[int, str], costing: S.Costing, tried: int,
+             measure_s: float) -> list[str]:
     lines = [
         f"searched {tried} meshes (pp x dp x tp x microbatches x sequence-parallel"
         + (" x ep" if any(c.layout.mesh.ep > 1 for c in found) else "") + ") under a "
@@ -1191,17 +1194,14 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[st
                 for label, t, peak in best.uniform
             )
         )
-    for other in found[1:4]:
-        lines.append(
-            f"runner-up {other.layout}: {other.step_time_s * 1e3:.2f} ms "
-            f"({other.step_time_s / best.step_time_s:.2f}x), peak {other.peak_memory_bytes / 2**30:.2f} GiB"
-        )
+    for alt in alternatives:
+        if alt["step_time_s"] is not None:
+            lines.append(f"runner-up {alt['layout']}: {alt['step_time_s'] * 1e3:.2f} ms "
+                         f"({alt['step_time_s'] / best.step_time_s:.2f}x), peak {alt['peak_bytes'] / 2**30:.2f} GiB")
     if infeasible:
-        worst = sorted(infeasible.items(), key=lambda kv: kv[1])[:2]
-        lines.append(
-            f"{len(infeasible)} meshes cannot fit the budget, e.g. "
-            + ", ".join(f"{mesh} needs >= {need / 2**30:.2f} GiB" for mesh, need in worst)
-        )
+        lines.append(f"{infeasible} meshes cannot fit the budget, e.g. " + ", ".join(
+            f"{alt['layout']} needs >= {alt['peak_bytes'] / 2**30:.2f} GiB"
+            for alt in alternatives if alt["step_time_s"] is None))
     for tp, why in sorted(rejected.items()):
         lines.append(f"tp={tp} not possible: {why}")
     if best.exposed_comm_s > 0:

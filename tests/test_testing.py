@@ -49,9 +49,13 @@ def test_a_dropped_gradient_all_reduce_fails_naming_the_worst_parameter(graphpas
     assert "1 of 1 runs differ from one process" in message
     assert "dp2-tp1-pp1 on 2 ranks: FAILED; worst " in message
     assert "rtol=1e-05, atol=1e-06" in message
-    # The first bucket holds the last layers' parameters (gradients are bucketed in backward order).
+    # The worst tensor is one of the dropped bucket's parameters: the first all_reduce_grads of
+    # the program's golden text lists them.
+    text = program_text(build_model(), make_batches()[0], gp.Strategy(dp=2), 2)
+    first = next(line for line in text.splitlines() if "all_reduce_grads over dp" in line)
+    dropped = first.split("(", 1)[1].split(")", 1)[0].split(", ")
     worst = message.split("worst ")[1]
-    assert worst.startswith(("gradient of ", "lm_head", "ln_f", "h.1.")), worst
+    assert any(worst.startswith((f"gradient of {p} ", f"{p} after")) for p in dropped), (worst, dropped)
     excess = float(worst.split(", ")[-1].split("x the tolerance")[0])
     assert excess > 100, worst  # a gradient of half the batch is off by far more than rounding
 
@@ -79,6 +83,25 @@ def test_compare_reports_the_largest_error_over_its_tolerance():
     assert "gradient of wte.weight (missing" in compare(missing, ref).what
 
 
+def test_equal_infinities_and_exact_zeros_agree_and_one_sided_nans_do_not():
+    from graphpass.testing.parity import Trace
+
+    ref = Trace([1.0], {}, {"mask": torch.tensor([float("-inf"), 0.0, 2.0])})
+    assert compare(ref, ref, rtol=0, atol=0).excess == 0
+    nan = Trace([1.0], {}, {"mask": torch.tensor([float("-inf"), float("nan"), 2.0])})
+    worst = compare(nan, ref)
+    assert worst.what == "mask after 1 steps" and worst.index == (1,) and worst.excess == float("inf")
+    ints = Trace([1.0], {}, {"count": torch.tensor([3, 4])})
+    assert compare(dataclasses.replace(ints, state={"count": torch.tensor([3, 5])}), ints).index == (1,)
+
+
+def test_moves_and_net_drops_of_repeated_lines_are_both_reported():
+    old = "a\n  [p] x\n  [p] x\nb\n"
+    new = "  [p] x\na\nb\n"
+    changes = explain_diff(old, new)
+    assert sum(c.startswith("moved") for c in changes) == 1 and sum(c.startswith("dropped") for c in changes) == 1
+
+
 def test_strategies_fill_each_world_size_or_are_refused():
     assert fit_strategy(gp.Strategy(tp=2), 4) == gp.Strategy(dp=2, tp=2)
     assert fit_strategy(gp.Strategy(zero=3), 2) == gp.Strategy(dp=2, zero=3)
@@ -89,6 +112,11 @@ def test_strategies_fill_each_world_size_or_are_refused():
         assert_parity(lambda: torch.nn.Linear(2, 2), make_batches, [gp.Strategy()])
     with pytest.raises(ValueError, match="steps=3 needs at least 3"):
         assert_parity(build_model, lambda: make_batches()[:2], [gp.Strategy()])
+    with pytest.raises(ValueError, match=r"batch_fn\(\) returned a different batch 0 on a second call"):
+        assert_parity(build_model, lambda: [(torch.randint(0, 256, (8, 32)),) * 2 for _ in range(3)])
+    plan = gp.Plan(mesh={"dp": 8})
+    with pytest.raises(ValueError, match=r"a Plan for 8 ranks \(plan-dp8-[0-9a-f]{8}\) is in strategies"):
+        assert_parity(build_model, make_batches, [gp.Strategy(), plan])
     with pytest.raises(ValueError, match=r"needs 4 GPUs, this machine has 0"):
         assert_parity(build_model, make_batches, backend="nccl")
     with pytest.raises(ValueError, match=r"'gloo' \(CPU ranks\) or 'nccl'"):

@@ -25,14 +25,9 @@ import torch.nn as nn
 from graphpass import meta
 from graphpass.ops import op_name
 from graphpass.mesh import pipeline_rank
-from graphpass.plan import Plan, Strategy
+from graphpass.plan import PREDICTIONS, Plan, Strategy
 
 UPDATE_ENV = "GRAPHPASS_UPDATE_GOLDEN"
-
-#: Plan fields that depend on the machine or the planner's wording, not on the program.
-_UNSTABLE_FIELDS = ("predicted_step_time_s", "predicted_peak_memory_bytes", "predicted_stage_peaks_bytes",
-                    "breakdown", "reasons", "time_split_s", "memory_budget_bytes", "devices_per_node", "alternatives")
-
 
 class GoldenMismatch(AssertionError):
     """A program differs from its golden file; the message says what moved and which pass did it."""
@@ -89,7 +84,7 @@ def plan_lines(plan: Plan) -> list[str]:
     data["placements"] = {node: by_axis for node, by_axis in data["placements"].items()
                           if any(p != "Replicate()" for p in by_axis.values())}
     for name, value in data.items():
-        if name in _UNSTABLE_FIELDS or name == "strategy":  # the strategy heads the text
+        if name in PREDICTIONS or name == "strategy":  # the strategy heads the text
             continue
         if isinstance(value, dict) and value and name != "mesh":
             lines += [f"plan.{name}[{key}] = {value[key]}" for key in sorted(value)]
@@ -107,24 +102,19 @@ def program_text(model: nn.Module, example_inputs: Sequence[torch.Tensor], strat
     global batch ``example_inputs``; nothing is launched. ``"auto"`` has no golden text (its plan
     depends on the machine the planner measures): give the Strategy or Plan it chose.
     """
-    from graphpass.capture import capture
+    from graphpass.api import _capture_and_plan
     from graphpass.pass_manager import PassContext, run_passes
     from graphpass.passes import passes_for
     from graphpass.passes.partition_stages import cut_stages
-    from graphpass.plan_builder import plan_from_strategy
 
     if not isinstance(strategy, (Strategy, Plan)):
         raise TypeError(f"program_text: strategy must be a graphpass.Strategy or Plan (the plan 'auto' chose), "
                         f"got {strategy!r}")
-    if isinstance(strategy, Strategy):
-        strategy.check(world_size)
-    dp = strategy.dp if isinstance(strategy, Strategy) else strategy.mesh.dp
-    chunks = dp * strategy.microbatches
-    rows = example_inputs[0].shape[0] // chunks
-    local = tuple(t.narrow(0, 0, rows) if t.dim() and t.shape[0] == example_inputs[0].shape[0] else t
-                  for t in example_inputs)
-    gm = capture(model, local).gm
-    plan = plan_from_strategy(gm, strategy, ["golden"]) if isinstance(strategy, Strategy) else strategy
+    # What compile does on `rank`: the same checks, the capture at one microbatch of its share,
+    # the plan (a Plan's MoE capacity factor applied to the model first).
+    captured, plan, local = _capture_and_plan(model, None, tuple(example_inputs), strategy, rank, 1,
+                                              world_size=world_size)
+    gm = captured.gm
     gm, _ = run_passes(gm, plan, PassContext(rank=rank, world_size=world_size, example_inputs=local),
                        passes_for(plan))
     stages = cut_stages(gm, plan.stages) if len(plan.stages) > 1 else [gm]
@@ -149,13 +139,19 @@ def explain_diff(expected: str, actual: str) -> list[str]:
             dropped += [(i, old[i]) for i in range(i1, i2)]
         if tag in ("insert", "replace"):
             added += [(j, new[j]) for j in range(j1, j2)]
-    out = []
-    moved = {line for _, line in added} & {line for _, line in dropped}
-    for line in sorted(moved):
-        (i, _), (j, _) = next(d for d in dropped if d[1] == line), next(a for a in added if a[1] == line)
-        out.append(f"moved (line {i + 1} -> {j + 1}): {line.strip()}")
-    out += [f"added (line {j + 1}): {line.strip()}" for j, line in added if line not in moved]
-    out += [f"dropped (was line {i + 1}): {line.strip()}" for i, line in dropped if line not in moved]
+    # A line both dropped and added (as many times as it is both) moved; the rest were added or
+    # dropped (a collective that now appears once where it appeared twice is one drop).
+    pending_drops: dict[str, list[int]] = {}
+    for i, line in dropped:
+        pending_drops.setdefault(line, []).append(i)
+    out, added_only = [], []
+    for j, line in added:
+        if pending_drops.get(line):
+            out.append(f"moved (line {pending_drops[line].pop(0) + 1} -> {j + 1}): {line.strip()}")
+        else:
+            added_only.append(f"added (line {j + 1}): {line.strip()}")
+    out += added_only
+    out += [f"dropped (was line {i + 1}): {line.strip()}" for line, rest in pending_drops.items() for i in rest]
     return out
 
 

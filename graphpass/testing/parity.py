@@ -20,6 +20,8 @@ use ``"adamw"`` with looser tolerances (rtol 1e-4, atol 1e-5) or keep the defaul
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import uuid
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from graphpass.plan import Plan, Strategy
+from graphpass.plan import PREDICTIONS, Plan, Strategy
 
 #: The optimizers ``assert_parity`` trains with, by name (a callable ``(params, lr) -> Optimizer``
 #: is accepted too).
@@ -53,6 +55,8 @@ class Trace:
     losses: list[float]
     grads: dict[str, torch.Tensor]
     state: dict[str, torch.Tensor]
+    #: every rank's losses, by rank (a launched run; empty for the reference)
+    rank_losses: list[list[float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +123,12 @@ def fit_strategy(strategy: Strategy | Plan | str, world_size: int) -> Strategy |
 
 
 def describe(strategy: Strategy | Plan | str) -> str:
-    """A short name: ``dp2-tp2-zero3``, ``auto`` or ``plan-dp2xtp2``."""
+    """A short name: ``dp2-tp2-zero3``, ``auto`` or ``plan-dp2xtp2-<digest>``."""
     if isinstance(strategy, str):
         return strategy
-    if isinstance(strategy, Plan):
-        return "plan-" + "x".join(f"{a}{n}" for a, n in strategy.mesh.items())
+    if isinstance(strategy, Plan):  # the mesh, and a digest of the program so two plans never share a name
+        digest = hashlib.sha1(json.dumps(_program_fields(strategy), sort_keys=True, default=str).encode()).hexdigest()
+        return "plan-" + "x".join(f"{a}{n}" for a, n in strategy.mesh.items()) + "-" + digest[:8]
     defaults = Strategy()
     parts = []
     for f in dataclasses.fields(Strategy):
@@ -131,6 +136,10 @@ def describe(strategy: Strategy | Plan | str) -> str:
         if f.name in ("dp", "tp", "pp") or value != getattr(defaults, f.name):
             parts.append(f.name if value is True else f"{f.name}{value}")
     return "-".join(parts)
+
+
+def _program_fields(plan: Plan) -> dict:
+    return {k: v for k, v in plan.to_dict().items() if k not in PREDICTIONS}
 
 
 def make_optimizer(optimizer: str | Callable, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
@@ -249,7 +258,9 @@ def train_on_rank(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequ
         opt.step()
         opt.zero_grad()
     state = {k: v.detach().cpu().clone() for k, v in dmodel.full_state_dict().items()}
-    return Trace(losses, grads, state) if dist.get_rank() == 0 else None
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, losses)
+    return Trace(losses, grads, state, everyone) if dist.get_rank() == 0 else None
 
 
 def _worst(what: str, got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> Mismatch:
@@ -266,7 +277,11 @@ def _worst(what: str, got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: f
     got64, ref64 = got.detach().double(), ref.detach().double()
     error = (got64 - ref64).abs()
     excess = error / (atol + rtol * ref64.abs())
-    excess = torch.where(torch.isnan(excess), torch.full_like(excess, math.inf), excess)
+    # Equal values (infinities of one sign, exact zeros under atol 0) and NaN where one process
+    # has NaN too agree; any other NaN (one side only) is an infinite mismatch.
+    same = (got64 == ref64) | (torch.isnan(got64) & torch.isnan(ref64))
+    excess = torch.where(same, torch.zeros_like(excess),
+                         torch.where(torch.isnan(excess), torch.full_like(excess, math.inf), excess))
     if excess.numel() == 0:
         return Mismatch(what, 0.0, 0.0, 0.0, 0.0)
     flat = int(excess.reshape(-1).argmax())
@@ -279,8 +294,10 @@ def compare(trace: Trace, reference: Trace, rtol: float = RTOL, atol: float = AT
     """The worst of every loss, first-step gradient and final state entry (None when there is
     nothing to compare); a missing entry is an infinite mismatch naming it."""
     found: list[Mismatch] = []
-    for step, (got, ref) in enumerate(zip(trace.losses, reference.losses), start=1):
-        found.append(_worst(f"loss of step {step}", torch.tensor(got), torch.tensor(ref), rtol, atol))
+    for rank, losses in enumerate(trace.rank_losses or [trace.losses]):
+        where = f" on rank {rank}" if trace.rank_losses else ""
+        for step, (got, ref) in enumerate(zip(losses, reference.losses), start=1):
+            found.append(_worst(f"loss of step {step}{where}", torch.tensor(got), torch.tensor(ref), rtol, atol))
     for key, ref in reference.grads.items():
         if key not in trace.grads:
             found.append(Mismatch(f"gradient of {key} (missing from the compiled program)", math.inf, math.inf,
@@ -296,12 +313,17 @@ def compare(trace: Trace, reference: Trace, rtol: float = RTOL, atol: float = AT
     return max(found, key=lambda m: m.excess, default=None)
 
 
-def _check_seeded(model_fn: Callable[[], nn.Module]) -> None:
+def _check_seeded(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequence], steps: int) -> None:
+    """Every rank calls ``model_fn`` and ``batch_fn`` itself: two calls must agree."""
     a, b = model_fn().state_dict(), model_fn().state_dict()
     for key, value in a.items():
         if not torch.equal(value, b[key]):
             raise ValueError(f"model_fn() built two different models ({key} differs): every rank and the "
                              "reference must start from the same weights; seed inside model_fn (torch.manual_seed)")
+    for step, (x, y) in enumerate(zip(global_batches(batch_fn, steps), global_batches(batch_fn, steps))):
+        if len(x) != len(y) or not all(torch.equal(s, t) for s, t in zip(x, y)):
+            raise ValueError(f"batch_fn() returned a different batch {step} on a second call: every rank calls it "
+                             "and must see the same global batches; draw them from a seeded torch.Generator")
 
 
 def assert_parity(
@@ -365,12 +387,14 @@ def assert_parity(
         raise ValueError("assert_parity: strategies is empty")
     if any(not isinstance(w, int) or w < 1 for w in world_sizes):
         raise ValueError(f"assert_parity: world_sizes must be positive ints, got {tuple(world_sizes)!r}")
-    _check_seeded(model_fn)
+    _check_seeded(model_fn, batch_fn, steps)
     batches = global_batches(batch_fn, steps)
+    for s in strategies:
+        if isinstance(s, Plan) and s.world_size not in world_sizes:
+            raise ValueError(f"assert_parity: a Plan for {s.world_size} ranks ({describe(s)}) is in strategies but "
+                             f"world_sizes={tuple(world_sizes)} does not include {s.world_size}")
     runs = [(w, s, fit_strategy(s, w)) for w in world_sizes for s in strategies
             if not (isinstance(s, Plan) and s.world_size != w)]
-    if not runs:
-        raise ValueError("assert_parity: no strategy fits any of world_sizes " + str(tuple(world_sizes)))
     reference = train_reference(model_fn, batches, optimizer, lr, "cuda:0" if backend == "nccl" else "cpu")
     call_id = uuid.uuid4().hex
     results: list[ParityResult] = []

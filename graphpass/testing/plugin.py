@@ -24,14 +24,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.getoption("--graphpass-update-golden", default=False) and UPDATE_ENV not in os.environ:
-        os.environ[UPDATE_ENV] = "1"  # ranks and in-process checks read it
-        config._graphpass_set_update = True  # type: ignore[attr-defined]
+    if config.getoption("--graphpass-update-golden", default=False):
+        # Ranks and in-process checks read the variable; the flag wins over an exported 0, and
+        # the old value comes back when the session ends.
+        config._graphpass_old_update = os.environ.get(UPDATE_ENV)  # type: ignore[attr-defined]
+        os.environ[UPDATE_ENV] = "1"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if getattr(config, "_graphpass_set_update", False):
-        os.environ.pop(UPDATE_ENV, None)
+    if hasattr(config, "_graphpass_old_update"):
+        old = config._graphpass_old_update  # type: ignore[attr-defined]
+        if old is None:
+            os.environ.pop(UPDATE_ENV, None)
+        else:
+            os.environ[UPDATE_ENV] = old
 
 
 @pytest.fixture(scope="session")
