@@ -33,14 +33,19 @@ from op_problem import LAYER, transformer_op_problem  # noqa: E402  (examples/ i
 from graphpass.cost import solver as S  # noqa: E402
 
 
-def _plain_milp(problem: S.Problem, time_limit_s: float) -> str:
-    """What one whole-problem MILP reaches in the time, for comparison."""
+def whole_milp(problem: S.Problem, time_limit_s: float) -> S.Solution:
+    """``solve`` forced down its one-MILP path (the reduced problem in one HiGHS model, however big)."""
     saved = S._FULL_MODEL_SIZE
     S._FULL_MODEL_SIZE = float("inf")
     try:
-        sol = S.solve(problem, time_limit_s=time_limit_s)
+        return S.solve(problem, time_limit_s=time_limit_s)
     finally:
         S._FULL_MODEL_SIZE = saved
+
+
+def _plain_milp(problem: S.Problem, time_limit_s: float) -> str:
+    """What one whole-problem MILP reaches in the time, for comparison."""
+    sol = whole_milp(problem, time_limit_s)
     return "no incumbent" if sol.solver == "heuristic" else f"cost {sol.cost_s:.6g}, gap {sol.gap:.2%}"
 
 
