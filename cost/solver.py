@@ -350,26 +350,34 @@ class _Reduced:
         return {self.names[n]: s for n, s in sorted(original.items())}
 
 
+#: Strategies compared at once by `_drop_dominated` (bounds its k x block x features work array).
+_DOMINANCE_BLOCK_CELLS = 4_000_000
+
+
 def _drop_dominated(red: _Reduced, n: int) -> bool:
+    """Reduction 2: drop every strategy of ``n`` another one dominates (no worse in cost, memory
+    and every resharding entry; among equal ones the lowest index stays). "t dominates s" is a
+    strict partial order, so the strategies kept are exactly the undominated ones: every
+    dominated strategy has an undominated dominator. Vectorised over blocks of strategies."""
     c, m = red.cost[n], red.mem[n]
     nbrs = list(red.adj[n])
     rows = [red.adj[n][v] for v in nbrs]
     k = len(c)
-    dropped: list[int] = []
-    for s in range(k):
-        for t in range(k):
-            if t == s or t in dropped:
-                continue
-            no_worse = c[t] <= c[s] and m[t] <= m[s] and all(np.all(r[t] <= r[s]) for r in rows)
-            if not no_worse:
-                continue
-            equal = c[t] == c[s] and m[t] == m[s] and all(np.array_equal(r[t], r[s]) for r in rows)
-            if not equal or t < s:
-                dropped.append(s)
-                break
-    if not dropped:
+    if k < 2:
         return False
-    keep = [s for s in range(k) if s not in dropped]
+    features = np.concatenate([c[:, None], m[:, None], *rows], axis=1)  # [k, D]
+    dominated = np.zeros(k, dtype=bool)
+    block = max(1, _DOMINANCE_BLOCK_CELLS // (k * features.shape[1]))
+    index = np.arange(k)
+    for lo in range(0, k, block):
+        s = features[lo:lo + block]  # the strategies judged, [b, D]
+        no_worse = (features[:, None, :] <= s[None, :, :]).all(axis=2)  # [t, s]
+        equal = (features[:, None, :] == s[None, :, :]).all(axis=2)
+        beats = no_worse & (~equal | (index[:, None] < index[None, lo:lo + block]))
+        dominated[lo:lo + block] = beats.any(axis=0)
+    if not dominated.any():
+        return False
+    keep = [s for s in range(k) if not dominated[s]]
     red.keep[n] = [red.keep[n][s] for s in keep]
     red.cost[n], red.mem[n] = c[keep], m[keep]
     for v, r in zip(nbrs, rows):

@@ -316,3 +316,41 @@ def test_ten_thousand_op_nodes_get_a_feasible_plan_with_a_valid_bound():
     # A valid lower bound is below every feasible plan's cost, the greedy one's included.
     red = S._reduce(p, {n.name: i for i, n in enumerate(p.nodes)})
     assert red.lower_bound() * (1 - 1e-9) <= bound <= greedy.cost_s * (1 + 1e-9)
+
+
+def _dominated_by_loop(cost, mem, rows):
+    """Reduction 2 as a plain loop over strategy pairs (the oracle): s goes when an undropped t
+    is no worse everywhere and differs somewhere or has the lower index."""
+    dropped = []
+    for s in range(len(cost)):
+        for t in range(len(cost)):
+            if t == s or t in dropped:
+                continue
+            if cost[t] <= cost[s] and mem[t] <= mem[s] and all(all(a <= b for a, b in zip(r[t], r[s])) for r in rows):
+                equal = cost[t] == cost[s] and mem[t] == mem[s] and all(r[t] == r[s] for r in rows)
+                if not equal or t < s:
+                    dropped.append(s)
+                    break
+    return sorted(dropped)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vectorised_dominance_drops_what_the_pairwise_loop_drops(seed, monkeypatch):
+    import numpy as np
+
+    rng = random.Random(seed)
+    k = rng.randint(2, 12)
+    values = [0.0, 1.0, 2.0]  # few distinct values: many ties and dominances
+    cost = [rng.choice(values) for _ in range(k)]
+    mem = [rng.choice(values) for _ in range(k)]
+    widths = [rng.randint(1, 4) for _ in range(rng.randint(0, 2))]
+    rows = [[[rng.choice(values) for _ in range(w)] for _ in range(k)] for w in widths]
+    nodes = [Node("n", cost, mem)] + [Node(f"v{i}", [0.0] * w, [0.0] * w) for i, w in enumerate(widths)]
+    edges = [Edge("n", f"v{i}", r) for i, r in enumerate(rows)]
+    problem = Problem(nodes, edges)
+    red = S._unreduced(problem, S._validate(problem))
+    monkeypatch.setattr(S, "_DOMINANCE_BLOCK_CELLS", rng.choice([1, 10, 4_000_000]))  # blocks of 1.. all
+    S._drop_dominated(red, 0)
+    kept = red.keep[0]
+    assert sorted(set(range(k)) - set(kept)) == _dominated_by_loop(cost, mem, rows)
+    assert np.array_equal(red.cost[0], np.asarray(cost)[kept])
