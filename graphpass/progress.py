@@ -39,7 +39,7 @@ class Progress:
         with Progress(len(meshes), "solving meshes") as bar:
             for i, mesh in enumerate(meshes, 1):
                 bar.step(f"solving mesh {i}/{len(meshes)} {mesh}")
-                ...
+                solve(mesh)
     """
 
     #: Least seconds between redraws.

@@ -227,8 +227,8 @@ def default_compile(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], 
     return gp.compile(model, gp.Cluster.local(), example_inputs=example_inputs, strategy=strategy)
 
 
-#: This rank's captures for the current ``assert_parity`` call: ``(call id, store)``.
-_CAPTURES: list = [None, {}]
+#: This rank's capture store of the current ``assert_parity`` call, by call id (one entry).
+_CAPTURES: dict[str, dict] = {}
 
 
 def train_on_rank(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequence], strategy, steps: int,
@@ -243,11 +243,12 @@ def train_on_rank(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequ
 
     from graphpass.capture import reusing_captures
 
-    if _CAPTURES[0] != call_id or call_id is None:
-        _CAPTURES[:] = [call_id, {}]
+    if call_id not in _CAPTURES:  # a new call: the previous call's captures are released
+        _CAPTURES.clear()
+    store = _CAPTURES.setdefault(call_id, {}) if call_id is not None else {}
     device = _device()
     batches = [_on(device, batch) for batch in global_batches(batch_fn, steps)]
-    with reusing_captures(_CAPTURES[1]):
+    with reusing_captures(store):
         dmodel = (compile_fn or default_compile)(model_fn().to(device), batches[0], strategy)
     opt = make_optimizer(optimizer, dmodel.parameters(), lr)
     losses, grads = [], {}
@@ -313,17 +314,21 @@ def compare(trace: Trace, reference: Trace, rtol: float = RTOL, atol: float = AT
     return max(found, key=lambda m: m.excess, default=None)
 
 
-def _check_seeded(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequence], steps: int) -> None:
-    """Every rank calls ``model_fn`` and ``batch_fn`` itself: two calls must agree."""
+def _seeded_batches(model_fn: Callable[[], nn.Module], batch_fn: Callable[[], Sequence],
+                    steps: int) -> list[tuple[torch.Tensor, ...]]:
+    """The global batches, after checking that two calls of ``model_fn`` and of ``batch_fn``
+    agree (every rank calls them itself)."""
     a, b = model_fn().state_dict(), model_fn().state_dict()
     for key, value in a.items():
         if not torch.equal(value, b[key]):
             raise ValueError(f"model_fn() built two different models ({key} differs): every rank and the "
                              "reference must start from the same weights; seed inside model_fn (torch.manual_seed)")
-    for step, (x, y) in enumerate(zip(global_batches(batch_fn, steps), global_batches(batch_fn, steps))):
+    batches = global_batches(batch_fn, steps)
+    for step, (x, y) in enumerate(zip(batches, global_batches(batch_fn, steps))):
         if len(x) != len(y) or not all(torch.equal(s, t) for s, t in zip(x, y)):
             raise ValueError(f"batch_fn() returned a different batch {step} on a second call: every rank calls it "
                              "and must see the same global batches; draw them from a seeded torch.Generator")
+    return batches
 
 
 def assert_parity(
@@ -387,8 +392,7 @@ def assert_parity(
         raise ValueError("assert_parity: strategies is empty")
     if any(not isinstance(w, int) or w < 1 for w in world_sizes):
         raise ValueError(f"assert_parity: world_sizes must be positive ints, got {tuple(world_sizes)!r}")
-    _check_seeded(model_fn, batch_fn, steps)
-    batches = global_batches(batch_fn, steps)
+    batches = _seeded_batches(model_fn, batch_fn, steps)
     for s in strategies:
         if isinstance(s, Plan) and s.world_size not in world_sizes:
             raise ValueError(f"assert_parity: a Plan for {s.world_size} ranks ({describe(s)}) is in strategies but "
