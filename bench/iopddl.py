@@ -49,8 +49,9 @@ def read_instance(path: pathlib.Path) -> dict:
         return json.load(f)["problem"]
 
 
-def to_problem(raw: dict) -> S.Problem:
-    """The exact ``cost/solver.py`` form of an IOPDDL instance (module docstring)."""
+def to_problem(raw: dict, forbidden: float = FORBIDDEN) -> S.Problem:
+    """The exact ``cost/solver.py`` form of an IOPDDL instance (module docstring); costs at or
+    above ``forbidden`` are the solver's forbidden ones."""
     nodes = raw["nodes"]
     out_nodes = []
     for i, ((start, end), costs, usages) in enumerate(zip(nodes["intervals"], nodes["costs"], nodes["usages"])):
@@ -64,7 +65,7 @@ def to_problem(raw: dict) -> S.Problem:
         edges.append(S.Edge(str(u), str(v), [[float(c) for c in flat[r * cols:(r + 1) * cols]]
                                              for r in range(len(nodes["costs"][u]))]))
     steps = max((end for _, end in nodes["intervals"]), default=0)
-    return S.Problem(out_nodes, edges, raw.get("usage_limit"), num_steps=max(1, steps))
+    return S.Problem(out_nodes, edges, raw.get("usage_limit"), num_steps=max(1, steps), forbidden_cost_s=forbidden)
 
 
 def evaluate(raw: dict, choice: list[int], forbidden: float = FORBIDDEN) -> tuple[float, bool, int]:
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     for path in paths:
         raw = read_instance(path)
         name = raw.get("name", path.name.split(".")[0])
-        problem = to_problem(raw)
+        problem = to_problem(raw, args.forbidden)
         start = time.perf_counter()
         try:
             sol = S.solve(problem, time_limit_s=args.time_limit)

@@ -63,7 +63,7 @@ def main() -> None:
     plain_done = False
     for size in args.sizes:
         problem = transformer_op_problem(num_layers=max(1, size // len(LAYER)))
-        red = S._reduce(problem, {n.name: i for i, n in enumerate(problem.nodes)})
+        red = S._reduce(problem)
         greedy = S.heuristic(problem)
         start = time.perf_counter()
         sol = S.solve(problem, time_limit_s=args.time_limit)

@@ -113,6 +113,7 @@ __all__ = [
     "Problem",
     "Solution",
     "InfeasibleError",
+    "ForbiddenError",
     "solve",
     "heuristic",
     "evaluate",
@@ -134,6 +135,8 @@ _DIRECT_ROW_TERMS = 200_000
 _FULL_MODEL_SIZE = 150_000
 _LNS_MODEL_SIZE = 40_000
 _LNS_WINDOW_S = 10.0
+# Share of the time limit the reductions may use (they stop there, leaving a bigger problem).
+_REDUCE_SHARE = 0.25
 # Share of the time limit for the Lagrangian bound (and the assignment it prices); the windows
 # get the rest.
 _LAGRANGIAN_SHARE = 0.4
@@ -160,10 +163,15 @@ class Edge:
 
 @dataclass(frozen=True)
 class Problem:
+    """Nodes, edges and one memory limit. A cost ``>= forbidden_cost_s`` (and any ``inf``) forbids
+    its strategy or strategy pair: it is never chosen (:class:`ForbiddenError` when a node is left
+    with no allowed strategy)."""
+
     nodes: Sequence[Node]
     edges: Sequence[Edge]
     memory_limit_bytes: float | None = None
     num_steps: int | None = None
+    forbidden_cost_s: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -191,12 +199,38 @@ class InfeasibleError(ValueError):
         )
 
 
+class ForbiddenError(ValueError):
+    """Every strategy of ``node`` is forbidden, by its own costs or in combination with a neighbour."""
+
+    def __init__(self, node: str, why: str):
+        self.node = node
+        super().__init__(f"Node {node!r}: no allowed strategy: {why}")
+
+
 # --------------------------------------------------------------------------------------------
 # Validation, evaluation, memory steps
 
 
-def _validate(problem: Problem) -> dict[str, int]:
+@dataclass(frozen=True)
+class _Arrays:
+    """The problem's numbers as arrays, forbidden entries (``>= forbidden_cost_s``) set to ``inf``."""
+
+    index: dict[str, int]
+    cost: list[np.ndarray]
+    mem: list[np.ndarray]
+    edges: list[tuple[int, int, np.ndarray]]
+
+
+def _forbid(values: np.ndarray, threshold: float) -> np.ndarray:
+    return np.where(values >= threshold, np.inf, values) if np.isfinite(threshold) else values
+
+
+def _validate(problem: Problem) -> _Arrays:
     index: dict[str, int] = {}
+    threshold = float(problem.forbidden_cost_s)
+    if math.isnan(threshold):
+        raise ValueError("Problem.forbidden_cost_s must be a number (inf: only inf costs are forbidden)")
+    costs, mems = [], []
     for i, node in enumerate(problem.nodes):
         if node.name in index:
             raise ValueError(f"Problem.nodes: duplicate node name {node.name!r}")
@@ -209,8 +243,13 @@ def _validate(problem: Problem) -> dict[str, int]:
                 f"Node {node.name!r}: memory_bytes has {len(node.memory_bytes)} entries, "
                 f"costs_s has {k}; give one of each per strategy"
             )
-        if not all(math.isfinite(v) for v in (*node.costs_s, *node.memory_bytes)):
-            raise ValueError(f"Node {node.name!r}: costs_s and memory_bytes must be finite")
+        c, m = np.asarray(node.costs_s, dtype=float), np.asarray(node.memory_bytes, dtype=float)
+        if np.isnan(c).any() or (c == -np.inf).any():
+            raise ValueError(f"Node {node.name!r}: costs_s must be numbers (inf forbids a strategy)")
+        if not np.isfinite(m).all():
+            raise ValueError(f"Node {node.name!r}: memory_bytes must be finite")
+        costs.append(_forbid(c, threshold))
+        mems.append(m)
         first, last = node.live
         if not 0 <= first <= last:
             raise ValueError(f"Node {node.name!r}: live={node.live} must satisfy 0 <= first <= last")
@@ -218,22 +257,24 @@ def _validate(problem: Problem) -> dict[str, int]:
             raise ValueError(
                 f"Node {node.name!r}: live={node.live} ends past num_steps={problem.num_steps}"
             )
+    edges = []
     for edge in problem.edges:
         for end in (edge.src, edge.dst):
             if end not in index:
                 raise ValueError(f"Edge {edge.src!r}->{edge.dst!r}: unknown node {end!r}")
-        rows, cols = len(problem.nodes[index[edge.src]].costs_s), len(
-            problem.nodes[index[edge.dst]].costs_s
-        )
+        u, v = index[edge.src], index[edge.dst]
+        rows, cols = len(costs[u]), len(costs[v])
         matrix = edge.cost_s
         if len(matrix) != rows or any(len(r) != cols for r in matrix):
             raise ValueError(
                 f"Edge {edge.src!r}->{edge.dst!r}: cost_s must be {rows}x{cols} "
                 f"([strategy of src][strategy of dst])"
             )
-        if not all(math.isfinite(v) for r in matrix for v in r):
-            raise ValueError(f"Edge {edge.src!r}->{edge.dst!r}: cost_s must be finite")
-    return index
+        m = np.asarray(matrix, dtype=float).reshape(rows, cols)
+        if np.isnan(m).any() or (m == -np.inf).any():
+            raise ValueError(f"Edge {edge.src!r}->{edge.dst!r}: cost_s must be numbers (inf forbids a pair)")
+        edges.append((u, v, _forbid(m, threshold)))
+    return _Arrays(index, costs, mems, edges)
 
 
 @dataclass(frozen=True)
@@ -278,11 +319,18 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
 
 
 def min_peak_memory(problem: Problem) -> tuple[float, int | None]:
-    """Smallest peak memory any assignment reaches, and the step where it occurs (closed form)."""
+    """Smallest peak memory any assignment reaches, and the step where it occurs (closed form:
+    every node at its smallest allowed strategy; pairs forbidden on edges narrow it further, see
+    :func:`solve`)."""
     if not problem.nodes:
         return 0.0, None
-    steps = _steps(problem)
-    totals = steps.sums(np.array([float(min(n.memory_bytes)) for n in problem.nodes]))
+    arrays = _validate(problem)
+    return _min_peak(_steps(problem), arrays.cost, arrays.mem)
+
+
+def _min_peak(steps: _Steps, cost: Sequence[np.ndarray], mem: Sequence[np.ndarray]) -> tuple[float, int | None]:
+    mins = [m[np.isfinite(c)].min() if np.isfinite(c).any() else m.min() for c, m in zip(cost, mem)]
+    totals = steps.sums(np.array(mins, dtype=float))
     at = int(np.argmax(totals))
     return float(totals[at]), int(steps.starts[at])
 
@@ -377,12 +425,7 @@ def _drop_dominated(red: _Reduced, n: int) -> bool:
         dominated[lo:lo + block] = beats.any(axis=0)
     if not dominated.any():
         return False
-    keep = [s for s in range(k) if not dominated[s]]
-    red.keep[n] = [red.keep[n][s] for s in keep]
-    red.cost[n], red.mem[n] = c[keep], m[keep]
-    for v, r in zip(nbrs, rows):
-        red.adj[n][v] = r[keep, :]
-        red.adj[v][n] = red.adj[n][v].T
+    _keep_strategies(red, n, np.flatnonzero(~dominated))
     return True
 
 
@@ -451,23 +494,21 @@ def _refresh_spans(red: _Reduced, steps: _Steps) -> None:
             red.span[n] = (j1, j2)
 
 
-def _unreduced(problem: Problem, index: dict[str, int]) -> _Reduced:
+def _unreduced(arrays: _Arrays) -> _Reduced:
     """The problem as given, with parallel and reversed edges merged (summed) and self-edges
     moved into their node's cost."""
-    num = len(problem.nodes)
-    cost = [np.asarray(n.costs_s, dtype=float) for n in problem.nodes]
+    num = len(arrays.cost)
+    cost = [c.copy() for c in arrays.cost]
     red = _Reduced(
-        names=[n.name for n in problem.nodes],
+        names=list(arrays.index),
         keep=[list(range(len(c))) for c in cost],
         cost=cost,
-        mem=[np.asarray(n.memory_bytes, dtype=float) for n in problem.nodes],
+        mem=list(arrays.mem),
         adj=[{} for _ in range(num)],
         alive=[True] * num,
         num_strategies=[len(c) for c in cost],
     )
-    for e in problem.edges:
-        u, v = index[e.src], index[e.dst]
-        m = np.asarray(e.cost_s, dtype=float)
+    for u, v, m in arrays.edges:
         if u == v:
             red.cost[u] = red.cost[u] + np.diag(m)
         else:
@@ -475,21 +516,91 @@ def _unreduced(problem: Problem, index: dict[str, int]) -> _Reduced:
     return red
 
 
-def _reduce(problem: Problem, index: dict[str, int], *, eliminate: bool = True) -> _Reduced:
-    """Reductions 1-3 of the module docstring, repeated to a fixpoint."""
-    red = _unreduced(problem, index)
+def _keep_strategies(red: _Reduced, n: int, keep: np.ndarray) -> None:
+    """Leave node ``n`` only the strategies at positions ``keep`` (in its current list)."""
+    red.keep[n] = [red.keep[n][s] for s in keep]
+    red.cost[n], red.mem[n] = red.cost[n][keep], red.mem[n][keep]
+    for v, r in red.adj[n].items():
+        red.adj[n][v] = r[keep, :]
+        red.adj[v][n] = red.adj[n][v].T
+
+
+def _forbidden_why(red: _Reduced, n: int) -> str:
+    allowed = np.isfinite(red.cost[n])
+    if not allowed.any():
+        return "every strategy's cost is forbidden (>= forbidden_cost_s or inf)"
+    for v, r in red.adj[n].items():
+        if np.isinf(r[allowed]).all():
+            return (f"each strategy its own costs allow is forbidden in combination with every "
+                    f"allowed strategy of neighbour {red.names[v]!r}")
+    near = ", ".join(repr(red.names[v]) for v in red.adj[n])
+    return f"its own costs and its edges to {near} together forbid every strategy"
+
+
+def _prune(red: _Reduced, nodes: Sequence[int]) -> set[int]:
+    """Drop forbidden strategies (``inf`` cost) and those with no allowed partner on some edge,
+    propagating to the neighbours until nothing changes (arc consistency); the nodes changed.
+
+    Raises:
+        ForbiddenError: a node is left with no strategy.
+    """
+    queue = [n for n in nodes if red.alive[n]]
+    queued = set(queue)
+    changed: set[int] = set()
+    while queue:
+        n = queue.pop()
+        queued.discard(n)
+        ok = np.isfinite(red.cost[n])
+        for r in red.adj[n].values():
+            ok &= ~np.isinf(r).all(axis=1)
+        if ok.all():
+            continue
+        if not ok.any():
+            raise ForbiddenError(red.names[n], _forbidden_why(red, n))
+        _keep_strategies(red, n, np.flatnonzero(ok))
+        changed.add(n)
+        for v in red.adj[n]:
+            if v not in queued:
+                queue.append(v)
+                queued.add(v)
+    return changed
+
+
+def _reduce(problem: Problem, arrays: _Arrays | None = None, *, eliminate: bool = True,
+            deadline: float = math.inf) -> _Reduced:
+    """Forbidden strategies pruned, the memory limit checked against what is left, then
+    reductions 1-3 of the module docstring repeated to a fixpoint or until ``deadline`` (every
+    step leaves a valid reduced problem, so stopping early only leaves it bigger)."""
+    red = _unreduced(_validate(problem) if arrays is None else arrays)
+    _prune(red, range(len(red.names)))
     steps = _steps(problem) if problem.nodes else None
+    if steps is not None and problem.memory_limit_bytes is not None:
+        need, step = _min_peak(steps, red.cost, red.mem)
+        limit = float(problem.memory_limit_bytes)
+        if need > limit + _REL_TOL * abs(limit):
+            raise InfeasibleError(limit, need, step)
     _memory_rows(problem, red, steps)
     changed = True
-    while changed:
+    while changed and time.perf_counter() < deadline:
         changed = False
-        for n in red.live_nodes():
+        for i, n in enumerate(red.live_nodes()):
+            if i % 256 == 0 and time.perf_counter() >= deadline:
+                break
             changed |= _drop_dominated(red, n)
         if steps is not None:
             _refresh_spans(red, steps)  # a node may be left with one memory figure
         if eliminate:
-            for n in red.live_nodes():
-                changed |= _eliminate(red, n)
+            pruned: set[int] = set()
+            for i, n in enumerate(red.live_nodes()):
+                if i % 256 == 0 and time.perf_counter() >= deadline:
+                    break
+                if red.alive[n]:
+                    nbrs = tuple(red.adj[n])
+                    if _eliminate(red, n):
+                        changed = True
+                        pruned |= _prune(red, nbrs)  # folding may forbid a neighbour's strategy
+            if pruned and steps is not None:
+                _memory_rows(problem, red, steps)  # a pruned node's smallest memory may have risen
     return red
 
 
@@ -516,13 +627,18 @@ def _add_one_strategy_per_node(b: _Backend, red: _Reduced) -> dict[int, list]:
 
 
 def _add_edge_marginals(b: _Backend, red: _Reduced, x: dict[int, list]) -> dict:
+    """y per allowed pair of each edge (a forbidden pair has none: it is never chosen)."""
     y = {}
     for u, v, mat in red.edges():
-        ys = [[b.edge_var(f"y[{u},{v},{s},{t}]") for t in range(mat.shape[1])] for s in range(mat.shape[0])]
+        allowed = np.isfinite(mat)
+        ys = [[b.edge_var(f"y[{u},{v},{s},{t}]") if allowed[s, t] else None for t in range(mat.shape[1])]
+              for s in range(mat.shape[0])]
         for s in range(mat.shape[0]):  # sum_t y[s,t] = x[u,s]
-            b.add_linear([*ys[s], x[u][s]], [1] * mat.shape[1] + [-1], 0, 0)
+            row = [var for var in ys[s] if var is not None]
+            b.add_linear([*row, x[u][s]], [1] * len(row) + [-1], 0, 0)
         for t in range(mat.shape[1]):  # sum_s y[s,t] = x[v,t]
-            b.add_linear([ys[s][t] for s in range(mat.shape[0])] + [x[v][t]], [1] * mat.shape[0] + [-1], 0, 0)
+            col = [ys[s][t] for s in range(mat.shape[0]) if ys[s][t] is not None]
+            b.add_linear([*col, x[v][t]], [1] * len(col) + [-1], 0, 0)
         y[(u, v)] = ys
     return y
 
@@ -585,8 +701,10 @@ def _set_objective(b: _Backend, red: _Reduced, x: dict[int, list], y: dict) -> N
     for key, ys in y.items():
         mat = red.adj[key[0]][key[1]]
         for s, row in enumerate(ys):
-            vars_ += row
-            coefs += list(mat[s])
+            for t, var in enumerate(row):
+                if var is not None:
+                    vars_.append(var)
+                    coefs.append(mat[s, t])
     b.minimize(vars_, coefs)
 
 
@@ -635,7 +753,8 @@ def _pywraplp_model(red: _Reduced, name: str = "HIGHS"):
 
 def _scaled_for_cpsat(red: _Reduced) -> _Reduced:
     live = red.live_nodes()
-    coefs = [abs(v) for n in live for v in red.cost[n]] + [abs(v) for _, _, m in red.edges() for v in m.flat]
+    coefs = [abs(v) for n in live for v in red.cost[n]] + [
+        abs(v) for _, _, m in red.edges() for v in m.flat if math.isfinite(v)]
     cmax = max(coefs, default=0.0)
     cscale = _CPSAT_COST_RESOLUTION / cmax if cmax > 0 else 1.0
     mems = [abs(v) for n in live for v in red.mem[n]]
@@ -655,8 +774,8 @@ def _scaled_for_cpsat(red: _Reduced) -> _Reduced:
         row_steps=red.row_steps,
         span=red.span,
     )
-    for u, v, m in red.edges():
-        scaled.set_edge(u, v, np.rint(m * cscale).astype(np.int64))
+    for u, v, m in red.edges():  # forbidden pairs stay inf: the model gives them no variable
+        scaled.set_edge(u, v, np.where(np.isfinite(m), np.rint(m * cscale), np.inf))
     return scaled
 
 
@@ -690,52 +809,75 @@ def _cpsat_model(red: _Reduced):
 
 def _greedy_local_search(red: _Reduced, max_rounds: int = 20, deadline: float = math.inf,
                          initial: dict[int, int] | None = None) -> dict[int, int]:
-    """Reduced strategy per live node: greedy in node order (or a feasible ``initial``), then
-    first-improvement 1-opt moves (stopped at ``deadline``). Memory is tracked per row relative to
-    every node's minimum, so "every node at its minimum" is always feasible and so is every
+    """Reduced strategy per live node: greedy in node order (or ``initial``), then best-improvement
+    1-opt moves until a sweep improves nothing, ``max_rounds`` sweeps or ``deadline``.
+
+    A move is judged first by the forbidden pairs it touches, then by cost, so forbidden pairs the
+    greedy pass could not avoid are repaired before anything else. Memory is tracked per row
+    relative to every node's minimum, so "every node at its minimum" always fits and so does every
     greedy step."""
     live = red.live_nodes()
     usage = np.zeros(len(red.rhs)) if initial is None else _usage(red, initial, live)
     rhs = red.rhs + _REL_TOL * np.abs(red.rhs) + 1e-9
-    extra = {n: red.mem[n] - red.mem[n].min() for n in live}
-    choice: dict[int, int] = {}
+    choice: dict[int, int] = {} if initial is None else dict(initial)
 
-    def local_cost(n: int, s: int) -> float:
-        total = red.cost[n][s]
+    def local(n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(forbidden pairs, cost) of each strategy of n against its neighbours chosen so far."""
+        cost = red.cost[n].copy()
+        bad = np.zeros(len(cost), dtype=np.int64)
         for other, m in red.adj[n].items():
-            if other in choice:
-                total += m[s, choice[other]]
-        return float(total)
+            s = choice.get(other)
+            if s is not None:
+                col = m[:, s]
+                inf = np.isinf(col)
+                if inf.any():
+                    bad += inf
+                    col = np.where(inf, 0.0, col)
+                cost += col
+        return bad, cost
 
-    def fits(n: int, s: int, current: int | None) -> bool:
+    def room(n: int, current: int | None) -> np.ndarray:
+        """Which strategies of n fit the memory rows, n's own current share taken out."""
         span = red.span[n]
         if span is None:
-            return True
-        delta = extra[n][s] - (extra[n][current] if current is not None else 0.0)
-        return delta <= 0 or bool(np.all(usage[span[0] : span[1] + 1] + delta <= rhs[span[0] : span[1] + 1]))
+            return np.ones(len(red.cost[n]), dtype=bool)
+        extra = red.mem[n] - red.mem[n].min()
+        held = extra[current] if current is not None else 0.0
+        head = float((rhs[span[0]: span[1] + 1] - usage[span[0]: span[1] + 1]).min()) + held
+        return extra <= head
+
+    def best(n: int, current: int | None) -> int:
+        bad, cost = local(n)
+        fits = room(n, current)
+        if current is not None:
+            fits[current] = True
+        bad = np.where(fits, bad, np.iinfo(np.int64).max)
+        least = bad.min()
+        cost = np.where(bad == least, cost, np.inf)
+        pick = int(np.argmin(cost))
+        if current is not None and (bad[current], cost[current]) <= (least, cost[pick] + 1e-12 * abs(cost[pick])):
+            return current
+        return pick
 
     def place(n: int, s: int, current: int | None) -> None:
         span = red.span[n]
         if span is not None:
-            usage[span[0] : span[1] + 1] += extra[n][s] - (extra[n][current] if current is not None else 0.0)
+            extra = red.mem[n] - red.mem[n].min()
+            usage[span[0]: span[1] + 1] += extra[s] - (extra[current] if current is not None else 0.0)
         choice[n] = s
 
-    if initial is not None:
-        choice.update(initial)
     for n in live if initial is None else ():
-        order = sorted(range(len(red.cost[n])), key=lambda s: local_cost(n, s))
-        place(n, next((s for s in order if fits(n, s, None)), int(np.argmin(red.mem[n]))), None)
+        place(n, best(n, None), None)
     for _ in range(max_rounds):
         improved = False
-        for n in live:
-            if time.perf_counter() > deadline:
+        for i, n in enumerate(live):
+            if i % 64 == 0 and time.perf_counter() > deadline:
                 return choice
             cur = choice[n]
-            here = local_cost(n, cur)
-            for s in range(len(red.cost[n])):
-                if s != cur and local_cost(n, s) < here - 1e-12 and fits(n, s, cur):
-                    place(n, s, cur)
-                    cur, here, improved = s, local_cost(n, s), True
+            s = best(n, cur)
+            if s != cur:
+                place(n, s, cur)
+                improved = True
         if not improved:
             break
     return choice
@@ -744,24 +886,13 @@ def _greedy_local_search(red: _Reduced, max_rounds: int = 20, deadline: float = 
 def heuristic(problem: Problem) -> Solution:
     """Greedy + local search; always memory-feasible when any assignment is, never proven optimal."""
     start = time.perf_counter()
-    index = _validate(problem)
-    _check_feasible(problem)
-    red = _reduce(problem, index)
+    red = _reduce(problem)
     choice = _greedy_local_search(red)
     return _solution(problem, red, choice, optimal=False, gap=math.inf, start=start, solver="heuristic")
 
 
 # --------------------------------------------------------------------------------------------
 # Solve
-
-
-def _check_feasible(problem: Problem) -> None:
-    if problem.memory_limit_bytes is None:
-        return
-    need, step = min_peak_memory(problem)
-    limit = float(problem.memory_limit_bytes)
-    if need > limit + _REL_TOL * abs(limit):
-        raise InfeasibleError(limit, need, step)
 
 
 def _solution(problem, red, choice, *, optimal, gap, start, solver) -> Solution:
@@ -911,7 +1042,7 @@ def _model_size(red: _Reduced, nodes: Sequence[int] | None = None) -> int:
     """Variables of the MILP over ``nodes`` (all live ones by default): x per strategy, y per pair."""
     inside = set(red.live_nodes() if nodes is None else nodes)
     size = sum(len(red.cost[n]) for n in inside)
-    return size + sum(m.size for u, v, m in red.edges() if u in inside and v in inside)
+    return size + sum(int(np.isfinite(m).sum()) for u, v, m in red.edges() if u in inside and v in inside)
 
 
 def _usage(red: _Reduced, choice: dict[int, int], nodes: Sequence[int]) -> np.ndarray:
@@ -926,12 +1057,16 @@ def _usage(red: _Reduced, choice: dict[int, int], nodes: Sequence[int]) -> np.nd
     return np.cumsum(diff)[:-1]
 
 
-def _window(red: _Reduced, nodes: list[int], choice: dict[int, int]) -> _Reduced:
-    """The sub-problem of ``nodes`` with every other live node fixed at ``choice``.
+def _window(red: _Reduced, nodes: list[int], choice: dict[int, int],
+            usage: np.ndarray) -> _Reduced | None:
+    """The sub-problem of ``nodes`` with every other live node fixed at ``choice`` (``usage``: the
+    rows' memory above the minima at ``choice``, all live nodes); None when the fixed nodes leave
+    some window node no allowed strategy.
 
-    Edges to fixed nodes become node costs; rows keep the room the fixed nodes leave. Rows are
+    Edges to fixed nodes become node costs, and strategies they forbid are pruned (``keep`` maps
+    the window's strategies to the parent's); rows keep the room the fixed nodes leave. Rows are
     merged where the same window nodes are live (only the tightest matters), so a window of W
-    nodes has at most 2W rows however long the graph. Strategies keep the parent's indices.
+    nodes has at most 2W rows however long the graph.
     """
     inside = {n: i for i, n in enumerate(nodes)}
     sub = _Reduced(
@@ -950,44 +1085,58 @@ def _window(red: _Reduced, nodes: list[int], choice: dict[int, int]) -> _Reduced
                     sub.set_edge(i, inside[v], m)
             else:
                 sub.cost[i] = sub.cost[i] + m[:, choice[v]]
+    try:
+        _prune(sub, range(len(nodes)))
+    except ForbiddenError:
+        return None
     spans = [red.span[n] for n in nodes]
     if any(sp is not None for sp in spans):
-        outside = [n for n in red.live_nodes() if n not in inside]
-        room = red.rhs - _usage(red, choice, outside)
+        room = red.rhs - usage + _usage(red, choice, nodes)
         cuts = sorted({0, len(room)} | {j for sp in spans if sp for j in (sp[0], sp[1] + 1)})
         sub.rhs = np.array([room[a:b].min() for a, b in zip(cuts, cuts[1:])])
         sub.span = [None if sp is None else (cuts.index(sp[0]), cuts.index(sp[1] + 1) - 1) for sp in spans]
+        for i, n in enumerate(nodes):  # rows count memory above the parent's minima
+            raised = sub.mem[i].min() - red.mem[n].min()
+            if sub.span[i] is not None and raised > 0:
+                sub.rhs[sub.span[i][0]: sub.span[i][1] + 1] -= raised
     else:
         sub.span = [None] * len(nodes)
     return sub
 
 
 def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float) -> dict[int, int]:
-    """Improve a feasible ``choice`` by re-solving windows of consecutive nodes exactly with the
-    rest fixed (large neighbourhood search), sweeping with half-window overlap until a sweep
-    improves nothing or the deadline. Every window's current assignment is feasible for it, so
-    the answer only gets cheaper and stays within memory."""
+    """Improve ``choice`` by re-solving windows of consecutive nodes exactly with the rest fixed
+    (large neighbourhood search), sweeping with half-window overlap until a sweep improves
+    nothing or the deadline. A window's answer is taken when it costs less than the window's
+    current assignment (forbidden pairs inside it count as infinitely expensive), so the answer
+    only gets cheaper and stays within memory."""
     live = red.live_nodes()
     per_node = max(1.0, _model_size(red) / max(1, len(live)))
     width = max(2, int(_LNS_MODEL_SIZE / per_node))
     choice = dict(choice)
-    best = red.objective(choice)
+    usage = _usage(red, choice, live)
     while time.perf_counter() < deadline:
-        before = best
+        improved = False
         for start in range(0, max(1, len(live) - width // 2), max(1, width // 2)):
             if time.perf_counter() >= deadline:
                 break
             nodes = live[start : start + width]
-            sub = _window(red, nodes, choice)
+            sub = _window(red, nodes, choice, usage)
+            if sub is None:
+                continue
             local, _, _ = _run_highs(sub, {}, min(deadline, time.perf_counter() + _LNS_WINDOW_S), warn=False)
             if local is None:
                 continue
-            trial = dict(choice)
-            trial.update({n: local[i] for i, n in enumerate(nodes)})
-            value = red.objective(trial)
-            if value < best - 1e-12 * abs(best):
-                choice, best = trial, value
-        if best >= before - 1e-9 * abs(before):
+            now = {i: sub.keep[i].index(choice[n]) if choice[n] in sub.keep[i] else None
+                   for i, n in enumerate(nodes)}
+            before = math.inf if None in now.values() else sub.objective(now)
+            after = sub.objective(local)
+            if after < before - 1e-12 * abs(after):
+                usage -= _usage(red, choice, nodes)
+                choice.update({n: sub.keep[i][local[i]] for i, n in enumerate(nodes)})
+                usage += _usage(red, choice, nodes)
+                improved = True
+        if not improved:
             break
     return choice
 
@@ -1125,10 +1274,9 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
     start = time.perf_counter()
     if solver not in ("highs", "cp-sat"):
         raise ValueError(f"solver={solver!r}: use 'highs' or 'cp-sat'")
-    index = _validate(problem)
-    _check_feasible(problem)
+    arrays = _validate(problem)
     deadline = start + time_limit_s
-    red = _reduce(problem, index)
+    red = _reduce(problem, arrays, deadline=start + _REDUCE_SHARE * time_limit_s)
     live = red.live_nodes()
     # The heuristic may use a tenth of the budget: it is the fallback and the plan to beat.
     warm = _greedy_local_search(red, deadline=start + 0.1 * time_limit_s)

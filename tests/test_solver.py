@@ -143,14 +143,14 @@ def test_dominated_strategies_are_dropped_only_when_edges_agree():
     a = Node("a", [2, 1], [10, 5])
     b = Node("b", [0, 0], [0, 0])
     edge = Edge("a", "b", [[0, 0], [5, 5]])
-    red = S._reduce(Problem([a, b], [edge]), {"a": 0, "b": 1}, eliminate=False)
+    red = S._reduce(Problem([a, b], [edge]), eliminate=False)
     assert red.keep[0] == [0, 1]
     assert solve(Problem([a, b], [edge])).choice["a"] == 0
     # Without the edge, strategy 0 is dominated and dropped.
-    red = S._reduce(Problem([a, b], []), {"a": 0, "b": 1}, eliminate=False)
+    red = S._reduce(Problem([a, b], []), eliminate=False)
     assert red.keep[0] == [1]
     # Identical strategies: exactly one survives.
-    red = S._reduce(Problem([Node("c", [1, 1, 1], [2, 2, 2])], []), {"c": 0})
+    red = S._reduce(Problem([Node("c", [1, 1, 1], [2, 2, 2])], []))
     assert red.keep[0] == [0]
 
 
@@ -161,7 +161,7 @@ def test_parallel_and_reversed_edges_are_merged():
         Edge("a", "b", [[0, 4, 0], [1, 1, 1]]),
         Edge("b", "a", [[0, 0], [0, 9], [5, 0]]),
     ]
-    merged = S._unreduced(Problem([a, b], edges), {"a": 0, "b": 1})
+    merged = S._unreduced(S._validate(Problem([a, b], edges)))
     assert list(merged.edges())[0][:2] == (0, 1) and len(list(merged.edges())) == 1
     assert merged.adj[0][1].tolist() == [[1, 4, 8], [3, 12, 3]] and merged.adj[1][0].tolist() == [[1, 3], [4, 12], [8, 3]]
     p = Problem([a, b], edges)
@@ -171,7 +171,7 @@ def test_parallel_and_reversed_edges_are_merged():
 def test_marginal_constraints_make_edge_variables_integral():
     rng = random.Random(3)
     p = random_problem(rng, num_nodes=8, num_strategies=4, limit_frac=0.3, extra_edges=4)
-    red = S._reduce(p, {n.name: i for i, n in enumerate(p.nodes)}, eliminate=False)
+    red = S._reduce(p, eliminate=False)
     model, x, y = S._pywraplp_model(red)
     assert model.Solve() == model.OPTIMAL
     assert y, "the instance should keep some edge variables"
@@ -270,7 +270,7 @@ def test_lagrangian_bound_never_exceeds_the_optimum_and_its_plan_fits(seed):
     rng = random.Random(seed)
     p = nested_chain(rng, num_nodes=8, num_strategies=3, limit_frac=0.3)
     best = brute_force(p)
-    red = S._reduce(p, {n.name: i for i, n in enumerate(p.nodes)})
+    red = S._reduce(p)
     warm = S._greedy_local_search(red)
     bound, priced = S._lagrangian(red, red.objective(warm), time.perf_counter() + 10)
     assert red.lower_bound() <= bound <= best * (1 + 1e-9)
@@ -314,7 +314,7 @@ def test_ten_thousand_op_nodes_get_a_feasible_plan_with_a_valid_bound():
     assert 0.0 <= sol.gap <= 1.0
     bound = sol.cost_s * (1 - sol.gap)
     # A valid lower bound is below every feasible plan's cost, the greedy one's included.
-    red = S._reduce(p, {n.name: i for i, n in enumerate(p.nodes)})
+    red = S._reduce(p)
     assert red.lower_bound() * (1 - 1e-9) <= bound <= greedy.cost_s * (1 + 1e-9)
 
 
@@ -348,7 +348,7 @@ def test_vectorised_dominance_drops_what_the_pairwise_loop_drops(seed, monkeypat
     nodes = [Node("n", cost, mem)] + [Node(f"v{i}", [0.0] * w, [0.0] * w) for i, w in enumerate(widths)]
     edges = [Edge("n", f"v{i}", r) for i, r in enumerate(rows)]
     problem = Problem(nodes, edges)
-    red = S._unreduced(problem, S._validate(problem))
+    red = S._unreduced(S._validate(problem))
     monkeypatch.setattr(S, "_DOMINANCE_BLOCK_CELLS", rng.choice([1, 10, 4_000_000]))  # blocks of 1.. all
     S._drop_dominated(red, 0)
     kept = red.keep[0]
