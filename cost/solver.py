@@ -183,6 +183,7 @@ class Solution:
     gap: float
     seconds: float
     solver: str
+    lower_bound_s: float = -math.inf  # no assignment costs less (the gap is measured to it)
 
 
 class InfeasibleError(ValueError):
@@ -888,14 +889,19 @@ def heuristic(problem: Problem) -> Solution:
     start = time.perf_counter()
     red = _reduce(problem)
     choice = _greedy_local_search(red)
-    return _solution(problem, red, choice, optimal=False, gap=math.inf, start=start, solver="heuristic")
+    return _solution(problem, red, choice, bound=-math.inf, start=start, solver="heuristic")
 
 
 # --------------------------------------------------------------------------------------------
 # Solve
 
 
-def _solution(problem, red, choice, *, optimal, gap, start, solver) -> Solution:
+def _solution(problem, red, choice, *, bound, start, solver, optimal=False) -> Solution:
+    for u, v, m in red.edges():
+        if np.isinf(m[choice[u], choice[v]]):
+            raise ForbiddenError(
+                red.names[u], f"every assignment {solver} found in the time given pairs it with a "
+                f"forbidden strategy of {red.names[v]!r}; give more time or check the forbidden costs")
     assignment = red.recover(choice)
     cost, peak = evaluate(problem, assignment)
     return Solution(
@@ -903,9 +909,10 @@ def _solution(problem, red, choice, *, optimal, gap, start, solver) -> Solution:
         cost_s=cost,
         peak_memory_bytes=peak,
         optimal=optimal,
-        gap=gap,
+        gap=0.0 if optimal else _gap(cost, bound),
         seconds=time.perf_counter() - start,
         solver=solver,
+        lower_bound_s=cost if optimal else bound,
     )
 
 
@@ -1104,23 +1111,47 @@ def _window(red: _Reduced, nodes: list[int], choice: dict[int, int],
     return sub
 
 
+def _ball(red: _Reduced, seed: int, budget: int, pairs: dict[tuple[int, int], int]) -> list[int]:
+    """Nodes around ``seed`` in breadth-first order while the window's model (a variable per
+    strategy and per allowed pair inside it; ``pairs`` counts them per edge) stays within
+    ``budget``."""
+    nodes, seen = [seed], {seed}
+    size = len(red.cost[seed])
+    for n in nodes:
+        for v in red.adj[n]:
+            if v in seen:
+                continue
+            add = len(red.cost[v]) + sum(pairs[min(v, w), max(v, w)] for w in red.adj[v] if w in seen)
+            if size + add <= budget:
+                seen.add(v)
+                nodes.append(v)
+                size += add
+    return sorted(nodes)
+
+
 def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float) -> dict[int, int]:
-    """Improve ``choice`` by re-solving windows of consecutive nodes exactly with the rest fixed
-    (large neighbourhood search), sweeping with half-window overlap until a sweep improves
-    nothing or the deadline. A window's answer is taken when it costs less than the window's
-    current assignment (forbidden pairs inside it count as infinitely expensive), so the answer
-    only gets cheaper and stays within memory."""
+    """Improve ``choice`` by re-solving windows exactly with the rest fixed (large neighbourhood
+    search). A window is the graph neighbourhood of a seed, grown breadth-first to about
+    ``_LNS_MODEL_SIZE`` variables, so a node and the neighbours its strategy constrains move
+    together. Seeds are first the ends of forbidden pairs, then every node not yet in a window of
+    the sweep; sweeps repeat until one improves nothing or the deadline. A window's answer is
+    taken when it costs less than the window's current assignment (a forbidden pair inside it
+    counts as infinitely expensive), so the answer only gets cheaper and stays within memory."""
     live = red.live_nodes()
-    per_node = max(1.0, _model_size(red) / max(1, len(live)))
-    width = max(2, int(_LNS_MODEL_SIZE / per_node))
+    pairs = {(u, v): int(np.isfinite(m).sum()) for u, v, m in red.edges()}
     choice = dict(choice)
     usage = _usage(red, choice, live)
     while time.perf_counter() < deadline:
         improved = False
-        for start in range(0, max(1, len(live) - width // 2), max(1, width // 2)):
+        conflicts = sorted({n for u, v, m in red.edges() if np.isinf(m[choice[u], choice[v]]) for n in (u, v)})
+        covered: set[int] = set()
+        for seed in conflicts + live:
             if time.perf_counter() >= deadline:
                 break
-            nodes = live[start : start + width]
+            if seed in covered:
+                continue
+            nodes = _ball(red, seed, _LNS_MODEL_SIZE, pairs)
+            covered.update(nodes)
             sub = _window(red, nodes, choice, usage)
             if sub is None:
                 continue
@@ -1281,7 +1312,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
     # The heuristic may use a tenth of the budget: it is the fallback and the plan to beat.
     warm = _greedy_local_search(red, deadline=start + 0.1 * time_limit_s)
     if not live:  # everything folded exactly: the recovery is the optimum
-        return _solution(problem, red, warm, optimal=True, gap=0.0, start=start, solver="reduction")
+        return _solution(problem, red, warm, optimal=True, bound=math.nan, start=start, solver="reduction")
     if _model_size(red) > _FULL_MODEL_SIZE:
         # Too big for one MILP in time: improve the heuristic window by window. Its gap is to
         # the lower bound, as no solver bound covers the whole problem.
@@ -1291,11 +1322,9 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
             if red.objective(priced) < red.objective(warm):
                 warm = priced
         choice = _large_neighbourhoods(red, warm, deadline)
-        found = red.objective(choice)
         # The windows are HiGHS MILPs whichever backend was asked for (CP-SAT needs a hint per
         # node, and a window is small enough for HiGHS to prove).
-        sol = _solution(problem, red, choice, optimal=False, gap=_gap(found, bound), start=start,
-                        solver="highs windows")
+        sol = _solution(problem, red, choice, bound=bound, start=start, solver="highs windows")
         log.info("solved %d nodes (%d after reduction) by windows in %.2f s: cost %.6g s (%.6g s before "
                  "the windows), Lagrangian bound %.6g s, gap %.3g",
                  len(problem.nodes), len(live), sol.seconds, sol.cost_s, red.objective(warm), bound, sol.gap)
@@ -1310,8 +1339,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
             log.warning("%s found no incumbent within %.1f s; returning the heuristic", solver, time_limit_s)
         optimal = optimal and warm_cost <= bound
         choice, found, solver = warm, warm_cost, "heuristic"
-    sol = _solution(problem, red, choice, optimal=optimal, gap=0.0 if optimal else _gap(found, bound),
-                    start=start, solver=solver)
+    sol = _solution(problem, red, choice, optimal=optimal, bound=bound, start=start, solver=solver)
     log.info(
         "solved %d nodes / %d edges (%d / %d after reduction) with %s in %.2f s: cost %.6g s, "
         "peak %.6g B, optimal=%s, gap %.3g",
