@@ -2,7 +2,9 @@
 
 import itertools
 import math
+import pathlib
 import random
+import sys
 import time
 
 import pytest
@@ -347,10 +349,167 @@ def test_vectorised_dominance_drops_what_the_pairwise_loop_drops(seed, monkeypat
     rows = [[[rng.choice(values) for _ in range(w)] for _ in range(k)] for w in widths]
     nodes = [Node("n", cost, mem)] + [Node(f"v{i}", [0.0] * w, [0.0] * w) for i, w in enumerate(widths)]
     edges = [Edge("n", f"v{i}", r) for i, r in enumerate(rows)]
-    problem = Problem(nodes, edges)
-    red = S._unreduced(S._validate(problem))
+    problem = Problem(nodes, edges, memory_limit_bytes=min(mem) + 0.5)  # binds unless all are equal
+    arrays = S._validate(problem)
+    red = S._unreduced(arrays)
+    S._memory_rows(problem, red, arrays.mem, S._steps(problem))
     monkeypatch.setattr(S, "_DOMINANCE_BLOCK_CELLS", rng.choice([1, 10, 4_000_000]))  # blocks of 1.. all
     S._drop_dominated(red, 0)
     kept = red.keep[0]
     assert sorted(set(range(k)) - set(kept)) == _dominated_by_loop(cost, mem, rows)
     assert np.array_equal(red.cost[0], np.asarray(cost)[kept])
+
+
+# ------------------------------------------------------------------- forbidden costs
+
+FORBID = 1e18  # what the IOPDDL instances price a forbidden strategy or pair at
+
+
+def with_forbidden(rng: random.Random, p: Problem, frac: float, forbid: float = FORBID) -> Problem:
+    """``p`` with about ``frac`` of its node strategies and edge pairs priced ``forbid``."""
+    nodes = [Node(n.name, [forbid if rng.random() < frac / 3 else c for c in n.costs_s], n.memory_bytes, n.live)
+             for n in p.nodes]
+    edges = [Edge(e.src, e.dst, [[forbid if rng.random() < frac else c for c in row] for row in e.cost_s])
+             for e in p.edges]
+    return Problem(nodes, edges, p.memory_limit_bytes, forbidden_cost_s=1e17 if forbid < math.inf else math.inf)
+
+
+def allowed_optimum(problem: Problem):
+    """Brute force over the assignments with no forbidden term that fit; None if none."""
+    names = [n.name for n in problem.nodes]
+    best = None
+    for combo in itertools.product(*[range(len(n.costs_s)) for n in problem.nodes]):
+        choice = dict(zip(names, combo))
+        if forbidden_terms(problem, choice):
+            continue
+        cost, peak = evaluate(problem, choice)
+        limit = problem.memory_limit_bytes
+        if (limit is None or peak <= limit) and (best is None or cost < best):
+            best = cost
+    return best
+
+
+def forbidden_terms(problem: Problem, choice: dict[str, int]) -> int:
+    by_name = {n.name: n for n in problem.nodes}
+    bad = sum(by_name[name].costs_s[s] >= problem.forbidden_cost_s for name, s in choice.items())
+    return bad + sum(e.cost_s[choice[e.src]][choice[e.dst]] >= problem.forbidden_cost_s for e in problem.edges)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("limit_frac", [None, 0.5])
+def test_forbidden_strategies_and_pairs_are_never_chosen(seed, limit_frac):
+    rng = random.Random(77 + seed)
+    p = with_forbidden(rng, random_problem(rng, num_nodes=5, num_strategies=4, limit_frac=limit_frac), 0.4,
+                       FORBID if seed % 2 else math.inf)
+    best = allowed_optimum(p)
+    if best is None:  # nothing allowed fits: said so, naming the node or the limit
+        with pytest.raises((S.ForbiddenError, InfeasibleError)):
+            solve(p, time_limit_s=10)
+        return
+    sol = solve(p, time_limit_s=10)
+    assert sol.optimal and forbidden_terms(p, sol.choice) == 0
+    assert sol.cost_s == pytest.approx(best, rel=1e-9)
+    assert sol.lower_bound_s == pytest.approx(best, rel=1e-9)
+
+
+def test_a_node_with_every_strategy_forbidden_is_named():
+    a = Node("attn.qkv", [1e18, math.inf], [1, 1])
+    with pytest.raises(S.ForbiddenError, match=r"'attn.qkv'.*every strategy's cost is forbidden") as info:
+        solve(Problem([a, Node("b", [1], [1])], [], forbidden_cost_s=1e17))
+    assert info.value.node == "attn.qkv"
+    # Allowed on its own, but no strategy of "mlp" pairs with any allowed one of "attn".
+    nodes = [Node("attn", [1, 2, 1e18], [1, 1, 1]), Node("mlp", [1, 1], [1, 1])]
+    edge = Edge("attn", "mlp", [[1e18, 1e18], [1e18, 1e18], [0, 0]])
+    with pytest.raises(S.ForbiddenError, match=r"Node 'attn'.*neighbour 'mlp'"):
+        solve(Problem(nodes, [edge], forbidden_cost_s=1e17))
+    with pytest.raises(ValueError, match="costs_s must be numbers"):
+        solve(Problem([Node("a", [math.nan], [1])], []))
+
+
+def test_forbidden_pairs_force_a_chain_to_follow_its_head():
+    # Each edge allows only equal strategies (as IOPDDL's aliasing edges do), the head's cheapest
+    # strategy 0 is the tail's dearest: the optimum is the best strategy for the chain as a whole.
+    k = 4
+    ident = [[0.0 if s == t else FORBID for t in range(k)] for s in range(k)]
+    nodes = [Node("head", [0, 1, 2, 3], [0] * k)] + [Node(f"n{i}", [0] * k, [0] * k) for i in range(5)]
+    nodes.append(Node("tail", [10, 0, 5, 5], [0] * k))
+    names = [n.name for n in nodes]
+    p = Problem(nodes, [Edge(a, b, ident) for a, b in zip(names, names[1:])], forbidden_cost_s=1e17)
+    sol = solve(p)
+    assert set(sol.choice.values()) == {1} and sol.cost_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_windows_repair_forbidden_pairs_and_stay_within_memory(seed, monkeypatch):
+    # Aliasing edges (identity allowed, the rest forbidden) from hubs to leaves that hold memory,
+    # the structure on which greedy + 1-opt is left with forbidden pairs (IOPDDL M): the windows
+    # must return an allowed, fitting answer no cheaper than the optimum.
+    rng = random.Random(seed)
+    k, nodes, edges = 4, [], []
+    ident = [[0.0 if s == t else FORBID for t in range(k)] for s in range(k)]
+    for h in range(6):
+        nodes.append(Node(f"hub{h}", [rng.uniform(0, 1) * (4 - s) for s in range(k)], [0.0] * k, live=(0, 20)))
+        for leaf in range(3):
+            first = rng.randint(0, 15)
+            nodes.append(Node(f"hub{h}.{leaf}", [0.0] * k, [rng.uniform(0, 10) * (1 + s) for s in range(k)],
+                              live=(first, first + 4)))
+            edges.append(Edge(f"hub{h}", f"hub{h}.{leaf}", ident))
+        if h:
+            edges.append(Edge(f"hub{h - 1}", f"hub{h}", [[rng.uniform(0, 1) for _ in range(k)] for _ in range(k)]))
+    unlimited = Problem(nodes, edges, forbidden_cost_s=1e17)
+    # Leaves follow their hub, so the smallest peak is over the hubs' choices alone.
+    lo = min(evaluate(unlimited, {n.name: hubs[int(n.name[3])] for n in nodes})[1]
+             for hubs in itertools.product(range(k), repeat=6))
+    p = Problem(nodes, edges, memory_limit_bytes=lo * 1.3, forbidden_cost_s=1e17)
+    exact = solve(p, time_limit_s=30)
+    assert exact.optimal
+    # Below the true smallest peak (above what each node alone allows): proven, and said so.
+    tight = Problem(nodes, edges, memory_limit_bytes=lo * 0.99, forbidden_cost_s=1e17)
+    assert S.min_peak_memory(tight)[0] < lo * 0.99
+    with pytest.raises(InfeasibleError, match="the MILP proves it"):
+        solve(tight, time_limit_s=30)
+    monkeypatch.setattr(S, "_FULL_MODEL_SIZE", 0)  # the large-problem path
+    monkeypatch.setattr(S, "_LNS_MODEL_SIZE", 60)  # windows of a few nodes
+    sol = solve(p, time_limit_s=30)
+    assert sol.solver == "highs windows"
+    assert forbidden_terms(p, sol.choice) == 0
+    assert sol.peak_memory_bytes <= p.memory_limit_bytes * (1 + 1e-9)
+    assert sol.cost_s >= exact.cost_s * (1 - 1e-9)
+    assert sol.lower_bound_s <= exact.cost_s * (1 + 1e-9)
+
+
+def test_iopddl_instances_convert_exactly_and_solve_to_the_brute_force_optimum():
+    # bench/iopddl.py's conversion (intervals [s, e) -> live (s, e - 1), an empty interval holds
+    # nothing, flat row-major edge costs, 1e18 forbidden) checked by its own contest evaluator.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import iopddl
+
+    rng = random.Random(5)
+    for trial in range(6):
+        n = 5
+        ks = [rng.randint(1, 3) for _ in range(n)]
+        intervals = []
+        for _ in range(n):
+            s = rng.randint(0, 6)
+            intervals.append([s, s + rng.randint(0, 3)])
+        raw = {
+            "nodes": {"intervals": intervals,
+                      "costs": [[FORBID if rng.random() < 0.15 else rng.randint(0, 20) for _ in range(k)] for k in ks],
+                      "usages": [[rng.randint(1, 10) for _ in range(k)] for k in ks]},
+            "edges": {"nodes": [[i, i + 1] for i in range(n - 1)] + [[0, n - 1]], "costs": []},
+            "usage_limit": 18,
+        }
+        for u, v in raw["edges"]["nodes"]:
+            raw["edges"]["costs"].append([FORBID if rng.random() < 0.25 else rng.randint(0, 9)
+                                          for _ in range(ks[u] * ks[v])])
+        answers = [(iopddl.evaluate(raw, list(c)), c) for c in itertools.product(*[range(k) for k in ks])]
+        allowed = [cost for (cost, fits, bad), _ in answers if fits and not bad]
+        problem = iopddl.to_problem(raw)
+        if not allowed:
+            with pytest.raises((S.ForbiddenError, InfeasibleError)):
+                solve(problem, time_limit_s=10)
+            continue
+        sol = solve(problem, time_limit_s=10)
+        cost, fits, bad = iopddl.evaluate(raw, [sol.choice[str(i)] for i in range(n)])
+        assert (fits, bad) == (True, 0), trial
+        assert cost == min(allowed) == pytest.approx(sol.cost_s), trial
