@@ -137,9 +137,9 @@ _LNS_MODEL_SIZE = 40_000
 _LNS_WINDOW_S = 10.0
 # Share of the time limit the reductions may use (they stop there, leaving a bigger problem).
 _REDUCE_SHARE = 0.25
-# Share of the time limit for the message-passing bound on graphs the Lagrangian cannot bound.
+# Share of the time left for the message-passing bound on graphs the Lagrangian cannot bound.
 _DUAL_SHARE = 0.1
-# Share of the time limit for the Lagrangian bound (and the assignment it prices); the windows
+# Share of the time left for the Lagrangian bound (and the assignment it prices); the windows
 # get the rest.
 _LAGRANGIAN_SHARE = 0.4
 
@@ -1445,20 +1445,27 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
     deadline = start + time_limit_s
     red = _reduce(problem, arrays, deadline=start + _REDUCE_SHARE * time_limit_s)
     live = red.live_nodes()
-    # The heuristic may use a tenth of the budget: it is the fallback and the plan to beat.
-    warm = _greedy_local_search(red, deadline=start + 0.1 * time_limit_s)
+
+    def share(fraction: float) -> float:
+        """The moment ``fraction`` of the time still left from now has passed."""
+        now = time.perf_counter()
+        return now + fraction * max(0.0, deadline - now)
+
+    # The heuristic may use a tenth of what is left: it is the fallback and the plan to beat.
+    warm = _greedy_local_search(red, deadline=share(0.1))
     if not live:  # everything folded exactly: the recovery is the optimum
         return _solution(problem, red, warm, optimal=True, bound=math.nan, start=start, solver="reduction")
     if _model_size(red) > _FULL_MODEL_SIZE:
         # Too big for one MILP in time: improve the heuristic window by window. Its gap is to
         # the lower bound, as no solver bound covers the whole problem.
-        bound, priced = _lagrangian(red, red.objective(warm), start + _LAGRANGIAN_SHARE * time_limit_s)
-        bound = max(bound, _dual_bound(red, time.perf_counter() + _DUAL_SHARE * time_limit_s))
+        bound, priced = _lagrangian(red, red.objective(warm), share(_LAGRANGIAN_SHARE))
+        bound = max(bound, _dual_bound(red, share(_DUAL_SHARE)))
         if priced is not None:
-            priced = _greedy_local_search(red, deadline=deadline, initial=priced)
+            priced = _greedy_local_search(red, deadline=share(0.1), initial=priced)
             if red.objective(priced) < red.objective(warm):
                 warm = priced
-        choice = _large_neighbourhoods(red, warm, deadline)
+        # The windows stop a little early: recovering and checking the answer takes time too.
+        choice = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * time_limit_s))
         # The windows are HiGHS MILPs whichever backend was asked for (CP-SAT needs a hint per
         # node, and a window is small enough for HiGHS to prove).
         sol = _solution(problem, red, choice, bound=bound, start=start, solver="highs windows")
