@@ -17,9 +17,10 @@ the answer: any such term makes it unusable.
 
 Where to get the instances (nothing is fetched at run time): ``git clone
 https://github.com/google/iopddl`` and point ``--dir`` at its ``benchmarks/`` (A-D, G, K-N, P-V
-are in the public repository; the others are larger than its file limit). The contest's best
-known costs are not published there: give them with ``--best-known FILE`` (JSON, instance name ->
-cost) and the table prints each answer's ratio to them.
+are in the public repository; the others are larger than its file limit). The best known costs
+are not published there; ``iopddl_best_known.json`` beside this file holds, per instance, the
+cheapest valid answer (no forbidden term) in the contest's final results table (the 20 teams'
+and XLA's), and the table prints each answer's ratio to it (``--best-known FILE`` for others).
 
     python bench/iopddl.py --dir ~/iopddl/benchmarks --only B G --time-limit 60
 """
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="instance letters, e.g. B G")
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--forbidden", type=float, default=FORBIDDEN)
-    p.add_argument("--best-known", default=None, help="JSON file: instance name -> best known cost")
+    p.add_argument("--best-known", default=str(pathlib.Path(__file__).with_name("iopddl_best_known.json")),
+                   help="JSON file: instance name -> best known cost")
     p.add_argument("--whole-milp", action="store_true",
                    help="also solve each instance as one HiGHS MILP (the reference where it finishes)")
     args = p.parse_args(argv)

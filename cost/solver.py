@@ -713,6 +713,7 @@ class _Backend:
     usage_var: Callable[[str, float], object]  # continuous in [0, ub]
     add_linear: Callable[[list, list, float, float], None]  # vars, coefs, lb, ub
     minimize: Callable[[list, list], None]
+    memory_unit: float = 1.0  # bytes per unit of the memory rows' coefficients
 
 
 def _add_one_strategy_per_node(b: _Backend, red: _Reduced) -> dict[int, list]:
@@ -742,13 +743,15 @@ def _add_edge_marginals(b: _Backend, red: _Reduced, x: dict[int, list]) -> dict:
 
 
 def _extra_terms(x: dict[int, list], n: int, extra: np.ndarray, sign: float = 1.0) -> tuple[list, list]:
-    pairs = [(var, sign * float(e)) for var, e in zip(x[n], extra) if e > 0]
+    pairs = [(var, sign * e) for var, e in zip(x[n], extra.tolist()) if e > 0]
     return [v for v, _ in pairs], [c for _, c in pairs]
 
 
 def _add_memory_limit(b: _Backend, red: _Reduced, x: dict[int, list]) -> None:
-    # Written relative to each node's smallest share: sum over pieces extra[s] x[n,s] <= rhs per row.
-    members = [(n, piece) for n in red.live_nodes() for piece in red.pieces[n]]
+    # Written relative to each node's smallest share: sum over pieces extra[s] x[n,s] <= rhs per
+    # row, in units of b.memory_unit bytes.
+    unit = b.memory_unit
+    members = [(n, (j1, j2, extra / unit)) for n in red.live_nodes() for j1, j2, extra in red.pieces[n]]
     if not members:
         return
     terms = sum(j2 - j1 + 1 for _, (j1, j2, _) in members)
@@ -761,7 +764,7 @@ def _add_memory_limit(b: _Backend, red: _Reduced, x: dict[int, list]) -> None:
                 row[0].extend(vars_)
                 row[1].extend(coefs)
         for j, (vars_, coefs) in sorted(rows.items()):
-            b.add_linear(vars_, coefs, -math.inf, float(red.rhs[j]))
+            b.add_linear(vars_, coefs, -math.inf, float(red.rhs[j]) / unit)
         return
     # Nested intervals make the rows quadratic in size; a running usage U_j keeps them linear:
     # U_j = U_{j-1} + (extra of pieces whose rows start at j) - (extra of those that ended at j-1).
@@ -773,7 +776,7 @@ def _add_memory_limit(b: _Backend, red: _Reduced, x: dict[int, list]) -> None:
     top = sum(float(extra.max()) for _, (_, _, extra) in members)
     previous = None
     for j in range(len(red.rhs)):
-        usage = b.usage_var(f"u[{j}]", min(top, max(0.0, float(red.rhs[j]))))
+        usage = b.usage_var(f"u[{j}]", min(top, max(0.0, float(red.rhs[j]) / unit)))
         vars_, coefs = [usage], [-1.0]
         if previous is not None:
             vars_.append(previous)
@@ -821,14 +824,12 @@ def _pywraplp_model(red: _Reduced, name: str = "HIGHS"):
     inf = solver.infinity()
 
     def add_linear(vars_, coefs, lb, ub):
-        summed: dict = {}  # a variable may come twice (a node's pieces overlap): SetCoefficient overwrites
+        summed: dict = {}  # a variable may come twice in a running sum: SetCoefficient overwrites
         for var, c in zip(vars_, coefs):
             summed[var] = summed.get(var, 0.0) + float(c)
-        # Rows are scaled to unit max coefficient: memory rows are in bytes (~1e9) otherwise.
-        scale = max((abs(c) for c in summed.values()), default=1.0) or 1.0
-        con = solver.Constraint(-inf if lb == -math.inf else lb / scale, ub / scale)
+        con = solver.Constraint(-inf if lb == -math.inf else lb, ub)
         for var, c in summed.items():
-            con.SetCoefficient(var, c / scale)
+            con.SetCoefficient(var, c)
 
     def minimize(vars_, coefs):
         obj = solver.Objective()
@@ -840,9 +841,15 @@ def _pywraplp_model(red: _Reduced, name: str = "HIGHS"):
     backend = _Backend(
         bool_var=lambda n: solver.BoolVar(n),
         edge_var=lambda n: solver.NumVar(0.0, inf, n),
-        usage_var=lambda n, ub: solver.NumVar(0.0, ub, n),
+        # No lower bound (the pieces are >= 0 anyway): HiGHS 1.12's presolve calls some models
+        # infeasible when a running usage is fixed at [0, 0] (a full row), found on a 2-node one.
+        usage_var=lambda n, ub: solver.NumVar(-inf, ub, n),
         add_linear=add_linear,
         minimize=minimize,
+        # Memory in units that put the largest piece at 1e6: HiGHS drops coefficients <= 1e-9,
+        # which scaling each row to its largest coefficient made of a running sum's +-1 usage
+        # terms next to 1e10-byte pieces (then it "proved" feasible problems infeasible).
+        memory_unit=max([float(e.max()) for ps in red.pieces for _, _, e in ps] + [1e-300]) / 1e6,
     )
     x, y = _build(backend, red)
     return solver, x, y
@@ -1462,7 +1469,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
         bound = max(bound, _dual_bound(red, share(_DUAL_SHARE)))
         if priced is not None:
             priced = _greedy_local_search(red, deadline=share(0.1), initial=priced)
-            if red.objective(priced) < red.objective(warm):
+            if red.objective(priced) < (red.objective(warm) if _fits(red, warm, live) else math.inf):
                 warm = priced
         # The windows stop a little early: recovering and checking the answer takes time too.
         choice = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * time_limit_s))
@@ -1475,12 +1482,17 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
         return sol
     run = _run_highs if solver == "highs" else _run_cpsat
     choice, optimal, bound = run(red, warm, deadline)
-    if choice is None and bound == math.inf and problem.memory_limit_bytes is not None:
-        smallest, _ = min_peak_memory(problem)
-        raise InfeasibleError(float(problem.memory_limit_bytes), smallest, None, why=(
-            f"the MILP proves it: strategies forbidden together raise the smallest peak above the "
-            f"{smallest:.6g} bytes each node alone allows; raise memory_limit_bytes or allow more pairs"))
-    warm_cost = red.objective(warm)
+    # The heuristic's answer competes only where it fits (merged nodes can leave it overflowing).
+    warm_cost = red.objective(warm) if _fits(red, warm, live) else math.inf
+    if choice is None and bound == math.inf:
+        if warm_cost < math.inf:  # a solver's "infeasible" that an answer in hand refutes
+            log.warning("%s reported the problem infeasible, but the heuristic's answer fits; returning it", solver)
+            optimal, bound = False, -math.inf
+        elif problem.memory_limit_bytes is not None:
+            smallest, _ = min_peak_memory(problem)
+            raise InfeasibleError(float(problem.memory_limit_bytes), smallest, None, why=(
+                f"the MILP proves it: strategies forbidden together raise the smallest peak above the "
+                f"{smallest:.6g} bytes each node alone allows; raise memory_limit_bytes or allow more pairs"))
     found = red.objective(choice) if choice is not None else math.inf
     bound = max(bound, red.lower_bound())
     if choice is None or warm_cost < found - 1e-12 * abs(found):
