@@ -36,6 +36,7 @@ import torch
 
 import graphpass as gp
 from graphpass.capture import capture
+from graphpass.cluster import _preset_for_gpu
 from graphpass.cost.compute import total_flops
 from graphpass.planner import Planner
 
@@ -93,7 +94,13 @@ def main(argv=None) -> None:
     cluster = gp.Cluster.local(1)
     print(f"device: {cluster}  model: {config}  batch {args.batch} x {config.block_size}, {dtype}")
     key = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-    peak_flops = cluster.device.peak_tflops.get(key, next(iter(cluster.device.peak_tflops.values()))) * 1e12
+    # MFU is against the data-sheet peak of the device's preset: Cluster.local reads a profile
+    # cached by an earlier gp.profile (this script writes one), whose measured matmul rate would
+    # make the same step time read as a higher MFU.
+    preset = _preset_for_gpu(torch.cuda.get_device_name(0)) if device.startswith("cuda") else None
+    spec = gp.Cluster.preset(preset).device if preset else cluster.device
+    peak_flops = spec.peak_tflops.get(key, next(iter(spec.peak_tflops.values()))) * 1e12
+    print(f"RESULT MFU against {peak_flops / 1e12:.0f} TFLOP/s ({spec.name} {key})")
 
     with torch.device("meta"):
         meta_model = GPT(config).to(dtype)
