@@ -30,8 +30,12 @@ its predicted peak against the budget in GiB. ``best baseline`` is the fastest b
 and ``ratio`` is ``auto / best``: the search includes every baseline, so it must be <= 1.00 (the
 planner treats candidates within 1e-6 as tied and picks the simplest, so ratios up to 1 + 1e-6
 pass). ``fits`` lists which baseline families fit (``meg k/n``: k of the n Megatron points
-priced). A row where no baseline fits but auto does is marked ``auto only``. The last line
-counts the rows where auto <= best; the script exits 1 if any row fails.
+priced). A row where no baseline fits but auto does is marked ``auto only``. ``block s`` is the
+per-block plan (``planner.auto(per_operator=False)``: one ZeRO stage per block) and ``op/blk``
+the auto plan's time over it: per-operator choices (``z3@4/z1``: the block's 4 largest operators
+at ZeRO-3, the rest at ZeRO-1) must never make it slower. The last lines count the rows where
+auto <= best and where per-operator choices beat the per-block plan; the script exits 1 if any
+row fails.
 
     python bench/plan_quality.py                  # all scenarios (~5 min on the 2-core machine)
     python bench/plan_quality.py --only 175b      # scenarios whose label contains "175b"
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -164,6 +169,8 @@ def describe(plan: Plan) -> str:
 
 
 def _short(choice: str) -> str:
+    """``zero-3 on 4 largest ops, zero-1 + recompute`` -> ``z3@4/z1+rc``."""
+    choice = re.sub(r" on (\d+) largest ops, ", r"@\1/", choice)
     return (choice.replace("zero-", "z").replace(" + recompute", "+rc").replace(" + split ", "+s")
             .replace("dp+", "").replace("dp", "z0"))
 
@@ -187,10 +194,10 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     models: dict[str, torch.nn.Module] = {}
     header = (f"{'scenario':42s} {'auto plan':44s} {'auto s':>8s} {'peak/budget GiB':>15s} "
-              f"{'best baseline':20s} {'base s':>8s} {'ratio':>6s}  fits")
+              f"{'best baseline':20s} {'base s':>8s} {'ratio':>6s}  {'block s':>9s} {'op/blk':>7s}  fits")
     print(header)
     print("-" * len(header))
-    passed, failures, auto_only = 0, [], []
+    passed, failures, auto_only, faster = 0, [], [], []
     for sc in scenarios:
         if sc.model not in models:
             with torch.device("meta"):
@@ -199,8 +206,9 @@ def main(argv=None) -> int:
         planner = Planner(models[sc.model], f"{sc.preset}:{sc.nodes}x8", inputs, memory_budget=sc.budget)
         try:
             auto = planner.auto(time_limit_s=args.time_limit)
+            per_block = planner.auto(time_limit_s=args.time_limit, per_operator=False)
         except NoPlanError as exc:
-            auto = None
+            auto = per_block = None
             why = str(exc)
         fits, best = price_baselines(planner, sc.world, sc.batch)
         budget = planner.budget / GiB
@@ -214,8 +222,17 @@ def main(argv=None) -> int:
         else:
             base_name, base_s = best[0], f"{best[1].predicted_step_time_s:8.3f}"
             ratio_text = "-" if auto is None else f"{auto.predicted_step_time_s / best[1].predicted_step_time_s:6.3f}"
+        block_text = "-" if per_block is None else f"{per_block.predicted_step_time_s:9.4f}"
+        op_ratio = "-" if per_block is None else f"{auto.predicted_step_time_s / per_block.predicted_step_time_s:.5f}"
         print(f"{sc.label:42s} {auto_text:44s} {auto_s:>8s} {peak:>15s} {base_name:20s} {base_s:>8s} "
-              f"{ratio_text:>6s}  {_fits_text(fits)}", flush=True)
+              f"{ratio_text:>6s}  {block_text:>9s} {op_ratio:>7s}  {_fits_text(fits)}", flush=True)
+        if per_block is not None:
+            if auto.predicted_step_time_s > per_block.predicted_step_time_s * (1 + TIE_REL):
+                failures.append(f"{sc.label}: per-operator {auto.predicted_step_time_s:.6f} s > per-block "
+                                f"{per_block.predicted_step_time_s:.6f} s")
+            elif auto.predicted_step_time_s < per_block.predicted_step_time_s * (1 - TIE_REL):
+                faster.append(f"{sc.label}: {per_block.predicted_step_time_s:.6f} s -> {auto.predicted_step_time_s:.6f} s "
+                              f"({describe(per_block)} -> {describe(auto)})")
         if best is None:
             if auto is not None:
                 auto_only.append(sc.label)
@@ -236,6 +253,10 @@ def main(argv=None) -> int:
     print()
     for label in auto_only:
         print(f"auto only (no uniform baseline fits, auto does): {label}")
+    for line in faster:
+        print(f"per-operator faster than per-block: {line}")
+    print(f"per-operator choices faster than the per-block plan in {len(faster)}/{len(scenarios)} scenarios, "
+          "never slower (target)")
     for line in failures:
         print(f"FAIL {line}")
     print(f"auto <= best fitting baseline in {passed}/{len(scenarios)} scenarios (target: all)")

@@ -84,6 +84,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from graphpass.cluster import Cluster
 from graphpass.mesh import Mesh, pipeline_rank
 from graphpass.plan import Choice
@@ -125,6 +127,12 @@ _TIE_BREAK = 1e-3
 #: inside its MIP solver (transformNewIntegerFeasibleSolution) that no option silences, and these
 #: problems are a few dozen integer variables, where SCIP is as fast.
 _STAGE_BACKEND = "SCIP"
+#: Per-operator choices divide a block's operators (largest first) at most at this many sizes.
+_MAX_CUTS = 3
+#: How many of the fastest per-block candidates are solved again with per-operator options, and
+#: the most seconds each may take.
+_REFINED = 4
+_REFINE_S = 10.0
 #: Candidates within this relative step time of the fastest count as tied; the simplest mesh wins.
 _TIE_REL = 1e-6
 
@@ -134,6 +142,29 @@ class NoPlanError(ValueError):
 
 
 # --------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class OpParams:
+    """The trainable parameters an operator of a block reads first (weight and bias of a
+    linear, a norm's scale and shift): the unit of a per-operator ZeRO choice (OSDP).
+
+    Attributes:
+        op: the operator's node name.
+        params: its parameters' node names.
+        elements: their elements on one rank (after tensor-parallel sharding).
+        param_bytes: their bytes.
+        tensors: how many tensors.
+        split_bytes: the weight bytes operator splitting would cut when the operator is a
+            splittable linear, else 0.
+    """
+
+    op: str
+    params: tuple[str, ...]
+    elements: float
+    param_bytes: float
+    tensors: int
+    split_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +207,8 @@ class BlockCost:
         exchanges: ``(table entry, S bytes at the reference batch)`` of each exchange expert
             parallelism would emit (``"ep token counts"``, ``"ep dispatch"``, ``"ep combine"``
             per MoE layer).
+        ops: the block's dense (non-expert) trainable parameters by the operator that reads
+            them first, largest first: what a per-operator choice (``Choice.large_ops``) divides.
     """
 
     name: str
@@ -201,6 +234,7 @@ class BlockCost:
     num_experts: int = 0
     expert_times: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     exchanges: tuple[tuple[str, float], ...] = ()
+    ops: tuple[OpParams, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -429,18 +463,40 @@ class _Collectives:
         return self.groups[axis]
 
 
-def choices_for(block: BlockCost, layout: Layout, costing: Costing) -> list[Choice]:
-    """The options the ILP may pick for ``block`` on ``mesh``."""
+def _cuts(block: BlockCost) -> list[int]:
+    """Where a per-operator choice may divide the block's operators (largest first): after each
+    operator that is strictly larger than the next, so operators of one size share a stage (a
+    layer's norms, its equal MLP matrices). At most ``_MAX_CUTS``: the options grow with them."""
+    sizes = [o.param_bytes for o in block.ops]
+    cuts = [k for k in range(1, len(sizes)) if sizes[k - 1] > sizes[k]]
+    return cuts[:_MAX_CUTS]
+
+
+def choices_for(block: BlockCost, layout: Layout, costing: Costing, per_operator: bool = True) -> list[Choice]:
+    """The options the ILP may pick for ``block`` on ``mesh``: a ZeRO stage, split and recompute
+    for the whole block, and with ``per_operator`` also (OSDP) a higher stage for its largest
+    operators' parameters than for the rest (:attr:`Choice.large_ops`)."""
     zeros = (0, 1, 2, 3) if layout.mesh.dp > 1 else (0,)
     recomputes = (False, True) if block.kind == LAYER else (False,)
+
+    def splits(zero: int, split_count: int) -> list[int]:
+        # Split with tp: not in the runtime.
+        return [1, 2, 4] if zero == 3 and layout.mesh.tp == 1 and split_count else [1]
+
     out = []
     for zero in zeros:
-        splits = [1]
-        if zero == 3 and layout.mesh.tp == 1 and block.split_count:  # split with tp: not in the runtime
-            splits += [2, 4]
-        for split in splits:
+        for split in splits(zero, block.split_count):
             for recompute in recomputes:
                 out.append(Choice(zero, split, recompute))
+    if not per_operator or block.expert_params > 0:  # experts keep one stage with their block
+        return out
+    for k in _cuts(block):
+        large_splits = sum(1 for o in block.ops[:k] if o.split_bytes)
+        for zero in zeros:
+            for rest_zero in (z for z in zeros if z < zero):
+                for split in splits(zero, large_splits):
+                    for recompute in recomputes:
+                        out.append(Choice(zero, split, recompute, large_ops=k, rest_zero=rest_zero))
     return out
 
 
@@ -613,10 +669,9 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
 
     zero = choice.zero
-    dense_params = block.params - (block.expert_params if expert else 0.0)
-    dense_bytes = block.param_bytes - (block.expert_param_bytes if expert else 0.0)
-    groups = [_param_terms(dense_params, dense_bytes, block.tensors, zero, dp, "dp", layout, costing, comms,
-                           (block.split_bytes, block.split_count, choice.split))]
+    parts = _dense_parts(block, choice, expert)
+    groups = [_param_terms(params, p_bytes, tensors, part_zero, dp, "dp", layout, costing, comms, split)
+              for params, p_bytes, tensors, part_zero, split in parts]
     if expert:
         # Each rank holds 1/ep of the experts, synchronised (or ZeRO-sharded) over the dp/ep
         # ranks holding the same ones; a group of one rank has nothing to shard.
@@ -628,12 +683,15 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     if expert and choice.recompute:  # the dispatched rows, an exchange's output, stay saved
         act += sum(size for name, size in block.exchanges if name == "ep dispatch") * scale
     transient = (saved + block.backward_bytes * scale if choice.recompute else 0.0) + sum(g.transient for g in groups)
-    if zero == 0:
-        window = backward_s
-    elif zero < 3:
-        window = backward_s if zero == 1 else m * (forward_s + backward_s)
-    else:
-        window = m * (forward_s + backward_s)
+    # The compute a stage's collectives overlap with: backward for gradient all-reduces (dp,
+    # ZeRO-1's once per step), every forward and backward for ZeRO-2/3's per-microbatch
+    # movements. Operators of one block at different stages share it by parameter bytes.
+    def window_of(z: int) -> float:
+        return backward_s if z <= 1 else m * (forward_s + backward_s)
+
+    total = sum(p_bytes for _, p_bytes, _, _, _ in parts)
+    window = (sum(p_bytes * window_of(z) for _, p_bytes, _, z, _ in parts) / total
+              if choice.mixed and total > 0 else window_of(zero))
     # The data-parallel collectives' local copies, per microbatch.
     time_s += sum(g.copied for g in groups) / bandwidth / m
     return Priced(time_s, sum(g.optimizer_s for g in groups), sum(g.dp_comm for g in groups),
@@ -641,6 +699,24 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
                   tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=sum(g.grads for g in groups),
                   held_bytes=sum(g.held for g in groups), bucket_bytes=sum(g.bucket for g in groups),
                   start_bytes=block.backward_bytes * scale if block.backward_starts_here else 0.0)
+
+
+def _dense_parts(block: BlockCost, choice: Choice, expert: bool) -> list[tuple[float, float, int, int, tuple[float, int, int]]]:
+    """``(elements, bytes, tensors, zero, split)`` of each part of the block's dense parameters
+    that ``choice`` synchronises as one: all of them, or under a per-operator choice its
+    ``large_ops`` largest operators' (at ``zero``, with the split) and the rest's (at
+    ``rest_zero``). The runtime gathers a layer's parameters by stage, so each part is one
+    group (``passes.shard_parameters``)."""
+    params = block.params - (block.expert_params if expert else 0.0)
+    p_bytes = block.param_bytes - (block.expert_param_bytes if expert else 0.0)
+    if not choice.mixed:
+        return [(params, p_bytes, block.tensors, choice.zero, (block.split_bytes, block.split_count, choice.split))]
+    large = block.ops[:choice.large_ops]
+    elements, large_bytes = sum(o.elements for o in large), sum(o.param_bytes for o in large)
+    tensors = sum(o.tensors for o in large)
+    split = (sum(o.split_bytes for o in large), sum(1 for o in large if o.split_bytes), choice.split)
+    return [(elements, large_bytes, tensors, choice.zero, split),
+            (params - elements, p_bytes - large_bytes, block.tensors - tensors, choice.rest_zero, (0.0, 0, 1))]
 
 
 # ------------------------------------------------------------------------------------- stages
@@ -863,7 +939,8 @@ def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices
                     costing: Costing, comms: _Collectives) -> float:
     """One all-reduce latency per gradient bucket of the stage's pure data-parallel blocks (ZeRO
     stages reduce per parameter group: their latency is in each block's price)."""
-    grads = sum(blocks[i].params * costing.grad_bytes_per_param for i in indices if choices[i].zero == 0)
+    grads = sum(params * costing.grad_bytes_per_param for i in indices
+                for params, _, _, zero, _ in _dense_parts(blocks[i], choices[i], False) if zero == 0)
     if grads <= 0 or layout.mesh.dp == 1:
         return 0.0
     return math.ceil(grads / costing.bucket_cap_bytes) * comms.latency("dp", "all_reduce")
@@ -879,12 +956,38 @@ def uniform_choices(blocks: Sequence[BlockCost], choice: Choice) -> list[Choice]
     ]
 
 
+class _Prices:
+    """:func:`price` on one mesh, once per distinct block and choice: a model's identical layers
+    (equal but for name and index) share their prices, so 96 layers are priced as one."""
+
+    def __init__(self, layout: Layout, costing: Costing):
+        self.layout, self.costing = layout, costing
+        self.comms = _Collectives(costing.cluster, layout)
+        self._keys: dict[int, str] = {}
+        self._cache: dict[tuple[str, Choice], Priced] = {}
+
+    def key(self, block: BlockCost) -> str:
+        """Equal for blocks equal but for their name, layer index and node names."""
+        key = self._keys.get(id(block))
+        if key is None:
+            ops = tuple((o.elements, o.param_bytes, o.tensors, o.split_bytes) for o in block.ops)
+            key = self._keys[id(block)] = repr(replace(block, name="", layer=None, ops=ops))
+        return key
+
+    def __call__(self, block: BlockCost, choice: Choice) -> Priced:
+        key = self.key(block)
+        if (key, choice) not in self._cache:
+            self._cache[key, choice] = price(block, choice, self.layout, self.costing, self.comms)
+        return self._cache[key, choice]
+
+
 def evaluate(blocks: Sequence[BlockCost], layout: Layout, choices: list[Choice], costing: Costing,
-             stages: list[list[int]] | None = None) -> Candidate | None:
+             stages: list[list[int]] | None = None, prices: _Prices | None = None) -> Candidate | None:
     """Price one fixed assignment (a uniform baseline) on ``mesh``; stages by :func:`partition`
     unless given. None when no stage split exists at all."""
-    comms = _Collectives(costing.cluster, layout)
-    priced = [price(b, c, layout, costing, comms) for b, c in zip(blocks, choices)]
+    prices = prices or _Prices(layout, costing)
+    comms = prices.comms
+    priced = [prices(b, c) for b, c in zip(blocks, choices)]
     if stages is None:
         stages = partition(blocks, layout, replace(costing, memory_limit_bytes=math.inf), comms,
                            [[(c, p)] for c, p in zip(choices, priced)])
@@ -893,12 +996,74 @@ def evaluate(blocks: Sequence[BlockCost], layout: Layout, choices: list[Choice],
     return compose(blocks, layout, stages, choices, priced, costing, comms, "fixed")
 
 
+def _undominated(options: list[tuple[Choice, Priced]], m: int) -> list[tuple[Choice, Priced]]:
+    """The options no other option beats or ties on every term the stage ILP and the stage
+    split read (time, optimizer, communication and its overlap, each memory row; the first of
+    equals stays): dropping them leaves every optimum in place and keeps the per-operator
+    options' model small."""
+    def terms(pr: Priced) -> tuple[float, ...]:
+        return (m * pr.time_s + pr.optimizer_s, pr.dp_comm_s, pr.dp_comm_s - pr.window_s,
+                pr.state_bytes - pr.grad_bytes + pr.held_bytes + pr.start_bytes, pr.act_bytes, pr.state_bytes,
+                pr.transient_bytes, pr.bucket_bytes, pr.time_s)
+
+    rows = np.array([terms(pr) for _, pr in options])
+    # beats[j, i]: option j is no worse than option i on every term; equal rows: the first stays.
+    beats = (rows[:, None, :] <= rows[None, :, :]).all(axis=2)
+    equal = (rows[:, None, :] == rows[None, :, :]).all(axis=2)
+    order = np.arange(len(options))
+    beats &= ~equal | (order[:, None] < order[None, :])
+    np.fill_diagonal(beats, False)
+    return [options[i] for i in np.flatnonzero(~beats.any(axis=0))]
+
+
+@dataclass
+class _MeshOptions:
+    """One mesh's priced options: what each block is offered, and the undominated ones."""
+
+    prices: _Prices
+    offered: list[list[Choice]]
+    options: list[list[tuple[Choice, Priced]]]
+
+
+def _mesh_options(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, per_operator: bool) -> _MeshOptions:
+    prices = _Prices(layout, costing)
+    offered = [choices_for(b, layout, costing, per_operator) for b in blocks]
+    kept: dict[str, list[tuple[Choice, Priced]]] = {}  # identical blocks keep the same options
+    options = []
+    for b, cs in zip(blocks, offered):
+        key = prices.key(b)
+        if key not in kept:
+            kept[key] = _undominated([(c, prices(b, c)) for c in cs], layout.microbatches)
+        options.append(kept[key])
+    return _MeshOptions(prices, offered, options)
+
+
+def step_floor(layout: Layout, options: Sequence[Sequence[tuple[Choice, Priced]]], costing: Costing) -> float:
+    """A step time no assignment on ``layout`` beats (0 where none is derived): every block at its
+    fastest option, spread perfectly over the stages. With ``T`` the sum of those per-microbatch
+    times over ``p`` stages, the 1F1B/GPipe path ``sum_s t_s + (m - 1) max_s t_s`` is at least
+    ``T + (m - 1) T / p``; the slowest rank's tail (exposed dp communication and optimizer) is
+    at least the ranks' mean of the smallest of each."""
+    if layout.virtual_stages != 1 or layout.schedule not in ("1f1b", "gpipe"):
+        return 0.0
+    p, m = layout.num_stages, layout.microbatches
+    total = sum(min(pr.time_s for _, pr in opts) for opts in options)
+    comm = sum(min(pr.dp_comm_s - pr.window_s for _, pr in opts) for opts in options)
+    optimizer = sum(min(pr.optimizer_s for _, pr in opts) for opts in options)
+    path = total + (m - 1) * total / p
+    return (_shared_host_step(path, layout.mesh.pp, m, costing.host_contention, costing.host_oversubscription)
+            + (max(0.0, comm) + optimizer) / p)
+
+
 def solve_mesh(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, deadline: float,
-               baselines: Sequence[Choice] = ()) -> tuple[Candidate | None, float]:
+               baselines: Sequence[Choice] = (), per_operator: bool = True,
+               prepared: _MeshOptions | None = None) -> tuple[Candidate | None, float]:
     """The best assignment on one mesh, and the smallest stage peak any assignment could reach
-    (for the infeasibility report)."""
-    comms = _Collectives(costing.cluster, layout)
-    options = [[(c, price(b, c, layout, costing, comms)) for c in choices_for(b, layout, costing)] for b in blocks]
+    (for the infeasibility report). ``per_operator=False`` offers whole-block choices only (the
+    per-block plan)."""
+    prepared = prepared or _mesh_options(blocks, layout, costing, per_operator)
+    prices, offered, options = prepared.prices, prepared.offered, prepared.options
+    comms = prices.comms
     smallest = _smallest_peak(layout, options)
     stages = partition(blocks, layout, costing, comms, options)
     if stages is None:
@@ -926,9 +1091,9 @@ def solve_mesh(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, de
     uniform_prices = []
     for base in baselines:  # a uniform assignment can win only through the pipeline max term
         uniform = uniform_choices(blocks, base)
-        if any(c not in [o for o, _ in opts] for c, opts in zip(uniform, options)):
+        if any(c not in cs for c, cs in zip(uniform, offered)):
             continue
-        cand = evaluate(blocks, layout, uniform, costing, stages)
+        cand = evaluate(blocks, layout, uniform, costing, stages, prices)
         if cand is None:
             continue
         uniform_prices.append((str(base), cand.step_time_s, cand.peak_memory_bytes))
@@ -954,10 +1119,36 @@ def _smallest_peak(layout: Layout, options: Sequence[Sequence[tuple[Choice, Pric
 BASELINES = (Choice(0), Choice(0, recompute=True), Choice(3), Choice(3, recompute=True))
 
 
+def _refine_per_operator(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], found: list[Candidate],
+                         costing: Costing, deadline: float) -> list[Candidate]:
+    """The ``_REFINED`` fastest per-block candidates solved again with per-operator options
+    (:func:`choices_for`), each kept where that is faster under the full step formula: the
+    per-block plan stays the baseline a refined one never loses to. Only the leaders are
+    refined: per-operator options move a plan by a fraction of a layer's state, not across
+    meshes, and their larger ILP costs up to seconds a mesh where the per-block one costs
+    milliseconds."""
+    found = sorted(found, key=lambda c: c.step_time_s)
+    for k, cand in enumerate(found[:_REFINED]):
+        if time.perf_counter() > deadline:
+            break
+        layout = cand.layout
+        blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
+        refined, _ = solve_mesh(blocks, layout, costing, min(deadline, time.perf_counter() + _REFINE_S),
+                                per_operator=True)
+        if refined is not None and refined.step_time_s < cand.step_time_s * (1 - _TIE_REL):
+            refined.uniform, refined.how = cand.uniform, f"{refined.how} per operator"
+            log.info("per-operator choices on %s: %.4g s -> %.4g s", layout, cand.step_time_s, refined.step_time_s)
+            found[k] = refined
+    return found
+
+
 def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: Sequence[Layout], costing: Costing,
-           time_limit_s: float | None = None) -> tuple[Candidate, list[Candidate], dict[str, float]]:
-    """Solve every mesh; returns the best candidate, all feasible ones (fastest first), and the
-    smallest peak per infeasible mesh.
+           time_limit_s: float | None = None, per_operator: bool = True
+           ) -> tuple[Candidate, list[Candidate], dict[str, float], int]:
+    """Solve every mesh; returns the best candidate, all feasible ones solved (fastest first), the
+    smallest peak per infeasible mesh, and how many meshes were not solved because their
+    :func:`step_floor` was already slower than a plan found. ``per_operator=False``: whole-block
+    choices only.
 
     Raises:
         NoPlanError: nothing fits ``costing.memory_limit_bytes``.
@@ -966,18 +1157,34 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
     deadline = start + (time_limit_s if time_limit_s is not None else math.inf)
     found: list[Candidate] = []
     infeasible: dict[str, float] = {}
-    with Progress(len(mesh_list), "solving meshes") as bar:
-        for i, layout in enumerate(mesh_list, start=1):
+    # Meshes in the order of their step floor, so that a fast plan is found early and a mesh
+    # whose floor is already slower than it is not solved at all (branch and bound over meshes).
+    prepared = []
+    for layout in mesh_list:
+        blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
+        options = _mesh_options(blocks, layout, costing, per_operator=False)
+        prepared.append((step_floor(layout, options.options, costing), layout, blocks, options))
+    prepared.sort(key=lambda item: item[0])
+    pruned = 0
+    with Progress(len(prepared), "solving meshes") as bar:
+        for i, (floor, layout, blocks, options) in enumerate(prepared, start=1):
             if time.perf_counter() > deadline and found:
                 log.warning("planner time limit %.1f s reached after %d meshes; keeping the best so far", time_limit_s, len(found) + len(infeasible))
                 break
-            bar.step(f"solving mesh {i}/{len(mesh_list)} {layout}")
-            blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
-            cand, smallest = solve_mesh(blocks, layout, costing, deadline, BASELINES)
+            bar.step(f"solving mesh {i}/{len(prepared)} {layout}")
+            if found and floor > min(c.step_time_s for c in found) * (1 + _TIE_REL):
+                pruned += 1
+                continue
+            cand, smallest = solve_mesh(blocks, layout, costing, deadline, BASELINES, per_operator=False,
+                                        prepared=options)
             if cand is None:
                 infeasible[str(layout)] = smallest
             else:
                 found.append(cand)
+    if pruned:
+        log.info("%d of %d meshes not solved: their step floor is slower than a plan found", pruned, len(prepared))
+    if per_operator and found:
+        found = _refine_per_operator(layouts, found, costing, deadline)
     if not found:
         least = min(infeasible.values(), default=math.nan)
         raise NoPlanError(
@@ -991,4 +1198,4 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
     best = min(tied, key=lambda c: (c.layout.mesh.pp, c.layout.microbatches, c.layout.mesh.tp, c.layout.sequence_parallel,
                                     c.peak_memory_bytes))
     found.remove(best)
-    return best, [best, *found], infeasible
+    return best, [best, *found], infeasible, pruned

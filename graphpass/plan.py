@@ -35,6 +35,12 @@ class Choice:
     """What one block does inside the ``dp`` axis: its ZeRO stage, its OSDP operator-split
     factor, and whether its activations are recomputed in backward.
 
+    Per operator (OSDP): with ``large_ops = k > 0`` only the parameters of the block's ``k``
+    largest operators (by parameter bytes) take ``zero`` and ``split``; the other operators'
+    parameters take ``rest_zero``. The planner picks such choices where sharding a layer's big
+    matrices but not its norms and small projections fits the memory budget faster than any
+    whole-block stage.
+
     A :class:`Strategy` makes the same choice for every block (:attr:`Strategy.choice`); the
     planner picks one per block; :func:`graphpass.plan_builder.plan_from_choices` turns either
     into a :class:`Plan`'s per-node ``zero``, ``split`` and ``recompute``.
@@ -43,9 +49,22 @@ class Choice:
     zero: int = 0
     split: int = 1
     recompute: bool = False
+    large_ops: int = 0
+    rest_zero: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        """Operators of the block take different ZeRO stages (``large_ops > 0``)."""
+        return self.large_ops > 0
+
+    def rest(self) -> "Choice":
+        """The choice of the block's operators after its ``large_ops`` largest."""
+        return Choice(self.rest_zero, 1, self.recompute)
 
     def __str__(self) -> str:
         parts = [f"zero-{self.zero}" if self.zero else "dp"]
+        if self.mixed:
+            parts[0] += f" on {self.large_ops} largest ops, " + (f"zero-{self.rest_zero}" if self.rest_zero else "dp")
         if self.split > 1:
             parts.append(f"split {self.split}")
         if self.recompute:

@@ -57,7 +57,7 @@ from graphpass.passes.expert_parallel import ExpertRegion, expert_regions
 from graphpass.passes.split_operators import default_split
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout
 from graphpass.ops import op_base
-from graphpass.plan import Plan, Strategy
+from graphpass.plan import Choice, Plan, Strategy
 from graphpass.transitions import transition
 from graphpass.plan_builder import plan_from_choices, plan_from_strategy, uniform_stages
 from graphpass.runtime.tensor_parallel import ALONE
@@ -507,6 +507,10 @@ class GraphProfile:
             input reaches the node through the all-reduce the pass inserts, so it is whole)."""
             return tp > 1 and (placed(node, (Shard, Partial)) or any(placed(a, (Shard,)) for a in node.all_input_nodes))
 
+        def tp_share(param: fx.Node) -> int:
+            """How many ways tensor parallelism shards ``param`` (1: replicated)."""
+            return tp if isinstance(placements.get(param.name), Shard) else 1
+
         if tp > 1:
             self._check_tp_shares_compute(tp, runs_sharded)
         # Measured where the emitted program could be timed (its nodes at their local shapes, the
@@ -546,12 +550,11 @@ class GraphProfile:
                 if not tensor.requires_grad:
                     continue
                 tensors += 1
-                share = tp if isinstance(placements.get(p.name), Shard) else 1
-                params += tensor.numel() / share
-                param_bytes += tensor.numel() * tensor.element_size() / share
+                params += tensor.numel() / tp_share(p)
+                param_bytes += tensor.numel() * tensor.element_size() / tp_share(p)
                 if p.name in self.expert_weights:
-                    expert_params += tensor.numel() / share
-                    expert_bytes += tensor.numel() * tensor.element_size() / share
+                    expert_params += tensor.numel() / tp_share(p)
+                    expert_bytes += tensor.numel() * tensor.element_size() / tp_share(p)
             # The experts' compute (the share the slowest ep rank does more of) and exchanges.
             regions = self.experts.get(block.name, [])
             expert_nodes = [n for r in regions for n in r.nodes]
@@ -568,6 +571,7 @@ class GraphProfile:
                     w = node.args[1]
                     split_bytes += _tensor_bytes(self.tensors[w.name]) if w.name in self.tensors else 0.0
                     split_count += 1
+            ops = self._op_params(block, tp_share)
             # A weight gradient's other operand: the output gradient of each op reading a trainable
             # parameter (as big as the op's local output).
             trainable = {p.name for p in block.params if self.tensors[p.name].requires_grad}
@@ -593,9 +597,35 @@ class GraphProfile:
                 backward_bytes=working, tensors=tensors, backward_starts_here=block is self.blocks[-1],
                 weight_grad_bytes=weight_grad, expert_params=expert_params, expert_param_bytes=expert_bytes,
                 num_experts=min((r.num_experts for r in regions), default=0), expert_times=expert_times,
-                exchanges=exchanges,
+                exchanges=exchanges, ops=ops,
             ))
         return out
+
+    def _op_params(self, block: _Block, share: Callable[[fx.Node], int]) -> tuple[S.OpParams, ...]:
+        """The block's dense trainable parameters grouped by the operator that reads each first
+        (on one rank: ``share(p)`` ways tensor parallelism shards ``p``), largest first; a
+        parameter no operator of the block reads is a group of its own."""
+        members = set(block.nodes)
+        groups: dict[str, list[fx.Node]] = {}
+        for p in block.params:
+            if not self.tensors[p.name].requires_grad or p.name in self.expert_weights:
+                continue
+            users = [u for u in p.users if u in members]
+            groups.setdefault(users[0].name if users else p.name, []).append(p)
+        out = []
+        for op, params in groups.items():
+            elements = size = 0.0
+            for p in params:
+                tensor = self.tensors[p.name]
+                elements += tensor.numel() / share(p)
+                size += tensor.numel() * tensor.element_size() / share(p)
+            split = 0.0
+            if op in self.split_linears:
+                node = next(n for n in block.nodes if n.name == op)
+                weight = node.args[1]
+                split = _tensor_bytes(self.tensors[weight.name]) if weight.name in self.tensors else 0.0
+            out.append(S.OpParams(op, tuple(p.name for p in params), elements, size, len(params), split))
+        return tuple(sorted(out, key=lambda o: (-o.param_bytes, o.op)))
 
 
 def _model_capacity(model: nn.Module) -> float | None:
@@ -839,9 +869,12 @@ class Planner:
         budget = parse_memory(memory_budget)
         return budget, replace(self.costing, memory_limit_bytes=float(budget))
 
-    def price(self, strategy: Strategy, memory_budget: int | float | str | None = None) -> Plan:
+    def price(self, strategy: Strategy, memory_budget: int | float | str | None = None, *,
+              choices: Sequence[Choice] | None = None) -> Plan:
         """The plan of a uniform ``strategy``, priced; a reason line says when it does not fit
-        ``memory_budget`` (default: the Planner's)."""
+        ``memory_budget`` (default: the Planner's). ``choices``: one :class:`Choice` per block
+        (``Planner.profile.blocks``, in order) instead of the strategy's for all of them, e.g.
+        per-operator ones (``Choice(3, large_ops=2, rest_zero=1)``)."""
         start = time.perf_counter()
         budget, costing = self._with_budget(memory_budget)
         if not isinstance(strategy, Strategy):
@@ -857,13 +890,19 @@ class Planner:
         blocks = self.blocks(layout)
         if blocks is None:
             raise ValueError(self._rejected[strategy.tp])
-        cand = S.evaluate(blocks, layout, S.uniform_choices(blocks, strategy.choice), costing,
+        given = choices is not None
+        if choices is None:
+            choices = S.uniform_choices(blocks, strategy.choice)
+        elif len(choices) != len(blocks) or not all(isinstance(c, Choice) for c in choices):
+            raise ValueError(f"choices must be one graphpass.plan.Choice per block ({len(blocks)}: "
+                             f"{', '.join(b.name for b in blocks)}), got {len(choices)} entries")
+        cand = S.evaluate(blocks, layout, list(choices), costing,
                           self._even_stages(strategy) if layout.num_stages > 1 else None)
         if cand is None:
             raise ValueError(
                 f"Strategy pp={strategy.pp} needs at least {strategy.pp} blocks; the model has {len(self.profile.blocks)}"
             )
-        reasons = [f"uniform strategy priced as given: {strategy}"]
+        reasons = [f"{'per-block choices' if given else 'uniform strategy'} priced as given: {strategy}"]
         if cand.peak_memory_bytes > budget:
             reasons.append(
                 f"does NOT fit: predicted peak {cand.peak_memory_bytes / 2**30:.2f} GiB > budget "
@@ -882,9 +921,13 @@ class Planner:
         bounds = [0, *first, len(self.profile.blocks)]
         return [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
 
-    def auto(self, time_limit_s: float | None = None, memory_budget: int | float | str | None = None) -> Plan:
+    def auto(self, time_limit_s: float | None = None, memory_budget: int | float | str | None = None,
+             per_operator: bool = True) -> Plan:
         """Search every mesh and per-block choice; the fastest plan that fits ``memory_budget``
-        (default: the Planner's).
+        (default: the Planner's). With ``per_operator`` (the default) a block may also shard its
+        largest operators' parameters at a higher ZeRO stage than the rest (OSDP,
+        :attr:`graphpass.plan.Choice.large_ops`); ``False`` gives the per-block plan, a subset
+        of the same options.
 
         Raises:
             graphpass.cost.search.NoPlanError: nothing fits the budget.
@@ -901,10 +944,10 @@ class Planner:
         layouts = self._ensure(mesh_list)
         usable = [m for m in mesh_list if (m.mesh.tp, m.sequence_parallel) in layouts]
         _, costing = self._with_budget(memory_budget)
-        best, found, infeasible = S.search(layouts, usable, costing, time_limit_s)
+        best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
         alternatives = _alternatives(best, found, infeasible)
         reasons = _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
-                           self.measure_s)
+                           self.measure_s, pruned)
         return _to_plan(self.profile, layouts[(best.layout.mesh.tp, best.layout.sequence_parallel)], best, costing,
                         None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
                         alternatives)
@@ -1174,11 +1217,13 @@ def _contended(gm: fx.GraphModule, cluster: Cluster, times: Mapping[str, tuple[f
 
 def _reasons(best: S.Candidate, found: list[S.Candidate], alternatives: Sequence[Mapping[str, Any]],
              infeasible: int, rejected: Mapping[int, str], costing: S.Costing, tried: int,
-             measure_s: float) -> list[str]:
+             measure_s: float, pruned: int = 0) -> list[str]:
     lines = [
         f"searched {tried} meshes (pp x dp x tp x microbatches x sequence-parallel"
         + (" x ep" if any(c.layout.mesh.ep > 1 for c in found) else "") + ") under a "
-        f"{costing.memory_limit_bytes / 2**30:.2f} GiB per-device budget; {len(found)} fit",
+        f"{costing.memory_limit_bytes / 2**30:.2f} GiB per-device budget; {len(found)} fit"
+        + (f"; {pruned} not solved, their step floor (fastest choices, no bubble beyond the "
+           "schedule's) already slower than a plan found" if pruned else ""),
         f"chosen {best.layout}: predicted step {best.step_time_s * 1e3:.2f} ms, peak "
         f"{best.peak_memory_bytes / 2**30:.2f} GiB ({best.how}"
         + ("" if best.optimal else f", gap {best.gap:.1%}") + ")",
@@ -1226,7 +1271,11 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     capacity_factor, capacity_reason = capacity
     layout = cand.layout
     mesh = layout.mesh
-    choices = {n.name: choice for gblock, choice in zip(profile.blocks, cand.choices) for n in (*gblock.nodes, *gblock.params)}
+    choices = {}
+    for gblock, block, choice in zip(profile.blocks, blocks, cand.choices):
+        choices.update((n.name, choice) for n in (*gblock.nodes, *gblock.params))
+        for op in block.ops[choice.large_ops:] if choice.mixed else ():  # the rest's stage, unsplit
+            choices.update((name, choice.rest()) for name in (op.op, *op.params))
     # Stage s starts at its first block's first op (the first stage at the graph's start).
     stages = ("*", *(profile.blocks[stage[0]].nodes[0].name for stage in cand.stages[1:]))
     breakdown = []

@@ -17,7 +17,9 @@ import zoo
 from configs import GPTConfig, build, example_inputs
 from graphpass.api import resolve_strategy
 from graphpass.cost.memory import model_state_bytes
+from graphpass.cost import search as S
 from graphpass.cost.search import Layout, NoPlanError, _shared_host_step
+from graphpass.plan import Choice
 from graphpass.planner import Planner, PlanningError, parse_memory
 
 GiB = 2**30
@@ -127,6 +129,35 @@ def test_zero_state_matches_the_paper(small_planner):
     plan = small_planner.price(gp.Strategy(dp=4, tp=2))
     state = sum(row["state_bytes"] for row in plan.breakdown)
     assert 16 * psi / 2 < state < 16 * psi * 0.55
+
+
+def test_per_operator_choices_price_each_part_at_its_own_stage(small_planner):
+    """OSDP: a layer's largest operators at ZeRO-3 and the rest at ZeRO-1 keep each part's state
+    at its own stage (state is linear in the bytes), and only the ZeRO-3 part is gathered for
+    the layer's forward and backward (the transient)."""
+    layout = Layout.of(1, 8, 1)
+    comms = S._Collectives(small_planner.cluster, layout)
+    layer = next(b for b in small_planner.blocks(layout) if b.kind == "layer")
+    # The layer's operators, largest first: the MLP's two linears, then the attention's four,
+    # then the two norms; each linear's weight and bias in one group.
+    assert [len(op.params) for op in layer.ops] == [2] * 8
+    assert sum(op.param_bytes for op in layer.ops) == layer.param_bytes
+    assert S._cuts(layer) == [1, 2, 6]  # the MLP's up (larger bias) | down | attention | norms
+
+    def priced(choice):
+        return S.price(layer, choice, layout, small_planner.costing, comms)
+
+    z3, z1 = priced(Choice(3)), priced(Choice(1))
+    for k in S._cuts(layer):
+        share = sum(op.param_bytes for op in layer.ops[:k]) / layer.param_bytes
+        mixed = priced(Choice(3, large_ops=k, rest_zero=1))
+        assert mixed.state_bytes == pytest.approx(share * z3.state_bytes + (1 - share) * z1.state_bytes, rel=1e-12)
+        assert mixed.transient_bytes == pytest.approx(share * z3.transient_bytes, rel=1e-12)
+        assert mixed.time_s >= z1.time_s  # the same compute, plus the gathered part's copies
+    offered = S.choices_for(layer, layout, small_planner.costing)
+    assert Choice(3, 2, large_ops=2, rest_zero=1) in offered  # the split goes with ZeRO-3's part
+    assert all(c.zero > c.rest_zero for c in offered if c.mixed)
+    assert not any(c.mixed for c in S.choices_for(layer, Layout.of(1, 1, 8), small_planner.costing))  # no dp
 
 
 def test_pipeline_pricing_charges_the_bubble(small_planner):

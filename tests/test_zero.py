@@ -8,6 +8,8 @@ gradient not averaged, a shard offset off by one row, padding leaking into param
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,6 +74,34 @@ def _osdp_mix(plan: gp.Plan) -> gp.Plan:
 def test_mixed_zero_stages_per_parameter_match_one_process(rank_pool):
     results = rank_pool(2).run(_train, "gpt", {"zero": 3}, 3, 8, _osdp_mix, timeout_s=300)
     _check(results, "gpt osdp mix", zoo.train_reference("gpt", steps=3, batch=8))
+
+
+def _planned(plan: gp.Plan, _implied: gp.Plan) -> gp.Plan:
+    return plan
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_planners_per_operator_choices_match_one_process(rank_pool, world_size):
+    # What Planner choices with large_ops become: the embedding whole at ZeRO-3, layer 0's two
+    # largest operators (the MLP linears) at ZeRO-3 split in 2 and its other operators at
+    # ZeRO-1, layer 1's three largest at ZeRO-2 (recomputed) and the rest plain dp.
+    from graphpass.cost.search import Layout
+    from graphpass.plan import Choice
+    from graphpass.planner import Planner
+
+    batch = zoo.batches("gpt", 1, 8)[0]
+    planner = Planner(zoo.build("gpt"), gp.Cluster.local(world_size), batch)
+    choices = [Choice(3), Choice(3, 2, large_ops=2, rest_zero=1), Choice(2, recompute=True, large_ops=3), Choice()]
+    plan = planner.price(gp.Strategy(dp=world_size), choices=choices)
+    assert {plan.zero[n] for n in plan.zero if n.startswith("h_0_mlp")} == {3}
+    assert {plan.zero[n] for n in plan.zero if n.startswith("h_0_attn")} == {1}
+    layer0 = planner.blocks(Layout.of(1, world_size, 1))[1]
+    assert set(plan.split) == {op.op for op in layer0.ops[:2]} and {p for op in layer0.ops[:2] for p in op.params} == {
+        n for n in plan.zero if n.startswith("h_0_mlp")}
+    assert plan.recompute == (1,)
+    results = rank_pool(world_size).run(_train, "gpt", {}, 3, 8, functools.partial(_planned, plan), timeout_s=300)
+    _check(results, f"gpt per-operator plan on {world_size}", zoo.train_reference("gpt", steps=3, batch=8))
 
 
 def _zero3_graph(dp: int = 2) -> fx.GraphModule:
