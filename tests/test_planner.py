@@ -160,6 +160,28 @@ def test_per_operator_choices_price_each_part_at_its_own_stage(small_planner):
     assert not any(c.mixed for c in S.choices_for(layer, Layout.of(1, 1, 8), small_planner.costing))  # no dp
 
 
+def test_no_mesh_is_faster_than_its_step_floor(small_planner):
+    """The search skips a mesh whose floor is slower than a plan found: the floor must never be
+    above what the mesh's own plan costs, pipelines and accumulation included."""
+    from graphpass.planner import _TP_DEGREES
+
+    costing = small_planner.costing
+    layouts = S.meshes(small_planner.cluster, small_planner.batch, _TP_DEGREES, len(small_planner.profile.blocks))
+    checked = 0
+    for layout in layouts:
+        blocks = small_planner.blocks(layout)
+        if blocks is None:
+            continue
+        prepared = S._mesh_options(blocks, layout, costing, per_operator=False)
+        cand, _ = S.solve_mesh(blocks, layout, costing, math.inf, per_operator=False, prepared=prepared)
+        if cand is None:
+            continue
+        floor = S.step_floor(layout, prepared.options, costing)
+        assert 0 < floor <= cand.step_time_s * (1 + 1e-12), (str(layout), floor, cand.step_time_s)
+        checked += 1
+    assert checked >= 20 and any(layout.mesh.pp > 1 for layout in layouts)
+
+
 def test_pipeline_pricing_charges_the_bubble(small_planner):
     """1F1B step time is sum(t_s) + (m - 1)·max(t_s): with equal stages, (m + p - 1)/m of the
     no-pipeline compute; the planner's figure must sit between that and the same plus p2p."""
