@@ -79,6 +79,12 @@ The gap reported is to the Lagrangian bound (bench/solver_scale.py: 10,000 nodes
 within 0.13% in 60 s, 20,000 within 0.26%, 50,000 within 1.4%, where greedy + local search
 alone is 22% above).
 
+Below that size the whole MILP runs in its own thread. If it has not finished after
+``_WINDOWS_AFTER`` of the time, the windows improve the heuristic's answer on the other core
+meanwhile (:func:`_whole_and_windows`). Some reduced instances of 10k-50k nodes stay under the
+size cutoff, and HiGHS finds no incumbent for them in 60 s (IOPDDL D and Q). There the windows'
+answer is the one returned.
+
 Backends: ``"highs"`` (default) is HiGHS through ``pywraplp`` (checked to exist in OR-Tools 9.15);
 ``"cp-sat"`` builds the same model with integer coefficients: the objective is scaled so that its
 largest coefficient becomes ``_CPSAT_COST_RESOLUTION`` (1e9) and rounded, which makes the CP-SAT
@@ -101,7 +107,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -142,6 +148,9 @@ _DUAL_SHARE = 0.1
 # Share of the time left for the Lagrangian bound (and the assignment it prices); the windows
 # get the rest.
 _LAGRANGIAN_SHARE = 0.4
+# Where the whole MILP runs, the windows start beside it once this share of the time left has
+# passed without it finishing (the 816-node IOPDDL instances are proven in 3-5 s of 60).
+_WINDOWS_AFTER = 0.15
 
 
 @dataclass(frozen=True)
@@ -1231,7 +1240,8 @@ def _ball(red: _Reduced, seed: int, budget: int, pairs: dict[tuple[int, int], in
     return sorted(nodes)
 
 
-def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float) -> dict[int, int]:
+def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float,
+                          stop: threading.Event | None = None) -> dict[int, int]:
     """Improve ``choice`` by re-solving windows exactly with the rest fixed (large neighbourhood
     search). A window is the graph neighbourhood of a seed, grown breadth-first to about
     ``_LNS_MODEL_SIZE`` variables, so a node and the neighbours its strategy constrains move
@@ -1243,12 +1253,15 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
     pairs = {(u, v): int(np.isfinite(m).sum()) for u, v, m in red.edges()}
     choice = dict(choice)
     usage = _usage(red, choice, live)
-    while time.perf_counter() < deadline:
+    def over() -> bool:
+        return time.perf_counter() >= deadline or (stop is not None and stop.is_set())
+
+    while not over():
         improved = False
         conflicts = sorted({n for u, v, m in red.edges() if np.isinf(m[choice[u], choice[v]]) for n in (u, v)})
         covered: set[int] = set()
         for seed in conflicts + live:
-            if time.perf_counter() >= deadline:
+            if over():
                 break
             if seed in covered:
                 continue
@@ -1306,10 +1319,11 @@ def _fits(red: _Reduced, choice: dict[int, int], members: Sequence[int]) -> bool
     return bool(np.all(_usage(red, choice, members) <= room))
 
 
-def _dual_bound(red: _Reduced, deadline: float, max_sweeps: int = 50) -> float:
+def _messages(red: _Reduced, deadline: float, max_sweeps: int = 50
+              ) -> tuple[float, dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
     r"""A lower bound on the optimum on any graph: the memory rows dropped (a relaxation) and the
     edges' costs moved onto their nodes by messages (MPLP's block-coordinate ascent on the dual of
-    the edge-marginal LP relaxation).
+    the edge-marginal LP relaxation); also the reparametrised costs, for :func:`_dual_decode`.
 
     For any messages :math:`m_{e \to n}`, with :math:`\theta'_n = c_n + \sum_{e \ni n} m_{e \to n}`
     and :math:`\theta'_e(s, t) = R_e(s, t) - m_{e \to u}(s) - m_{e \to v}(t)`, every assignment
@@ -1317,6 +1331,7 @@ def _dual_bound(red: _Reduced, deadline: float, max_sweeps: int = 50) -> float:
     \theta'_n + \sum_e \min \theta'_e` is a lower bound whatever the messages; each sweep sets
     every edge's two messages to the values that maximise it with the rest fixed. Forbidden pairs
     (inf) simply never attain a minimum. Sweeps stop at ``deadline`` or when the bound stalls.
+    Returns the bound, :math:`\theta'_n` per live node and :math:`\theta'_e` per edge ``(u, v)``.
     """
     live = red.live_nodes()
     edges = list(red.edges())
@@ -1330,11 +1345,15 @@ def _dual_bound(red: _Reduced, deadline: float, max_sweeps: int = 50) -> float:
             total += float((m - mu[:, None] - mv[None, :]).min())
         return total
 
+    def result(value: float):
+        pairs = {(u, v): m - mu[:, None] - mv[None, :] for (u, v, m), mu, mv in zip(edges, to_u, to_v)}
+        return value, belief, pairs
+
     best = bound()
     for _ in range(max_sweeps):
         for i, (u, v, m) in enumerate(edges):
             if i % 256 == 0 and time.perf_counter() >= deadline:
-                return max(best, bound())
+                return result(max(best, bound()))
             bu = belief[u] - to_u[i]  # the rest of u's belief, without this edge
             bv = belief[v] - to_v[i]
             new_u = 0.5 * ((m + bv[None, :]).min(axis=1) - bu)
@@ -1343,9 +1362,40 @@ def _dual_bound(red: _Reduced, deadline: float, max_sweeps: int = 50) -> float:
             to_u[i], to_v[i] = new_u, new_v
         value = bound()
         if value <= best + 1e-9 * abs(best):
-            return max(best, value)
+            return result(max(best, value))
         best = value
-    return best
+    return result(best)
+
+
+def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping[tuple[int, int], np.ndarray],
+                 deadline: float) -> dict[int, int]:
+    """An assignment read off the reparametrised costs of :func:`_messages`: the greedy pass and
+    its 1-opt moves run on :math:`\theta'` (nodes most decided by their beliefs first), where the
+    edges' costs already sit on the nodes, so a node's local choice sees what its far neighbours
+    prefer; then 1-opt on the true costs (memory repaired there). On pairwise problems that are
+    not series-parallel (IOPDDL's XLA graphs) it starts far better than the greedy pass alone."""
+    live = red.live_nodes()
+    adj: list[dict[int, np.ndarray]] = [{} for _ in red.names]
+    for (u, v), m in pairs.items():
+        adj[u][v], adj[v][u] = m, m.T
+    cost = list(red.cost)
+    for n in live:
+        cost[n] = belief[n]
+
+    def margin(n: int) -> float:  # how much the best strategy beats the second
+        b = np.sort(belief[n][np.isfinite(belief[n])])
+        return float(b[1] - b[0]) if len(b) > 1 else math.inf
+
+    order = sorted(live, key=margin, reverse=True)
+    alive = [False] * len(red.names)
+    for n in order:
+        alive[n] = True
+    work = _Reduced(names=red.names, keep=red.keep, cost=cost, adj=adj, alive=alive,
+                    num_strategies=red.num_strategies, rhs=red.rhs, row_steps=red.row_steps, pieces=red.pieces)
+    # live_nodes() walks indices in order; the greedy pass takes the decided nodes first.
+    work.live_nodes = lambda: order  # type: ignore[method-assign]
+    decoded = _greedy_local_search(work, deadline=deadline)
+    return _greedy_local_search(red, deadline=deadline, initial=decoded)
 
 
 def _lagrangian(red: _Reduced, upper: float, deadline: float,
@@ -1428,6 +1478,43 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float,
     return best, feasible[1]
 
 
+def _better(red: _Reduced, a: dict[int, int], b: dict[int, int], live: Sequence[int]) -> dict[int, int]:
+    """The one of two answers that fits memory, else the cheaper (``a`` on ties)."""
+    fit_a, fit_b = _fits(red, a, live), _fits(red, b, live)
+    if fit_a != fit_b:
+        return a if fit_a else b
+    return b if red.objective(b) < red.objective(a) else a
+
+
+def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, windows_from: float):
+    """The whole MILP in its thread until ``deadline``; if it has not finished by
+    ``windows_from``, the windows (:func:`_large_neighbourhoods`) improve ``warm`` on the other
+    core meanwhile, stopping when the MILP ends. HiGHS may find no incumbent at all on tens of
+    thousands of nodes (IOPDDL D and Q: none in 60 s), and then the windows' answer is what is
+    returned. Returns the MILP's ``(choice, optimal, bound)`` and the improved warm answer."""
+    done = threading.Event()
+    result: dict = {}
+
+    def whole() -> None:
+        try:
+            result["out"] = _run_highs(red, warm, deadline)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=whole, daemon=True)
+    thread.start()
+    if not done.wait(max(0.0, windows_from - time.perf_counter())):
+        # The windows stop a little early: recovering and checking the answer takes time too.
+        polished = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * (deadline - time.perf_counter())),
+                                         stop=done)
+        live = red.live_nodes()
+        if _fits(red, polished, live) and (not _fits(red, warm, live) or red.objective(polished) < red.objective(warm)):
+            warm = polished
+    thread.join(max(0.0, deadline + 2 * _DEADLINE_GRACE_S - time.perf_counter()))
+    choice, optimal, bound = result.get("out", (None, False, -math.inf))
+    return choice, optimal, bound, warm
+
+
 def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs") -> Solution:
     """Cheapest strategy per node under the memory limit.
 
@@ -1462,11 +1549,14 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
     warm = _greedy_local_search(red, deadline=share(0.1))
     if not live:  # everything folded exactly: the recovery is the optimum
         return _solution(problem, red, warm, optimal=True, bound=math.nan, start=start, solver="reduction")
+    # A second start, decoded from message passing's reparametrised costs; its bound is kept.
+    dual, belief, pairs = _messages(red, share(_DUAL_SHARE))
+    warm = _better(red, warm, _dual_decode(red, belief, pairs, share(0.1)), live)
     if _model_size(red) > _FULL_MODEL_SIZE:
         # Too big for one MILP in time: improve the heuristic window by window. Its gap is to
         # the lower bound, as no solver bound covers the whole problem.
         bound, priced = _lagrangian(red, red.objective(warm), share(_LAGRANGIAN_SHARE))
-        bound = max(bound, _dual_bound(red, share(_DUAL_SHARE)))
+        bound = max(bound, dual)
         if priced is not None:
             priced = _greedy_local_search(red, deadline=share(0.1), initial=priced)
             if red.objective(priced) < (red.objective(warm) if _fits(red, warm, live) else math.inf):
@@ -1481,7 +1571,10 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
                  len(problem.nodes), len(live), sol.seconds, sol.cost_s, red.objective(warm), bound, sol.gap)
         return sol
     run = _run_highs if solver == "highs" else _run_cpsat
-    choice, optimal, bound = run(red, warm, deadline)
+    if solver == "highs":
+        choice, optimal, bound, warm = _whole_and_windows(red, warm, deadline, share(_WINDOWS_AFTER))
+    else:
+        choice, optimal, bound = run(red, warm, deadline)
     # The heuristic's answer competes only where it fits (merged nodes can leave it overflowing).
     warm_cost = red.objective(warm) if _fits(red, warm, live) else math.inf
     if choice is None and bound == math.inf:
@@ -1494,7 +1587,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
                 f"the MILP proves it: strategies forbidden together raise the smallest peak above the "
                 f"{smallest:.6g} bytes each node alone allows; raise memory_limit_bytes or allow more pairs"))
     found = red.objective(choice) if choice is not None else math.inf
-    bound = max(bound, red.lower_bound())
+    bound = max(bound, red.lower_bound(), dual)
     if choice is None or warm_cost < found - 1e-12 * abs(found):
         if choice is None:
             log.warning("%s found no incumbent within %.1f s; returning the heuristic", solver, time_limit_s)
