@@ -145,6 +145,9 @@ _LNS_WINDOW_S = 10.0
 _REDUCE_SHARE = 0.25
 # Share of the time left for the message-passing bound on graphs the Lagrangian cannot bound.
 _DUAL_SHARE = 0.1
+# Message-passing sweeps per Lagrangian round on graphs elimination cannot solve (the messages
+# carry over from round to round).
+_INNER_SWEEPS = 5
 # Share of the time left for the Lagrangian bound (and the assignment it prices); the windows
 # get the rest.
 _LAGRANGIAN_SHARE = 0.4
@@ -1319,61 +1322,73 @@ def _fits(red: _Reduced, choice: dict[int, int], members: Sequence[int]) -> bool
     return bool(np.all(_usage(red, choice, members) <= room))
 
 
-def _messages(red: _Reduced, deadline: float, max_sweeps: int = 50
-              ) -> tuple[float, dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
-    r"""A lower bound on the optimum on any graph: the memory rows dropped (a relaxation) and the
-    edges' costs moved onto their nodes by messages (MPLP's block-coordinate ascent on the dual of
-    the edge-marginal LP relaxation); also the reparametrised costs, for :func:`_dual_decode`.
+class _Messages:
+    r"""Message passing on the pairwise part of the problem: a lower bound on any graph, with the
+    memory rows dropped (a relaxation) and the edges' costs moved onto their nodes (MPLP's
+    block-coordinate ascent on the dual of the edge-marginal LP relaxation); also the
+    reparametrised costs, for :func:`_dual_decode`.
 
     For any messages :math:`m_{e \to n}`, with :math:`\theta'_n = c_n + \sum_{e \ni n} m_{e \to n}`
     and :math:`\theta'_e(s, t) = R_e(s, t) - m_{e \to u}(s) - m_{e \to v}(t)`, every assignment
     costs the same under :math:`\theta'` as under the original costs, so :math:`\sum_n \min
     \theta'_n + \sum_e \min \theta'_e` is a lower bound whatever the messages; each sweep sets
     every edge's two messages to the values that maximise it with the rest fixed. Forbidden pairs
-    (inf) simply never attain a minimum. Sweeps stop at ``deadline`` or when the bound stalls.
-    Returns the bound, :math:`\theta'_n` per live node and :math:`\theta'_e` per edge ``(u, v)``.
+    (inf) simply never attain a minimum. The messages persist between calls of :meth:`run`, so
+    the Lagrangian's rounds, which change only the node costs, start from the last ones.
     """
-    live = red.live_nodes()
-    edges = list(red.edges())
-    belief = {n: red.cost[n].astype(float).copy() for n in live}  # theta'_n
-    to_u = [np.zeros(m.shape[0]) for _, _, m in edges]
-    to_v = [np.zeros(m.shape[1]) for _, _, m in edges]
 
-    def bound() -> float:
-        total = sum(float(b.min()) for b in belief.values())
-        for (u, v, m), mu, mv in zip(edges, to_u, to_v):
-            total += float((m - mu[:, None] - mv[None, :]).min())
-        return total
+    def __init__(self, red: _Reduced):
+        self.live = red.live_nodes()
+        self.edges = list(red.edges())
+        self.to_u = [np.zeros(m.shape[0]) for _, _, m in self.edges]
+        self.to_v = [np.zeros(m.shape[1]) for _, _, m in self.edges]
 
-    def result(value: float):
-        pairs = {(u, v): m - mu[:, None] - mv[None, :] for (u, v, m), mu, mv in zip(edges, to_u, to_v)}
-        return value, belief, pairs
+    def run(self, cost: Mapping[int, np.ndarray], deadline: float, max_sweeps: int = 50
+            ) -> tuple[float, dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
+        """Sweeps with node costs ``cost`` until ``deadline``, ``max_sweeps`` or a stalled bound;
+        returns the bound, :math:`\theta'_n` per live node and :math:`\theta'_e` per edge."""
+        edges, to_u, to_v = self.edges, self.to_u, self.to_v
+        belief = {n: np.asarray(cost[n], dtype=float).copy() for n in self.live}  # theta'_n
+        for (u, v, _), mu, mv in zip(edges, to_u, to_v):
+            belief[u] += mu
+            belief[v] += mv
 
-    best = bound()
-    for _ in range(max_sweeps):
-        for i, (u, v, m) in enumerate(edges):
-            if i % 256 == 0 and time.perf_counter() >= deadline:
-                return result(max(best, bound()))
-            bu = belief[u] - to_u[i]  # the rest of u's belief, without this edge
-            bv = belief[v] - to_v[i]
-            new_u = 0.5 * ((m + bv[None, :]).min(axis=1) - bu)
-            new_v = 0.5 * ((m + bu[:, None]).min(axis=0) - bv)
-            belief[u], belief[v] = bu + new_u, bv + new_v
-            to_u[i], to_v[i] = new_u, new_v
-        value = bound()
-        if value <= best + 1e-9 * abs(best):
-            return result(max(best, value))
-        best = value
-    return result(best)
+        def bound() -> float:
+            total = sum(float(b.min()) for b in belief.values())
+            for (u, v, m), mu, mv in zip(edges, to_u, to_v):
+                total += float((m - mu[:, None] - mv[None, :]).min())
+            return total
+
+        def result(value: float):
+            pairs = {(u, v): m - mu[:, None] - mv[None, :] for (u, v, m), mu, mv in zip(edges, to_u, to_v)}
+            return value, belief, pairs
+
+        best = bound()
+        for _ in range(max_sweeps):
+            for i, (u, v, m) in enumerate(edges):
+                if i % 256 == 0 and time.perf_counter() >= deadline:
+                    return result(max(best, bound()))
+                bu = belief[u] - to_u[i]  # the rest of u's belief, without this edge
+                bv = belief[v] - to_v[i]
+                new_u = 0.5 * ((m + bv[None, :]).min(axis=1) - bu)
+                new_v = 0.5 * ((m + bu[:, None]).min(axis=0) - bv)
+                belief[u], belief[v] = bu + new_u, bv + new_v
+                to_u[i], to_v[i] = new_u, new_v
+            value = bound()
+            if value <= best + 1e-9 * abs(best):
+                return result(max(best, value))
+            best = value
+        return result(best)
 
 
 def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping[tuple[int, int], np.ndarray],
                  deadline: float) -> dict[int, int]:
-    """An assignment read off the reparametrised costs of :func:`_messages`: the greedy pass and
+    """An assignment read off the reparametrised costs of :class:`_Messages`: the greedy pass and
     its 1-opt moves run on :math:`\theta'` (nodes most decided by their beliefs first), where the
     edges' costs already sit on the nodes, so a node's local choice sees what its far neighbours
-    prefer; then 1-opt on the true costs (memory repaired there). On pairwise problems that are
-    not series-parallel (IOPDDL's XLA graphs) it starts far better than the greedy pass alone."""
+    prefer; then 1-opt on ``red``'s own costs (memory repaired there when ``red`` has rows). On
+    pairwise problems that are not series-parallel (IOPDDL's XLA graphs) it starts far better
+    than the greedy pass alone."""
     live = red.live_nodes()
     adj: list[dict[int, np.ndarray]] = [{} for _ in red.names]
     for (u, v), m in pairs.items():
@@ -1409,22 +1424,35 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float,
     on series-parallel graphs (transformer graphs with their residuals are). Subgradient steps
     (Polyak's rule towards ``upper``) raise it. The best multipliers, scaled up until their
     minimiser fits, give a feasible assignment that prices memory as the dual does. Without a
-    series-parallel graph the bound falls back to every term at its minimum.
+    series-parallel graph the inner minimum is bounded by message passing (:class:`_Messages`,
+    warm-started round to round) and its minimiser decoded from it (:func:`_dual_decode`).
     """
     floor = red.lower_bound()
     live = red.live_nodes()
     members = [n for n in live if red.pieces[n]]
     edges = list(red.edges())
     feasible: tuple[float, dict[int, int] | None] = (math.inf, None)
+    series_parallel = True
+    messages = _Messages(red)
 
     def inner(lam: np.ndarray) -> tuple[float, dict[int, int]] | None:
+        nonlocal series_parallel
         prefix = np.concatenate([[0.0], np.cumsum(lam)])
         cost = {n: red.cost[n] for n in live}
         for n in members:
             cost[n] = red.cost[n] + sum((prefix[j2 + 1] - prefix[j1]) * e for j1, j2, e in red.pieces[n])
-        x = _unconstrained_min(red, cost)
+        x = _unconstrained_min(red, cost) if series_parallel else None
         if x is None:
-            return None
+            # Not series-parallel: message passing bounds the inner minimum from below (a valid
+            # Lagrangian bound still) and decodes a near-minimiser to take the subgradient at.
+            series_parallel = False
+            value, belief, pairs = messages.run(cost, deadline, max_sweeps=_INNER_SWEEPS)
+            if time.perf_counter() >= deadline:
+                return None
+            priced = _Reduced(names=red.names, keep=red.keep, cost=[cost.get(n, c) for n, c in enumerate(red.cost)],
+                              adj=red.adj, alive=red.alive, num_strategies=red.num_strategies,
+                              pieces=[[] for _ in red.names])
+            return value - float(lam @ red.rhs), _dual_decode(priced, belief, pairs, deadline)
         value = sum(float(cost[n][x[n]]) for n in live) + sum(float(m[x[u], x[v]]) for u, v, m in edges)
         return value - float(lam @ red.rhs), x
 
@@ -1443,8 +1471,8 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float,
         if time.perf_counter() >= deadline:
             break
         found = inner(lam)
-        if found is None:
-            return floor, None
+        if found is None:  # the deadline, inside message passing
+            break
         value, x = found
         consider(x)
         if value > best + 1e-12 * abs(best):
@@ -1550,7 +1578,7 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
     if not live:  # everything folded exactly: the recovery is the optimum
         return _solution(problem, red, warm, optimal=True, bound=math.nan, start=start, solver="reduction")
     # A second start, decoded from message passing's reparametrised costs; its bound is kept.
-    dual, belief, pairs = _messages(red, share(_DUAL_SHARE))
+    dual, belief, pairs = _Messages(red).run({n: red.cost[n] for n in live}, share(_DUAL_SHARE))
     warm = _better(red, warm, _dual_decode(red, belief, pairs, share(0.1)), live)
     if _model_size(red) > _FULL_MODEL_SIZE:
         # Too big for one MILP in time: improve the heuristic window by window. Its gap is to
