@@ -1467,8 +1467,11 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float,
 
     lam = np.zeros(len(red.rhs))
     best, best_lam, theta, stale = floor, lam, 1.0, 0
+    best_x: dict[int, int] | None = None
+    # The rounds leave a fifth of the time for pricing memory above the dual and repairing.
+    rounds_until = time.perf_counter() + 0.8 * max(0.0, deadline - time.perf_counter())
     for _ in range(max_rounds):
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() >= rounds_until:
             break
         found = inner(lam)
         if found is None:  # the deadline, inside message passing
@@ -1476,7 +1479,7 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float,
         value, x = found
         consider(x)
         if value > best + 1e-12 * abs(best):
-            best, best_lam, stale = value, lam, 0
+            best, best_lam, best_x, stale = value, lam, x, 0
         else:
             stale += 1
             if stale >= 5:
@@ -1487,6 +1490,10 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float,
         if norm == 0.0 or upper - value <= 1e-9 * abs(upper) or theta < 1e-4:
             break
         lam = np.maximum(0.0, lam + theta * (upper - value) / norm * g)
+    if feasible[1] is None and best_x is not None:
+        # No minimiser fitted: the one at the best multipliers, its overflow repaired by 1-opt
+        # moves on the true costs (they fix overflowing rows first).
+        consider(_greedy_local_search(red, deadline=deadline, initial=best_x))
     # Price memory a little above the dual until the minimiser fits (doubling, then bisection).
     if best_lam.any() and (feasible[1] is None or feasible[0] > best * (1 + 1e-6)):
         lo, hi = 1.0, None
