@@ -141,6 +141,8 @@ _DIRECT_ROW_TERMS = 200_000
 _FULL_MODEL_SIZE = 150_000
 _LNS_MODEL_SIZE = 40_000
 _LNS_WINDOW_S = 10.0
+# Windows solved at once (HiGHS releases the GIL while solving): two, where there are two cores.
+_LNS_THREADS = max(1, min(2, os.cpu_count() or 1))
 # Share of the time limit the reductions may use (they stop there, leaving a bigger problem).
 _REDUCE_SHARE = 0.25
 # Share of the time left for the message-passing bound on graphs the Lagrangian cannot bound.
@@ -1251,43 +1253,75 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
     together. Seeds are first the ends of forbidden pairs, then every node not yet in a window of
     the sweep; sweeps repeat until one improves nothing or the deadline. A window's answer is
     taken when it costs less than the window's current assignment (a forbidden pair inside it
-    counts as infinitely expensive), so the answer only gets cheaper and stays within memory."""
+    counts as infinitely expensive) and the memory rows still fit, so the answer only gets
+    cheaper and stays within memory.
+
+    ``_LNS_THREADS`` windows are solved at once (HiGHS releases the GIL): windows in flight
+    share no node and no edge, so their costs add up; their memory is checked on the rows as
+    they are when each answer is taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
     live = red.live_nodes()
     pairs = {(u, v): int(np.isfinite(m).sum()) for u, v, m in red.edges()}
     choice = dict(choice)
     usage = _usage(red, choice, live)
+    room = red.rhs + _REL_TOL * np.abs(red.rhs) + 1e-9
+
     def over() -> bool:
         return time.perf_counter() >= deadline or (stop is not None and stop.is_set())
 
-    while not over():
-        improved = False
-        conflicts = sorted({n for u, v, m in red.edges() if np.isinf(m[choice[u], choice[v]]) for n in (u, v)})
-        covered: set[int] = set()
-        for seed in conflicts + live:
-            if over():
+    def take(nodes: list[int], sub: _Reduced, future) -> bool:
+        """Apply a solved window's answer where it is cheaper and fits; True if applied."""
+        nonlocal usage
+        local, _, _ = future.result()
+        if local is None:
+            return False
+        now = {i: sub.keep[i].index(choice[n]) if choice[n] in sub.keep[i] else None for i, n in enumerate(nodes)}
+        # Forbidden pairs or overflowing rows make the current assignment worth replacing.
+        before = math.inf if None in now.values() or not _fits(sub, now, range(len(nodes))) else sub.objective(now)
+        after = sub.objective(local)
+        if not after < before - 1e-12 * abs(after):
+            return False
+        proposed = dict(choice)
+        proposed.update({n: sub.keep[i][local[i]] for i, n in enumerate(nodes)})
+        moved = usage - _usage(red, choice, nodes) + _usage(red, proposed, nodes)
+        if not np.all(moved <= room) and np.all(usage <= room):
+            return False  # another window took the room this one counted on
+        choice.update((n, proposed[n]) for n in nodes)
+        usage = moved
+        return True
+
+    with ThreadPoolExecutor(max_workers=_LNS_THREADS) as pool:
+        while not over():
+            improved = False
+            conflicts = sorted({n for u, v, m in red.edges() if np.isinf(m[choice[u], choice[v]]) for n in (u, v)})
+            covered: set[int] = set()
+            flight: list[tuple[list[int], _Reduced, object, set[int]]] = []  # nodes, sub, future, reach
+            for seed in conflicts + live:
+                if over():
+                    break
+                if seed in covered:
+                    continue
+                nodes = _ball(red, seed, _LNS_MODEL_SIZE, pairs)
+                reach = set(nodes).union(*(red.adj[n].keys() for n in nodes))
+                # Wait for the windows this one would share a node or an edge with (or for a
+                # free thread) before building it.
+                inside = set(nodes)
+                while flight and (len(flight) >= _LNS_THREADS or any(inside & f[3] for f in flight)):
+                    done = flight.pop(0)
+                    improved |= take(*done[:3])
+                covered.update(nodes)
+                sub = _window(red, nodes, choice, usage)
+                if sub is None:
+                    continue
+                # An overrunning window is interrupted up to two graces after its deadline.
+                until = min(deadline - 2 * _DEADLINE_GRACE_S, time.perf_counter() + _LNS_WINDOW_S)
+                future = pool.submit(_run_highs, sub, {}, until, warn=False)
+                flight.append((nodes, sub, future, reach))
+            for done in flight:
+                improved |= take(*done[:3])
+            if not improved:
                 break
-            if seed in covered:
-                continue
-            nodes = _ball(red, seed, _LNS_MODEL_SIZE, pairs)
-            covered.update(nodes)
-            sub = _window(red, nodes, choice, usage)
-            if sub is None:
-                continue
-            local, _, _ = _run_highs(sub, {}, min(deadline, time.perf_counter() + _LNS_WINDOW_S), warn=False)
-            if local is None:
-                continue
-            now = {i: sub.keep[i].index(choice[n]) if choice[n] in sub.keep[i] else None
-                   for i, n in enumerate(nodes)}
-            # Forbidden pairs or overflowing rows make the current assignment worth replacing.
-            before = math.inf if None in now.values() or not _fits(sub, now, range(len(nodes))) else sub.objective(now)
-            after = sub.objective(local)
-            if after < before - 1e-12 * abs(after):
-                usage -= _usage(red, choice, nodes)
-                choice.update({n: sub.keep[i][local[i]] for i, n in enumerate(nodes)})
-                usage += _usage(red, choice, nodes)
-                improved = True
-        if not improved:
-            break
     return choice
 
 
@@ -1532,7 +1566,8 @@ def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, win
 
     def whole() -> None:
         try:
-            result["out"] = _run_highs(red, warm, deadline)
+            # Interrupting an overrunning HiGHS takes up to two graces: stop it early by that.
+            result["out"] = _run_highs(red, warm, deadline - 2 * _DEADLINE_GRACE_S)
         finally:
             done.set()
 
