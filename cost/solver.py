@@ -1115,12 +1115,19 @@ def _run_highs(red: _Reduced, warm: dict[int, int], deadline: float, *, warn: bo
     # two-node model), so the heuristic competes with HiGHS's answer instead of seeding it.
     state: dict = {}
     quiet = _QuietStdout()
+    # Abandoning and starting the solve exclude each other: a thread abandoned while it was still
+    # building its model must not silence stdout (and solve to its own limit) afterwards, or the
+    # caller's next lines are lost (seen: an IOPDDL row printed after the windows went missing).
+    lock = threading.Lock()
 
     def work(result: dict) -> None:
         solver, x, _ = _pywraplp_model(red)
-        state["solver"] = solver
         solver.SetTimeLimit(max(1, int(1000 * (deadline - time.perf_counter()))))
-        quiet.begin()
+        with lock:
+            if state.get("abandoned"):
+                return
+            state["solver"] = solver
+            quiet.begin()
         try:
             result["status"] = solver.Solve()
         finally:
@@ -1128,9 +1135,11 @@ def _run_highs(red: _Reduced, warm: dict[int, int], deadline: float, *, warn: bo
         result["x"] = x
 
     def abandon() -> None:
-        if "solver" in state:
-            state["solver"].InterruptSolve()
-        quiet.end()
+        with lock:
+            state["abandoned"] = True
+            if "solver" in state:
+                state["solver"].InterruptSolve()
+            quiet.end()
 
     result = _in_thread(work, deadline, abandon)
     if result is None:
@@ -1253,7 +1262,7 @@ def _ball(red: _Reduced, seed: int, budget: int, pairs: dict[tuple[int, int], in
 
 
 def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float,
-                          stop: threading.Event | None = None) -> dict[int, int]:
+                          stop: threading.Event | None = None, threads: int = _LNS_THREADS) -> dict[int, int]:
     """Improve ``choice`` by re-solving windows exactly with the rest fixed (large neighbourhood
     search). A window is the graph neighbourhood of a seed, grown breadth-first to about
     ``_LNS_MODEL_SIZE`` variables, so a node and the neighbours its strategy constrains move
@@ -1263,7 +1272,7 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
     counts as infinitely expensive) and the memory rows still fit, so the answer only gets
     cheaper and stays within memory.
 
-    ``_LNS_THREADS`` windows are solved at once (HiGHS releases the GIL): windows in flight
+    ``threads`` windows are solved at once (HiGHS releases the GIL): windows in flight
     share no node and no edge, so their costs add up; their memory is checked on the rows as
     they are when each answer is taken."""
     from concurrent.futures import ThreadPoolExecutor
@@ -1298,7 +1307,7 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
         usage = moved
         return True
 
-    with ThreadPoolExecutor(max_workers=_LNS_THREADS) as pool:
+    with ThreadPoolExecutor(max_workers=threads) as pool:
         while not over():
             improved = False
             conflicts = sorted({n for u, v, m in red.edges() if np.isinf(m[choice[u], choice[v]]) for n in (u, v)})
@@ -1314,7 +1323,7 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
                 # Wait for the windows this one would share a node or an edge with (or for a
                 # free thread) before building it.
                 inside = set(nodes)
-                while flight and (len(flight) >= _LNS_THREADS or any(inside & f[3] for f in flight)):
+                while flight and (len(flight) >= threads or any(inside & f[3] for f in flight)):
                     done = flight.pop(0)
                     improved |= take(*done[:3])
                 covered.update(nodes)
@@ -1582,8 +1591,9 @@ def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, win
     thread.start()
     if not done.wait(max(0.0, windows_from - time.perf_counter())):
         # The windows stop a little early: recovering and checking the answer takes time too.
+        # The MILP holds one core: the windows take the rest.
         polished = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * (deadline - time.perf_counter())),
-                                         stop=done)
+                                         stop=done, threads=max(1, _LNS_THREADS - 1))
         live = red.live_nodes()
         if _fits(red, polished, live) and (not _fits(red, warm, live) or red.objective(polished) < red.objective(warm)):
             warm = polished
