@@ -113,7 +113,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -932,16 +932,17 @@ def _cpsat_model(red: _Reduced):
 
 
 def _greedy_local_search(red: _Reduced, max_rounds: int = 20, deadline: float = math.inf,
-                         initial: dict[int, int] | None = None) -> dict[int, int]:
-    """Reduced strategy per live node: greedy in node order (or ``initial``), then best-improvement
-    1-opt moves until a sweep improves nothing, ``max_rounds`` sweeps or ``deadline``.
+                         initial: dict[int, int] | None = None, order: Sequence[int] | None = None) -> dict[int, int]:
+    """Reduced strategy per live node: greedy in ``order`` (default: node order) or ``initial``,
+    then best-improvement 1-opt moves in that order until a sweep improves nothing,
+    ``max_rounds`` sweeps or ``deadline``.
 
     A move is judged first by the forbidden pairs it touches, then by how far it overflows a
     memory row, then by cost, so what the greedy pass could not avoid is repaired before anything
     else. Memory is tracked per row relative to every node's smallest share; a node carrying
     several pieces (nodes merged into it) may have no strategy at its smallest share on all of
     them, so unlike a plain problem the greedy pass can overflow, and the caller checks."""
-    live = red.live_nodes()
+    live = red.live_nodes() if order is None else list(order)
     usage = np.zeros(len(red.rhs)) if initial is None else _usage(red, initial, live)
     rhs = red.rhs + _REL_TOL * np.abs(red.rhs) + 1e-9
     choice: dict[int, int] = {} if initial is None else dict(initial)
@@ -1451,15 +1452,8 @@ def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping
         b = np.sort(belief[n][np.isfinite(belief[n])])
         return float(b[1] - b[0]) if len(b) > 1 else math.inf
 
-    order = sorted(live, key=margin, reverse=True)
-    alive = [False] * len(red.names)
-    for n in order:
-        alive[n] = True
-    work = _Reduced(names=red.names, keep=red.keep, cost=cost, adj=adj, alive=alive,
-                    num_strategies=red.num_strategies, rhs=red.rhs, row_steps=red.row_steps, pieces=red.pieces)
-    # live_nodes() walks indices in order; the greedy pass takes the decided nodes first.
-    work.live_nodes = lambda: order  # type: ignore[method-assign]
-    decoded = _greedy_local_search(work, deadline=deadline)
+    decoded = _greedy_local_search(replace(red, cost=cost, adj=adj), deadline=deadline,
+                                   order=sorted(live, key=margin, reverse=True))
     return _greedy_local_search(red, deadline=deadline, initial=decoded)
 
 
@@ -1499,9 +1493,8 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float,
             value, belief, pairs = messages.run(cost, deadline, max_sweeps=_INNER_SWEEPS)
             if time.perf_counter() >= deadline:
                 return None
-            priced = _Reduced(names=red.names, keep=red.keep, cost=[cost.get(n, c) for n, c in enumerate(red.cost)],
-                              adj=red.adj, alive=red.alive, num_strategies=red.num_strategies,
-                              pieces=[[] for _ in red.names])
+            priced = replace(red, cost=[cost.get(n, c) for n, c in enumerate(red.cost)], rhs=np.zeros(0),
+                             pieces=[[] for _ in red.names])  # no memory rows: their price is in the costs
             return value - float(lam @ red.rhs), _dual_decode(priced, belief, pairs, deadline)
         value = sum(float(cost[n][x[n]]) for n in live) + sum(float(m[x[u], x[v]]) for u, v, m in edges)
         return value - float(lam @ red.rhs), x
@@ -1594,9 +1587,7 @@ def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, win
         # The MILP holds one core: the windows take the rest.
         polished = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * (deadline - time.perf_counter())),
                                          stop=done, threads=max(1, _LNS_THREADS - 1))
-        live = red.live_nodes()
-        if _fits(red, polished, live) and (not _fits(red, warm, live) or red.objective(polished) < red.objective(warm)):
-            warm = polished
+        warm = _better(red, warm, polished, red.live_nodes())
     thread.join(max(0.0, deadline + 2 * _DEADLINE_GRACE_S - time.perf_counter()))
     choice, optimal, bound = result.get("out", (None, False, -math.inf))
     return choice, optimal, bound, warm

@@ -568,8 +568,7 @@ class GraphProfile:
                     ("ep combine", _tensor_bytes(r.out.meta[meta.VAL]))))
             for node in block.nodes:
                 if node.name in self.split_linears:
-                    w = node.args[1]
-                    split_bytes += _tensor_bytes(self.tensors[w.name]) if w.name in self.tensors else 0.0
+                    split_bytes += self._split_weight_bytes(node)
                     split_count += 1
             ops = self._op_params(block, tp_share)
             # A weight gradient's other operand: the output gradient of each op reading a trainable
@@ -606,12 +605,12 @@ class GraphProfile:
         (on one rank: ``share(p)`` ways tensor parallelism shards ``p``), largest first; a
         parameter no operator of the block reads is a group of its own."""
         members = set(block.nodes)
-        groups: dict[str, list[fx.Node]] = {}
+        groups: dict[fx.Node, list[fx.Node]] = {}
         for p in block.params:
             if not self.tensors[p.name].requires_grad or p.name in self.expert_weights:
                 continue
             users = [u for u in p.users if u in members]
-            groups.setdefault(users[0].name if users else p.name, []).append(p)
+            groups.setdefault(users[0] if users else p, []).append(p)
         out = []
         for op, params in groups.items():
             elements = size = 0.0
@@ -619,13 +618,14 @@ class GraphProfile:
                 tensor = self.tensors[p.name]
                 elements += tensor.numel() / share(p)
                 size += tensor.numel() * tensor.element_size() / share(p)
-            split = 0.0
-            if op in self.split_linears:
-                node = next(n for n in block.nodes if n.name == op)
-                weight = node.args[1]
-                split = _tensor_bytes(self.tensors[weight.name]) if weight.name in self.tensors else 0.0
-            out.append(S.OpParams(op, tuple(p.name for p in params), elements, size, len(params), split))
+            split = self._split_weight_bytes(op) if op.name in self.split_linears else 0.0
+            out.append(S.OpParams(op.name, tuple(p.name for p in params), elements, size, len(params), split))
         return tuple(sorted(out, key=lambda o: (-o.param_bytes, o.op)))
+
+    def _split_weight_bytes(self, linear: fx.Node) -> float:
+        """The bytes of the weight operator splitting cuts in ``linear`` (a splittable linear)."""
+        weight = linear.args[1]
+        return _tensor_bytes(self.tensors[weight.name]) if weight.name in self.tensors else 0.0
 
 
 def _model_capacity(model: nn.Module) -> float | None:

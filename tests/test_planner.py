@@ -153,7 +153,9 @@ def test_per_operator_choices_price_each_part_at_its_own_stage(small_planner):
         mixed = priced(Choice(3, large_ops=k, rest_zero=1))
         assert mixed.state_bytes == pytest.approx(share * z3.state_bytes + (1 - share) * z1.state_bytes, rel=1e-12)
         assert mixed.transient_bytes == pytest.approx(share * z3.transient_bytes, rel=1e-12)
-        assert mixed.time_s >= z1.time_s  # the same compute, plus the gathered part's copies
+        # Priced (the cost model's figure, not a measurement): the same compute, plus the
+        # gathered part's copies.
+        assert mixed.time_s >= z1.time_s
     offered = S.choices_for(layer, layout, small_planner.costing)
     assert Choice(3, 2, large_ops=2, rest_zero=1) in offered  # the split goes with ZeRO-3's part
     assert all(c.zero > c.rest_zero for c in offered if c.mixed)

@@ -559,7 +559,7 @@ def test_lagrangian_on_a_grid_gives_a_valid_bound_and_a_fitting_plan(seed):
     best = brute_force(p)
     red = S._reduce(p, eliminate=False)
     warm = S._greedy_local_search(red)
-    bound, priced = S._lagrangian(red, red.objective(warm), time.perf_counter() + 10)
+    bound, priced = S._lagrangian(red, red.objective(warm), math.inf)  # ends after its rounds, whatever the machine
     assert bound <= best * (1 + 1e-9)
     if priced is not None:
         cost, peak = evaluate(p, red.recover(priced))
