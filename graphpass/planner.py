@@ -55,8 +55,9 @@ from graphpass.cost.compute import node_bytes, node_flops
 from graphpass.passes.collectives import is_collective
 from graphpass.passes.expert_parallel import ExpertRegion, expert_regions
 from graphpass.passes.split_operators import default_split
-from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_layout
+from graphpass.passes.tensor_parallel import EmittedCollective, TensorParallelError, layout as tp_layout
 from graphpass.ops import op_base
+from graphpass.repeats import condense
 from graphpass.plan import Choice, Plan, Strategy
 from graphpass.transitions import transition
 from graphpass.plan_builder import plan_from_choices, plan_from_strategy, uniform_stages
@@ -352,13 +353,9 @@ class GraphProfile:
                 weights = sum(_tensor_bytes(a.meta.get(meta.VAL)) for a in node.all_input_nodes if a.op == "get_attr")
                 has_backward = b > 0 or any(a in grad_nodes for a in node.all_input_nodes)
                 self.work[node.name] = (f, b, node_bytes(node) - weights, weights if has_backward else -weights)
-        self.saved = _saved_bytes_by_node(gm, inputs, flash_attention=cluster.device.kind == "cuda")
-        try:
-            working = _backward_bytes_by_block(gm, inputs, [b.nodes for b in self.blocks])
-        except Exception as exc:  # noqa: BLE001 - an estimate must not stop planning; said loudly
-            log.warning("the backward could not be simulated on fake tensors (%s: %s); predicted peaks "
-                        "leave out backward's working sets (the loss's gradients)", type(exc).__name__, exc)
-            working = [0.0] * len(self.blocks)
+        #: the graph with the interior of each run of identical layers cut out, or None
+        self.condensed = condense(gm, [b.nodes for b in self.blocks], [b.signature for b in self.blocks])
+        self.saved, working = self._simulate(inputs)
         self.backward_bytes = dict(zip((b.name for b in self.blocks), working))
         self.split_linears = set(default_split(gm, 2))
         # Mixture-of-Experts layers (what an ep axis would shard), by block; a model whose
@@ -375,6 +372,29 @@ class GraphProfile:
         # ep must divide every layer's experts; expert_loads need one count for all layers
         self.num_experts = math.gcd(*(r.num_experts for r in regions)) if regions else 0
         self.uniform_experts = len({r.num_experts for r in regions}) <= 1
+
+    def _simulate(self, inputs: Sequence[torch.Tensor]) -> tuple[dict[str, float], list[float]]:
+        """The fake-tensor runs: bytes saved for backward per node, and each block's backward
+        working set. Run on the graph with the interior of each run of identical layers cut out
+        (`graphpass.repeats`); a cut layer takes the figures of the layer standing in for it."""
+        full = [b.nodes for b in self.blocks]
+        condensed = self.condensed
+        gm, blocks, kept = self.gm, full, list(range(len(full)))
+        if condensed is not None:
+            gm = condensed.gm
+            kept = [i for i in kept if i not in condensed.stand_in]
+            blocks = [[condensed.node[n] for n in full[i]] for i in kept]
+        saved = _saved_bytes_by_node(gm, inputs, flash_attention=self.cluster.device.kind == "cuda")
+        try:
+            working = dict(zip(kept, _backward_bytes_by_block(gm, inputs, blocks)))
+        except Exception as exc:  # noqa: BLE001 - an estimate must not stop planning; said loudly
+            log.warning("the backward could not be simulated on fake tensors (%s: %s); predicted peaks "
+                        "leave out backward's working sets (the loss's gradients)", type(exc).__name__, exc)
+            working = {}
+        if condensed is None:
+            return saved, [working.get(i, 0.0) for i in range(len(full))]
+        by_node = {n.name: saved[c.name] for n, c in condensed.node.items() if c.name in saved}
+        return by_node, [working.get(condensed.stand_in.get(i, i), 0.0) for i in range(len(full))]
 
     def _attr(self, target: str) -> torch.Tensor:
         path, _, name = target.rpartition(".")
@@ -473,6 +493,25 @@ class GraphProfile:
         backward = max(flops_b * scale / divide / peak, 2 * moved / bandwidth) if has_backward else 0.0
         return forward, backward
 
+    def _tp_layout(self, tp: int, sequence_parallel: bool) -> tuple[dict[str, Any], list[EmittedCollective]]:
+        """The tensor-parallel pass's dry run at ``tp`` (`passes.tensor_parallel.layout`): each
+        node's placement and the collectives it emits. Run on the condensed graph where there is
+        one: the nodes of a cut layer take the placements and collectives of the layer standing
+        in for it."""
+        if self.condensed is None:
+            lay = tp_layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
+            return dict(lay.placements), list(lay.collectives)
+        gm = self.condensed.gm
+        lay = tp_layout(gm, _tp_plan(gm, tp, sequence_parallel))
+        standing: dict[str, list[fx.Node]] = defaultdict(list)
+        for n, c in self.condensed.node.items():
+            standing[c.name].append(n)
+        placements = {n.name: lay.placements[c.name] for n, c in self.condensed.node.items() if c.name in lay.placements}
+        emitted = [replace(c, anchor=n.name, layer=n.meta.get(meta.LAYER, c.layer))
+                   for c in lay.collectives for n in standing.get(c.anchor, ())]
+        emitted += [c for c in lay.collectives if c.anchor not in standing]
+        return placements, emitted
+
     def block_costs(self, tp: int, sequence_parallel: bool, batches: Sequence[int]) -> list[S.BlockCost]:
         """The blocks under tensor-parallel layout ``(tp, sequence_parallel)``, with compute times at
         every local batch in ``batches``.
@@ -485,13 +524,12 @@ class GraphProfile:
         copies: dict[str, list[tuple[str, float]]] = defaultdict(list)
         gathered: set[str] = set()
         if tp > 1:
-            lay = tp_layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
-            placements = lay.placements
+            placements, emitted = self._tp_layout(tp, sequence_parallel)
             # A sharded value that the pass all-gathers for replicated consumers is saved by them
             # whole, as gathered; sequence parallelism's gathers into column linears are
             # re-gathered in backward instead (the runtime keeps the shard, as Megatron does).
-            gathered = {c.anchor for c in lay.collectives if c.op == "tp_all_gather" and c.grad != "reduce_scatter"}
-            for c in lay.collectives:
+            gathered = {c.anchor for c in emitted if c.op == "tp_all_gather" and c.grad != "reduce_scatter"}
+            for c in emitted:
                 block = self.owner.get(c.anchor, self.blocks[0])
                 entry = transition(c.op, grad=c.grad)
                 for move in entry.collectives:
