@@ -1479,9 +1479,18 @@ class _MemoryPriced:
         self.edges = list(red.edges())
         self.messages = _Messages(red)
         self.series_parallel = True
+        self.calls, self.seconds = 0, 0.0  # of `minimise`, for callers sizing their rounds
 
     def minimise(self, lam: np.ndarray, deadline: float) -> tuple[float, dict[int, int]] | None:
         """(L(lam), the minimiser), or None at ``deadline`` inside message passing."""
+        began = time.perf_counter()
+        try:
+            return self._minimise(lam, deadline)
+        finally:
+            self.calls += 1
+            self.seconds += time.perf_counter() - began
+
+    def _minimise(self, lam: np.ndarray, deadline: float) -> tuple[float, dict[int, int]] | None:
         red, live = self.red, self.live
         prefix = np.concatenate([[0.0], np.cumsum(lam)])
         cost = {n: red.cost[n] for n in live}
@@ -1604,6 +1613,8 @@ def _price_search(red: _Reduced, priced: _MemoryPriced, lam: np.ndarray, incumbe
     # the price at which all the rows' room costs what the incumbent does: for a start from none
     unit = max(abs(red.objective(incumbent)), 1.0) / max(float(np.abs(red.rhs).sum()), 1.0)
     first, steps = True, 0
+    if priced.calls and deadline - time.perf_counter() < _PRICE_MIN_STEPS * priced.seconds / priced.calls:
+        return incumbent  # too few steps fit: the windows get the time
     while time.perf_counter() < deadline and (max_steps is None or steps < max_steps):
         began, steps = time.perf_counter(), steps + 1
         found = priced.minimise(lam, deadline)
