@@ -536,9 +536,12 @@ def _grid(rng: random.Random, side: int, num_strategies: int, limit_frac: float 
     return Problem(nodes, edges, memory_limit_bytes=limit)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-edge-at-a-time", "stacked"])
 @pytest.mark.parametrize("seed", range(4))
-def test_message_passing_bounds_a_grid_and_decodes_an_assignment(seed):
-    # 3 x 3 grid, 3 strategies: 19,683 assignments, brute-forced.
+def test_message_passing_bounds_a_grid_and_decodes_an_assignment(seed, stacked, monkeypatch):
+    # 3 x 3 grid, 3 strategies: 19,683 assignments, brute-forced. Stacked: the edges updated in
+    # groups that share no node (`_StackedMessages`, used on graphs of 5,000 edges or more).
+    monkeypatch.setattr(S, "_STACKED_EDGES", 0 if stacked else 10**9)
     p = _grid(random.Random(seed), 3, 3, None)
     best = brute_force(p)
     red = S._unreduced(S._validate(p))
@@ -553,8 +556,10 @@ def test_message_passing_bounds_a_grid_and_decodes_an_assignment(seed):
     assert red.objective(choice) >= best * (1 - 1e-9)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-edge-at-a-time", "stacked"])
 @pytest.mark.parametrize("seed", range(4))
-def test_lagrangian_on_a_grid_gives_a_valid_bound_and_a_fitting_plan(seed):
+def test_lagrangian_on_a_grid_gives_a_valid_bound_and_a_fitting_plan(seed, stacked, monkeypatch):
+    monkeypatch.setattr(S, "_STACKED_EDGES", 0 if stacked else 10**9)
     p = _grid(random.Random(seed), 3, 3, 0.3)
     best = brute_force(p)
     red = S._reduce(p, eliminate=False)
