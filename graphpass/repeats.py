@@ -63,6 +63,8 @@ def condense(gm: fx.GraphModule, blocks: Sequence[Sequence[fx.Node]],
     graph = fx.Graph()
     node: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
+        if n in counterpart and counterpart[n] not in node:
+            return None  # a cut node before the node standing in for it: not a plain run
         if n in counterpart:
             node[n] = node[counterpart[n]]
         elif not (n.op == "get_attr" and n.users and all(u in counterpart for u in n.users)):
