@@ -1597,7 +1597,8 @@ class _MemoryPriced:
 
 
 def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 200,
-                priced: _MemoryPriced | None = None) -> tuple[float, dict[int, int] | None, np.ndarray]:
+                priced: _MemoryPriced | None = None, stop: threading.Event | None = None
+                ) -> tuple[float, dict[int, int] | None, np.ndarray]:
     """A lower bound on the optimum by Lagrangian relaxation of the memory rows, the cheapest
     memory-feasible assignment met on the way (None if none), and the multipliers of the bound.
 
@@ -1628,7 +1629,7 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 
     # The rounds leave a fifth of the time for pricing memory above the dual and repairing.
     rounds_until = time.perf_counter() + 0.8 * max(0.0, deadline - time.perf_counter())
     for _ in range(max_rounds):
-        if time.perf_counter() >= rounds_until:
+        if time.perf_counter() >= rounds_until or (stop is not None and stop.is_set()):
             break
         found = inner(lam)
         if found is None:  # the deadline, inside message passing
@@ -1655,7 +1656,7 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 
     if best_lam.any() and (feasible[1] is None or feasible[0] > best * (1 + 1e-6)):
         lo, hi = 1.0, None
         for _ in range(24):
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
                 break
             scale = 2 * lo if hi is None else (lo + hi) / 2
             found = inner(best_lam * scale)
@@ -1680,7 +1681,8 @@ _PRICE_MIN_STEPS = 20
 
 
 def _price_search(red: _Reduced, priced: _MemoryPriced, lam: np.ndarray, incumbent: dict[int, int],
-                  deadline: float, max_steps: int | None = None) -> dict[int, int]:
+                  deadline: float, max_steps: int | None = None, stop: threading.Event | None = None
+                  ) -> dict[int, int]:
     """The cheapest fitting assignment met on a walk over memory prices, or ``incumbent``.
 
     From the Lagrangian's multipliers, each step minimises the priced problem
@@ -1702,7 +1704,7 @@ def _price_search(red: _Reduced, priced: _MemoryPriced, lam: np.ndarray, incumbe
     first, steps = True, 0
     if priced.calls and deadline - time.perf_counter() < _PRICE_MIN_STEPS * priced.seconds / priced.calls:
         return incumbent  # too few steps fit: the windows get the time
-    while time.perf_counter() < deadline and (max_steps is None or steps < max_steps):
+    while time.perf_counter() < deadline and (max_steps is None or steps < max_steps) and not (stop and stop.is_set()):
         began, steps = time.perf_counter(), steps + 1
         found = priced.minimise(lam, deadline)
         if found is None:
@@ -1735,10 +1737,12 @@ def _better(red: _Reduced, a: dict[int, int], b: dict[int, int], live: Sequence[
 
 def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, windows_from: float):
     """The whole MILP in its thread until ``deadline``; if it has not finished by
-    ``windows_from``, the windows (:func:`_large_neighbourhoods`) improve ``warm`` on the other
-    core meanwhile, stopping when the MILP ends. HiGHS may find no incumbent at all on tens of
-    thousands of nodes (IOPDDL D and Q: none in 60 s), and then the windows' answer is what is
-    returned. Returns the MILP's ``(choice, optimal, bound)`` and the improved warm answer."""
+    ``windows_from``, the other core improves ``warm`` meanwhile as the windows path does (the
+    Lagrangian's priced answer, the price search, the windows), stopping when the MILP ends.
+    HiGHS may find no incumbent at all on tens of thousands of nodes (IOPDDL D and Q: none in
+    60 s), and then that answer is what is returned (D 1.08 -> 1.00, Q 1.19 -> 1.00 of the best
+    known with the Lagrangian; the windows alone got no further). Returns the MILP's
+    ``(choice, optimal, bound)``, the bound raised to the Lagrangian's, and the improved answer."""
     done = threading.Event()
     result: dict = {}
 
@@ -1751,15 +1755,27 @@ def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, win
 
     thread = threading.Thread(target=whole, daemon=True)
     thread.start()
+    lagrangian = -math.inf
     if not done.wait(max(0.0, windows_from - time.perf_counter())):
+        # The MILP holds one core; on the other, what the windows path does: the Lagrangian's
+        # priced answer and the price search, then the windows. All stop when the MILP ends.
+        live = red.live_nodes()
+        if len(red.rhs):
+            prices = _MemoryPriced(red)
+            until = time.perf_counter() + _LAGRANGIAN_SHARE * max(0.0, deadline - time.perf_counter())
+            lagrangian, priced, lam = _lagrangian(red, red.objective(warm), until, priced=prices, stop=done)
+            if priced is not None:
+                warm = _better(red, warm, _greedy_local_search(red, deadline=until, initial=priced), live)
+            if lam.any():
+                share = time.perf_counter() + _PRICE_SHARE * max(0.0, deadline - time.perf_counter())
+                warm = _price_search(red, prices, lam, warm, share, stop=done)
         # The windows stop a little early: recovering and checking the answer takes time too.
-        # The MILP holds one core: the windows take the rest.
         polished = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * (deadline - time.perf_counter())),
                                          stop=done, threads=max(1, _LNS_THREADS - 1))
-        warm = _better(red, warm, polished, red.live_nodes())
+        warm = _better(red, warm, polished, live)
     thread.join(max(0.0, deadline + 2 * _DEADLINE_GRACE_S - time.perf_counter()))
     choice, optimal, bound = result.get("out", (None, False, -math.inf))
-    return choice, optimal, bound, warm
+    return choice, optimal, max(bound, lagrangian), warm
 
 
 def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs") -> Solution:
