@@ -274,7 +274,7 @@ def test_lagrangian_bound_never_exceeds_the_optimum_and_its_plan_fits(seed):
     best = brute_force(p)
     red = S._reduce(p)
     warm = S._greedy_local_search(red)
-    bound, priced, _ = S._lagrangian(red, red.objective(warm), time.perf_counter() + 10)
+    bound, priced, _ = S._lagrangian(red, red.objective(warm), math.inf)  # ends after its rounds, whatever the machine
     assert red.lower_bound() <= bound <= best * (1 + 1e-9)
     if priced is not None:
         cost, peak = evaluate(p, red.recover(priced))
