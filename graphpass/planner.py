@@ -373,17 +373,20 @@ class GraphProfile:
         self.num_experts = math.gcd(*(r.num_experts for r in regions)) if regions else 0
         self.uniform_experts = len({r.num_experts for r in regions}) <= 1
 
+    def _graph_to_run(self) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node], dict[int, int]]:
+        """The graph the fake-tensor runs and the tensor-parallel dry runs work on, each original
+        node's node in it (itself, or its stand-in's), and each cut block's stand-in block: the
+        condensed graph (`graphpass.repeats`), or the whole one where nothing is cut."""
+        if self.condensed is None:
+            return self.gm, {n: n for n in self.gm.graph.nodes}, {}
+        return self.condensed.gm, self.condensed.node, self.condensed.stand_in
+
     def _simulate(self, inputs: Sequence[torch.Tensor]) -> tuple[dict[str, float], list[float]]:
         """The fake-tensor runs: bytes saved for backward per node, and each block's backward
-        working set. Run on the graph with the interior of each run of identical layers cut out
-        (`graphpass.repeats`); a cut layer takes the figures of the layer standing in for it."""
-        full = [b.nodes for b in self.blocks]
-        condensed = self.condensed
-        gm, blocks, kept = self.gm, full, list(range(len(full)))
-        if condensed is not None:
-            gm = condensed.gm
-            kept = [i for i in kept if i not in condensed.stand_in]
-            blocks = [[condensed.node[n] for n in full[i]] for i in kept]
+        working set. A cut layer takes the figures of the layer standing in for it."""
+        gm, node, stand_in = self._graph_to_run()
+        kept = [i for i in range(len(self.blocks)) if i not in stand_in]
+        blocks = [[node[n] for n in self.blocks[i].nodes] for i in kept]
         saved = _saved_bytes_by_node(gm, inputs, flash_attention=self.cluster.device.kind == "cuda")
         try:
             working = dict(zip(kept, _backward_bytes_by_block(gm, inputs, blocks)))
@@ -391,10 +394,8 @@ class GraphProfile:
             log.warning("the backward could not be simulated on fake tensors (%s: %s); predicted peaks "
                         "leave out backward's working sets (the loss's gradients)", type(exc).__name__, exc)
             working = {}
-        if condensed is None:
-            return saved, [working.get(i, 0.0) for i in range(len(full))]
-        by_node = {n.name: saved[c.name] for n, c in condensed.node.items() if c.name in saved}
-        return by_node, [working.get(condensed.stand_in.get(i, i), 0.0) for i in range(len(full))]
+        by_node = {n.name: saved[c.name] for n, c in node.items() if c.name in saved}
+        return by_node, [working.get(stand_in.get(i, i), 0.0) for i in range(len(self.blocks))]
 
     def _attr(self, target: str) -> torch.Tensor:
         path, _, name = target.rpartition(".")
@@ -495,19 +496,15 @@ class GraphProfile:
 
     def _tp_layout(self, tp: int, sequence_parallel: bool) -> tuple[dict[str, Any], list[EmittedCollective]]:
         """The tensor-parallel pass's dry run at ``tp`` (`passes.tensor_parallel.layout`): each
-        node's placement and the collectives it emits. Run on the condensed graph where there is
-        one: the nodes of a cut layer take the placements and collectives of the layer standing
-        in for it."""
-        if self.condensed is None:
-            lay = tp_layout(self.gm, _tp_plan(self.gm, tp, sequence_parallel))
-            return dict(lay.placements), list(lay.collectives)
-        gm = self.condensed.gm
+        node's placement and the collectives it emits. The nodes of a cut layer take the
+        placements and collectives of the layer standing in for it."""
+        gm, node, _ = self._graph_to_run()
         lay = tp_layout(gm, _tp_plan(gm, tp, sequence_parallel))
         standing: dict[str, list[fx.Node]] = defaultdict(list)
-        for n, c in self.condensed.node.items():
+        for n, c in node.items():
             standing[c.name].append(n)
-        placements = {n.name: lay.placements[c.name] for n, c in self.condensed.node.items() if c.name in lay.placements}
-        emitted = [replace(c, anchor=n.name, layer=n.meta.get(meta.LAYER, c.layer))
+        placements = {n.name: lay.placements[c.name] for n, c in node.items() if c.name in lay.placements}
+        emitted = [c if n.name == c.anchor else replace(c, anchor=n.name, layer=n.meta.get(meta.LAYER, c.layer))
                    for c in lay.collectives for n in standing.get(c.anchor, ())]
         emitted += [c for c in lay.collectives if c.anchor not in standing]
         return placements, emitted
