@@ -107,6 +107,7 @@ deadline is enforced here: past it the solve is interrupted and the heuristic re
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -1427,22 +1428,16 @@ class _Messages:
             pairs = {(u, v): m - mu[:, None] - mv[None, :] for (u, v, m), mu, mv in zip(edges, to_u, to_v)}
             return value, belief, pairs
 
-        best = bound()
-        for _ in range(max_sweeps):
-            for i, (u, v, m) in enumerate(edges):
-                if i % 256 == 0 and time.perf_counter() >= deadline:
-                    return result(max(best, bound()))
-                bu = belief[u] - to_u[i]  # the rest of u's belief, without this edge
-                bv = belief[v] - to_v[i]
-                new_u = 0.5 * ((m + bv[None, :]).min(axis=1) - bu)
-                new_v = 0.5 * ((m + bu[:, None]).min(axis=0) - bv)
-                belief[u], belief[v] = bu + new_u, bv + new_v
-                to_u[i], to_v[i] = new_u, new_v
-            value = bound()
-            if value <= best + 1e-9 * abs(best):
-                return result(max(best, value))
-            best = value
-        return result(best)
+        def update(i: int) -> None:
+            u, v, m = edges[i]
+            bu = belief[u] - to_u[i]  # the rest of u's belief, without this edge
+            bv = belief[v] - to_v[i]
+            new_u = 0.5 * ((m + bv[None, :]).min(axis=1) - bu)
+            new_v = 0.5 * ((m + bu[:, None]).min(axis=0) - bv)
+            belief[u], belief[v] = bu + new_u, bv + new_v
+            to_u[i], to_v[i] = new_u, new_v
+
+        return result(_ascend(bound, [functools.partial(update, i) for i in range(len(edges))], deadline, max_sweeps))
 
 
 class _StackedMessages:
@@ -1486,17 +1481,25 @@ class _StackedMessages:
             pairs = {key: m for g in self.groups for key, m in zip(g.keys, g.pairs())}
             return value, beliefs, pairs
 
-        best = bound()
-        for _ in range(max_sweeps):
-            for g in self.groups:
-                if time.perf_counter() >= deadline:
-                    return result(max(best, bound()))
-                g.update(belief)
-            value = bound()
-            if value <= best + 1e-9 * abs(best):
-                return result(max(best, value))
-            best = value
-        return result(best)
+        return result(_ascend(bound, [functools.partial(g.update, belief) for g in self.groups], deadline, max_sweeps))
+
+
+def _ascend(bound: Callable[[], float], updates: Sequence[Callable[[], None]], deadline: float,
+            max_sweeps: int) -> float:
+    """Message passing's outer loop: sweeps of ``updates`` (each a block-coordinate step that
+    never lowers ``bound()``) until ``deadline`` (checked between steps), ``max_sweeps`` or a
+    sweep that raises the bound by nothing; returns the best bound seen."""
+    best = bound()
+    for _ in range(max_sweeps):
+        for step in updates:
+            if time.perf_counter() >= deadline:
+                return max(best, bound())
+            step()
+        value = bound()
+        if value <= best + 1e-9 * abs(best):
+            return max(best, value)
+        best = value
+    return best
 
 
 class _EdgeGroup:
@@ -1735,6 +1738,30 @@ def _better(red: _Reduced, a: dict[int, int], b: dict[int, int], live: Sequence[
     return b if red.objective(b) < red.objective(a) else a
 
 
+def _priced_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, windows_until: float,
+                        stop: threading.Event | None = None, threads: int = _LNS_THREADS
+                        ) -> tuple[float, dict[int, int]]:
+    """What a problem too big for one MILP gets, and the core beside a whole MILP: the
+    Lagrangian (its bound, and its priced answer polished by 1-opt), the price search from its
+    multipliers, then the windows until ``windows_until``, each improving ``warm``; all stop
+    when ``stop`` is set. Returns the Lagrangian's bound and the best answer (one that fits
+    where any of them does)."""
+    live = red.live_nodes()
+
+    def share(fraction: float) -> float:
+        now = time.perf_counter()
+        return now + fraction * max(0.0, deadline - now)
+
+    prices = _MemoryPriced(red)
+    bound, priced, lam = _lagrangian(red, red.objective(warm), share(_LAGRANGIAN_SHARE), priced=prices, stop=stop)
+    if priced is not None:
+        warm = _better(red, warm, _greedy_local_search(red, deadline=share(0.1), initial=priced), live)
+    if lam.any():
+        warm = _price_search(red, prices, lam, warm, share(_PRICE_SHARE), stop=stop)
+    polished = _large_neighbourhoods(red, warm, windows_until, stop=stop, threads=threads)
+    return bound, _better(red, warm, polished, live)
+
+
 def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, windows_from: float):
     """The whole MILP in its thread until ``deadline``; if it has not finished by
     ``windows_from``, the other core improves ``warm`` meanwhile as the windows path does (the
@@ -1757,22 +1784,9 @@ def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, win
     thread.start()
     lagrangian = -math.inf
     if not done.wait(max(0.0, windows_from - time.perf_counter())):
-        # The MILP holds one core; on the other, what the windows path does: the Lagrangian's
-        # priced answer and the price search, then the windows. All stop when the MILP ends.
-        live = red.live_nodes()
-        if len(red.rhs):
-            prices = _MemoryPriced(red)
-            until = time.perf_counter() + _LAGRANGIAN_SHARE * max(0.0, deadline - time.perf_counter())
-            lagrangian, priced, lam = _lagrangian(red, red.objective(warm), until, priced=prices, stop=done)
-            if priced is not None:
-                warm = _better(red, warm, _greedy_local_search(red, deadline=until, initial=priced), live)
-            if lam.any():
-                share = time.perf_counter() + _PRICE_SHARE * max(0.0, deadline - time.perf_counter())
-                warm = _price_search(red, prices, lam, warm, share, stop=done)
-        # The windows stop a little early: recovering and checking the answer takes time too.
-        polished = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * (deadline - time.perf_counter())),
-                                         stop=done, threads=max(1, _LNS_THREADS - 1))
-        warm = _better(red, warm, polished, live)
+        # The MILP holds one core: the rest of the work takes the other.
+        lagrangian, warm = _priced_and_windows(red, warm, deadline, deadline - min(1.0, 0.02 * (
+            deadline - time.perf_counter())), stop=done, threads=max(1, _LNS_THREADS - 1))
     thread.join(max(0.0, deadline + 2 * _DEADLINE_GRACE_S - time.perf_counter()))
     choice, optimal, bound = result.get("out", (None, False, -math.inf))
     return choice, optimal, max(bound, lagrangian), warm
@@ -1816,24 +1830,16 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
     dual, belief, pairs = _Messages(red).run({n: red.cost[n] for n in live}, share(_DUAL_SHARE))
     warm = _better(red, warm, _dual_decode(red, belief, pairs, share(0.1)), live)
     if _model_size(red) > _FULL_MODEL_SIZE:
-        # Too big for one MILP in time: improve the heuristic window by window. Its gap is to
-        # the lower bound, as no solver bound covers the whole problem.
-        prices = _MemoryPriced(red)
-        bound, priced, lam = _lagrangian(red, red.objective(warm), share(_LAGRANGIAN_SHARE), priced=prices)
+        # Too big for one MILP in time: the Lagrangian, the price search and the windows improve
+        # the heuristic. Its gap is to the lower bound, as no solver bound covers the whole
+        # problem. The windows stop a little early: recovering and checking the answer takes time
+        # too. They are HiGHS MILPs whichever backend was asked for (CP-SAT needs a hint per node,
+        # and a window is small enough for HiGHS to prove).
+        bound, choice = _priced_and_windows(red, warm, deadline, deadline - min(1.0, 0.02 * time_limit_s))
         bound = max(bound, dual)
-        if priced is not None:
-            priced = _greedy_local_search(red, deadline=share(0.1), initial=priced)
-            if red.objective(priced) < (red.objective(warm) if _fits(red, warm, live) else math.inf):
-                warm = priced
-        if lam.any():
-            warm = _price_search(red, prices, lam, warm, share(_PRICE_SHARE))
-        # The windows stop a little early: recovering and checking the answer takes time too.
-        choice = _large_neighbourhoods(red, warm, deadline - min(1.0, 0.02 * time_limit_s))
-        # The windows are HiGHS MILPs whichever backend was asked for (CP-SAT needs a hint per
-        # node, and a window is small enough for HiGHS to prove).
         sol = _solution(problem, red, choice, bound=bound, start=start, solver="highs windows")
-        log.info("solved %d nodes (%d after reduction) by windows in %.2f s: cost %.6g s (%.6g s before "
-                 "the windows), lower bound %.6g s, gap %.3g",
+        log.info("solved %d nodes (%d after reduction) by windows in %.2f s: cost %.6g s (%.6g s from "
+                 "the greedy pass and message passing), lower bound %.6g s, gap %.3g",
                  len(problem.nodes), len(live), sol.seconds, sol.cost_s, red.objective(warm), bound, sol.gap)
         return sol
     run = _run_highs if solver == "highs" else _run_cpsat
