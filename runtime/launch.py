@@ -57,6 +57,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from graphpass.runtime.mesh import release_at_exit
+
 __all__ = ["RankError", "RankPool", "free_port", "in_torchrun", "init_from_env", "launch"]
 
 logger = logging.getLogger(__name__)
@@ -211,6 +213,7 @@ def launch(
                 "torchrun's --nproc-per-node"
             )
         init_from_env(backend=backend)
+        release_at_exit()
         result = fn(*args)
         gathered: list = [None] * world_size
         dist.all_gather_object(gathered, result)
