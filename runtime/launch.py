@@ -186,7 +186,9 @@ def launch(
     Each rank runs with an initialised default process group. Outside torchrun this
     spawns the ranks, runs ``fn`` once and shuts them down. Under torchrun (see
     ``in_torchrun``) nothing is spawned: this process joins the group (``init_from_env``),
-    runs ``fn`` itself and all-gathers every rank's result, so every rank gets the list.
+    runs ``fn`` itself and all-gathers every rank's result, so every rank gets the list; the
+    group stays for the rest of the script and is destroyed at its normal exit
+    (:func:`graphpass.runtime.mesh.release_at_exit`).
 
     Args:
         fn: Module-level, picklable function.

@@ -267,3 +267,30 @@ def _is_running(pid):
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+_EXIT_WITH_GROUP = textwrap.dedent("""
+    import atexit, sys
+    import torch.distributed as dist
+    from graphpass.runtime.launch import free_port
+    from graphpass.runtime.mesh import release_at_exit
+    # registered first, so it runs after graphpass's handler (atexit is last in, first out)
+    atexit.register(lambda: print("GROUP AFTER RELEASE", dist.is_initialized(), flush=True))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    release_at_exit()
+    release_at_exit()  # once only, however many programs ask
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the script failed")
+""")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["normal", "raise"])
+def test_process_groups_are_destroyed_at_a_normal_exit_only(how):
+    """Gloo groups left to interpreter finalization can abort the process at exit (SIGABRT after
+    correct training): a normal exit destroys them first. After an uncaught exception they stay:
+    destroying a group whose threads wait on a failed peer would hold the exit."""
+    returncode, out = _run_bounded([sys.executable, "-c", _EXIT_WITH_GROUP, how], timeout_s=60)
+    assert returncode == (0 if how == "normal" else 1), out
+    assert f"GROUP AFTER RELEASE {how == 'raise'}" in out, out
+    assert out.count("GROUP AFTER RELEASE") == 1, out
