@@ -1524,8 +1524,111 @@ class _EdgeGroup:
         self.to_u, self.to_v = new_u, new_v
 
 
+class _Sweeps:
+    """Best-improvement 1-opt moves on the pairwise part (no memory rows), many nodes at a time.
+
+    The live nodes are coloured so that no two of a colour share an edge; all the nodes of one
+    colour move at once, each to its best strategy given its neighbours, none of which moves
+    with it, so every step is as exact as one node's. Edges are stacked by shape and strategies
+    laid end to end (node ``i``'s at ``start[i]..start[i] + sizes[i]``), so a colour's step is a
+    few array operations per edge shape instead of a Python loop over nodes and edges. A move
+    is judged by the forbidden pairs it touches, then by cost, as in
+    :func:`_greedy_local_search`. On IOPDDL R (10k reduced nodes, 24k edges, 4 colours) two
+    1-opt descents take 0.1-0.2 s where the node-by-node passes took ~1 s.
+    """
+
+    def __init__(self, red: _Reduced):
+        import networkx as nx
+
+        self.live = live = red.live_nodes()
+        row = {n: i for i, n in enumerate(live)}
+        self.sizes = np.array([len(red.cost[n]) for n in live], dtype=np.int64)
+        self.start = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        by_shape: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        graph = nx.Graph()
+        graph.add_nodes_from(range(len(live)))
+        for u, v, m in red.edges():
+            graph.add_edge(row[u], row[v])
+            by_shape[m.shape].append((u, v))
+        colour_of = nx.greedy_color(graph, strategy="largest_first")
+        colour = np.array([colour_of[i] for i in range(len(live))], dtype=np.int64)
+        self.classes = [np.flatnonzero(colour == c) for c in range(int(colour.max(initial=-1)) + 1)]
+        self.keys = [keys for keys in by_shape.values()]
+        self.ends = [(np.array([row[u] for u, _ in keys]), np.array([row[v] for _, v in keys])) for keys in self.keys]
+        # per colour: its nodes' strategies (flat positions), where each node's run begins among
+        # them, and per shape the edges whose u, and whose v, has that colour
+        self.flat = [np.concatenate([np.arange(self.start[i], self.start[i] + self.sizes[i]) for i in nodes])
+                     if len(nodes) else np.zeros(0, dtype=np.int64) for nodes in self.classes]
+        self.runs = [np.concatenate([[0], np.cumsum(self.sizes[nodes])[:-1]]).astype(np.int64) for nodes in self.classes]
+        self.touch = [[(np.flatnonzero(colour[u] == c), np.flatnonzero(colour[v] == c)) for u, v in self.ends]
+                      for c in range(len(self.classes))]
+
+    def laid_out(self, cost: Mapping[int, np.ndarray]) -> np.ndarray:
+        """Node costs end to end, in live-node order."""
+        return np.concatenate([np.asarray(cost[n], dtype=float) for n in self.live]) if self.live else np.zeros(0)
+
+    def stacked(self, matrices: Mapping[tuple[int, int], np.ndarray]) -> list[np.ndarray]:
+        """Edge matrices ``matrices[(u, v)]`` stacked by shape, in this object's order."""
+        return [np.stack([matrices[key] for key in keys]) for keys in self.keys]
+
+    def _first_min(self, key: np.ndarray, runs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Per run of ``key`` (runs begin at ``runs``, ``sizes`` long), the index of its first minimum."""
+        least = np.minimum.reduceat(key, runs)
+        at = np.where(key <= np.repeat(least, sizes), np.arange(len(key)), len(key))
+        return np.minimum.reduceat(at, runs) - runs
+
+    def argmin(self, cost: np.ndarray) -> np.ndarray:
+        """Each live node's cheapest strategy of laid-out ``cost``."""
+        return self._first_min(cost, self.start, self.sizes)
+
+    def descend(self, cost: np.ndarray, matrices: Sequence[np.ndarray], choice: np.ndarray, deadline: float,
+                max_sweeps: int = 20) -> np.ndarray:
+        """1-opt from ``choice`` (a strategy per live node) on laid-out node ``cost`` and the edge
+        ``matrices`` (as :meth:`stacked`), until a sweep moves nothing, ``max_sweeps`` or ``deadline``."""
+        choice = choice.copy()
+        total = np.zeros(len(cost))
+        bad = np.zeros(len(cost))
+        for _ in range(max_sweeps):
+            moved = False
+            for nodes, flat, runs, touch in zip(self.classes, self.flat, self.runs, self.touch):
+                if time.perf_counter() > deadline:
+                    return choice
+                total[flat], bad[flat] = cost[flat], 0.0
+                for (u, v), m, (on_u, on_v) in zip(self.ends, matrices, touch):
+                    if len(on_u):
+                        self._add(total, bad, self.start[u[on_u]], m[on_u, :, choice[v[on_u]]])
+                    if len(on_v):
+                        self._add(total, bad, self.start[v[on_v]], m[on_v, choice[u[on_v]], :])
+                here_total, here_bad, sizes = total[flat], bad[flat], self.sizes[nodes]
+                fewest = np.repeat(np.minimum.reduceat(here_bad, runs), sizes)
+                pick = self._first_min(np.where(here_bad == fewest, here_total, np.inf), runs, sizes)
+                now = runs + choice[nodes]
+                new = runs + pick
+                better = (here_bad[new] < here_bad[now]) | (
+                    (here_bad[new] == here_bad[now])
+                    & (here_total[new] + 1e-12 * np.abs(here_total[new]) < here_total[now]))
+                if better.any():
+                    choice[nodes[better]] = pick[better]
+                    moved = True
+            if not moved:
+                break
+        return choice
+
+    @staticmethod
+    def _add(total: np.ndarray, bad: np.ndarray, begins: np.ndarray, part: np.ndarray) -> None:
+        """Add each row of ``part`` (a node's strategies against one chosen neighbour) at its
+        node's strategies; forbidden pairs count in ``bad`` instead."""
+        at = (begins[:, None] + np.arange(part.shape[1])).ravel()
+        part = part.ravel()
+        forbidden = np.isinf(part)
+        np.add.at(total, at, np.where(forbidden, 0.0, part))
+        if forbidden.any():
+            np.add.at(bad, at, forbidden)
+
+
 def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping[tuple[int, int], np.ndarray],
-                 deadline: float) -> dict[int, int]:
+                 deadline: float, sweeps: _Sweeps | None = None, edge_stacks: Sequence[np.ndarray] = ()
+                 ) -> dict[int, int]:
     """An assignment read off the reparametrised costs of :class:`_Messages`: the greedy pass and
     its 1-opt moves run on :math:`\theta'` (nodes most decided by their beliefs first), where the
     edges' costs already sit on the nodes, so a node's local choice sees what its far neighbours
@@ -1544,9 +1647,16 @@ def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping
         b = np.sort(belief[n][np.isfinite(belief[n])])
         return float(b[1] - b[0]) if len(b) > 1 else math.inf
 
-    decoded = _greedy_local_search(replace(red, cost=cost, adj=adj), deadline=deadline,
-                                   order=sorted(live, key=margin, reverse=True))
-    return _greedy_local_search(red, deadline=deadline, initial=decoded)
+    order = sorted(live, key=margin, reverse=True)
+    if sweeps is None:
+        decoded = _greedy_local_search(replace(red, cost=cost, adj=adj), deadline=deadline, order=order)
+        return _greedy_local_search(red, deadline=deadline, initial=decoded)
+    # the greedy pass node by node (its order is what makes the decode good), its 1-opt moves by sweeps
+    greedy = _greedy_local_search(replace(red, cost=cost, adj=adj), max_rounds=0, deadline=deadline, order=order)
+    x = np.array([greedy[n] for n in sweeps.live])
+    x = sweeps.descend(sweeps.laid_out(belief), sweeps.stacked(pairs), x, deadline)
+    x = sweeps.descend(sweeps.laid_out(red.cost), edge_stacks, x, deadline)
+    return {n: int(s) for n, s in zip(sweeps.live, x)}
 
 
 class _MemoryPriced:
@@ -1568,6 +1678,9 @@ class _MemoryPriced:
         self.members = [n for n in self.live if red.pieces[n]]
         self.edges = list(red.edges())
         self.messages = _Messages(red)
+        # large graphs decode by sweeps of many nodes at once (built on the first decode)
+        self.sweeps: _Sweeps | None = None
+        self.edge_stacks: list[np.ndarray] = []
         self.series_parallel = True
         self.calls, self.seconds = 0, 0.0  # of `minimise`, for callers sizing their rounds
 
@@ -1594,9 +1707,20 @@ class _MemoryPriced:
                 return None
             priced = replace(red, cost=[cost.get(n, c) for n, c in enumerate(red.cost)], rhs=np.zeros(0),
                              pieces=[[] for _ in red.names])  # no memory rows: their price is in the costs
-            return value - float(lam @ red.rhs), _dual_decode(priced, belief, pairs, deadline)
+            return value - float(lam @ red.rhs), self._decode(priced, belief, pairs, deadline)
         value = sum(float(cost[n][x[n]]) for n in live) + sum(float(m[x[u], x[v]]) for u, v, m in self.edges)
         return value - float(lam @ red.rhs), x
+
+    def _decode(self, priced: _Reduced, belief: Mapping[int, np.ndarray],
+                pairs: Mapping[tuple[int, int], np.ndarray], deadline: float) -> dict[int, int]:
+        """:func:`_dual_decode` of the priced problem; on graphs of :data:`_STACKED_EDGES` edges
+        and more its 1-opt moves are :class:`_Sweeps` (built on the first call)."""
+        if len(self.edges) < _STACKED_EDGES:
+            return _dual_decode(priced, belief, pairs, deadline)
+        if self.sweeps is None:
+            self.sweeps = _Sweeps(self.red)
+            self.edge_stacks = self.sweeps.stacked({(u, v): m for u, v, m in self.edges})
+        return _dual_decode(priced, belief, pairs, deadline, self.sweeps, self.edge_stacks)
 
 
 def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 200,

@@ -7,6 +7,7 @@ import random
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from graphpass.cost import solver as S
@@ -591,3 +592,47 @@ def test_price_search_finds_cheaper_fitting_plans_than_the_lagrangians(strategie
     cost, peak = evaluate(p, red.recover(found))
     assert peak <= p.memory_limit_bytes * (1 + 1e-9)
     assert best * (1 - 1e-9) <= cost < red.objective(start) * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sweeps_end_where_no_single_node_move_helps(seed):
+    """`_Sweeps` moves every node of a colour at once (large graphs' decode). Its result must be
+    what node-by-node 1-opt would accept as final: no node has a strategy with fewer forbidden
+    pairs, or as few and a lower cost, given its neighbours. Strategy counts differ from node to
+    node (the laid-out runs) and some pairs are forbidden."""
+    rng = random.Random(seed)
+    side = 6
+    sizes = {(r, c): rng.randint(1, 5) for r in range(side) for c in range(side)}
+    nodes = [Node(f"g{r}_{c}", [rng.uniform(0, 10) for _ in range(k)], [1.0] * k) for (r, c), k in sizes.items()]
+    edges = []
+    for (r, c) in sizes:
+        for r2, c2 in ((r + 1, c), (r, c + 1), (r + 1, c + 1)):
+            if (r2, c2) in sizes:
+                edges.append(Edge(f"g{r}_{c}", f"g{r2}_{c2}", [[math.inf if rng.random() < 0.15 else rng.uniform(0, 8)
+                                                                 for _ in range(sizes[r2, c2])] for _ in range(sizes[r, c])]))
+    red = S._unreduced(S._validate(Problem(nodes, edges, forbidden_cost_s=math.inf)))
+    live = red.live_nodes()
+    sweeps = S._Sweeps(red)
+    for members in sweeps.classes:  # a colour's nodes share no edge: they may move together
+        rows = {sweeps.live[i] for i in members}
+        assert not any(u in rows and v in rows for u, v, _ in red.edges())
+    start = np.array([rng.randrange(len(red.cost[n])) for n in live])
+    found = sweeps.descend(sweeps.laid_out({n: red.cost[n] for n in live}),
+                           sweeps.stacked({(u, v): m for u, v, m in red.edges()}), start, math.inf)
+    choice = dict(zip(live, (int(s) for s in found)))
+
+    def local(n: int, s: int) -> tuple[int, float]:
+        terms = [red.adj[n][o][s, choice[o]] for o in red.adj[n]]
+        return sum(math.isinf(t) for t in terms), red.cost[n][s] + sum(t for t in terms if not math.isinf(t))
+
+    for n in live:
+        here = local(n, choice[n])
+        for s in range(len(red.cost[n])):
+            bad, cost = local(n, s)
+            assert bad > here[0] or (bad == here[0] and cost >= here[1] - 1e-9), (n, s)
+
+    def forbidden_pairs(x) -> int:
+        return sum(math.isinf(m[x[u], x[v]]) for u, v, m in red.edges())
+
+    before = dict(zip(live, (int(s) for s in start)))
+    assert forbidden_pairs(choice) <= forbidden_pairs(before)
