@@ -940,7 +940,8 @@ def _cpsat_model(red: _Reduced):
 
 
 def _greedy_local_search(red: _Reduced, max_rounds: int = 20, deadline: float = math.inf,
-                         initial: dict[int, int] | None = None, order: Sequence[int] | None = None) -> dict[int, int]:
+                         initial: dict[int, int] | None = None, order: Sequence[int] | None = None,
+                         forbidding: set[tuple[int, int]] | None = None) -> dict[int, int]:
     """Reduced strategy per live node: greedy in ``order`` (default: node order) or ``initial``,
     then best-improvement 1-opt moves in that order until a sweep improves nothing,
     ``max_rounds`` sweeps or ``deadline``.
@@ -949,13 +950,16 @@ def _greedy_local_search(red: _Reduced, max_rounds: int = 20, deadline: float = 
     memory row, then by cost, so what the greedy pass could not avoid is repaired before anything
     else. Memory is tracked per row relative to every node's smallest share; a node carrying
     several pieces (nodes merged into it) may have no strategy at its smallest share on all of
-    them, so unlike a plain problem the greedy pass can overflow, and the caller checks."""
+    them, so unlike a plain problem the greedy pass can overflow, and the caller checks.
+    ``forbidding``: the edges ``(u, v)``, ``u < v``, with a forbidden pair, where the caller knows
+    them (found here otherwise)."""
     live = red.live_nodes() if order is None else list(order)
     usage = np.zeros(len(red.rhs)) if initial is None else _usage(red, initial, live)
     rhs = red.rhs + _REL_TOL * np.abs(red.rhs) + 1e-9
     choice: dict[int, int] = {} if initial is None else dict(initial)
     # the edges with a forbidden pair somewhere: only their columns need checking
-    forbidding = {(u, v) for u, v, m in red.edges() if np.isinf(m).any()}
+    if forbidding is None:
+        forbidding = _forbidding(red)
 
     def local(n: int) -> tuple[np.ndarray, np.ndarray]:
         """(forbidden pairs, cost) of each strategy of n against its neighbours chosen so far."""
@@ -1014,6 +1018,11 @@ def _greedy_local_search(red: _Reduced, max_rounds: int = 20, deadline: float = 
         if not improved:
             break
     return choice
+
+
+def _forbidding(red: _Reduced) -> set[tuple[int, int]]:
+    """The edges ``(u, v)``, ``u < v``, with a forbidden pair (inf) somewhere."""
+    return {(u, v) for u, v, m in red.edges() if np.isinf(m).any()}
 
 
 def heuristic(problem: Problem) -> Solution:
@@ -1406,12 +1415,12 @@ class _Messages:
         self.to_v = [np.zeros(m.shape[1]) for _, _, m in self.edges]
         self.stacked = _StackedMessages(red) if len(self.edges) >= _STACKED_EDGES else None
 
-    def run(self, cost: Mapping[int, np.ndarray], deadline: float, max_sweeps: int = 50
+    def run(self, cost: Mapping[int, np.ndarray], deadline: float, max_sweeps: int = 50, until_stalled: bool = True
             ) -> tuple[float, dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
         """Sweeps with node costs ``cost`` until ``deadline``, ``max_sweeps`` or a stalled bound;
         returns the bound, :math:`\theta'_n` per live node and :math:`\theta'_e` per edge."""
         if self.stacked is not None:
-            return self.stacked.run(cost, deadline, max_sweeps)
+            return self.stacked.run(cost, deadline, max_sweeps, until_stalled)
         edges, to_u, to_v = self.edges, self.to_u, self.to_v
         belief = {n: np.asarray(cost[n], dtype=float).copy() for n in self.live}  # theta'_n
         for (u, v, _), mu, mv in zip(edges, to_u, to_v):
@@ -1437,7 +1446,8 @@ class _Messages:
             belief[u], belief[v] = bu + new_u, bv + new_v
             to_u[i], to_v[i] = new_u, new_v
 
-        return result(_ascend(bound, [functools.partial(update, i) for i in range(len(edges))], deadline, max_sweeps))
+        return result(_ascend(bound, [functools.partial(update, i) for i in range(len(edges))], deadline, max_sweeps,
+                              until_stalled))
 
 
 class _StackedMessages:
@@ -1462,7 +1472,7 @@ class _StackedMessages:
                                   [(u, v) for u, v, _ in group], np.stack([m for _, _, m in group]))
                        for _, group in sorted(members.items(), key=lambda item: item[0][2])]
 
-    def run(self, cost: Mapping[int, np.ndarray], deadline: float, max_sweeps: int
+    def run(self, cost: Mapping[int, np.ndarray], deadline: float, max_sweeps: int, until_stalled: bool
             ) -> tuple[float, dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
         belief = np.full((len(self.live), self.width), np.inf)  # theta'_n, one row per live node
         for i, n in enumerate(self.live):
@@ -1481,25 +1491,30 @@ class _StackedMessages:
             pairs = {key: m for g in self.groups for key, m in zip(g.keys, g.pairs())}
             return value, beliefs, pairs
 
-        return result(_ascend(bound, [functools.partial(g.update, belief) for g in self.groups], deadline, max_sweeps))
+        return result(_ascend(bound, [functools.partial(g.update, belief) for g in self.groups], deadline, max_sweeps,
+                              until_stalled))
 
 
 def _ascend(bound: Callable[[], float], updates: Sequence[Callable[[], None]], deadline: float,
-            max_sweeps: int) -> float:
+            max_sweeps: int, until_stalled: bool = True) -> float:
     """Message passing's outer loop: sweeps of ``updates`` (each a block-coordinate step that
-    never lowers ``bound()``) until ``deadline`` (checked between steps), ``max_sweeps`` or a
-    sweep that raises the bound by nothing; returns the best bound seen."""
-    best = bound()
+    never lowers ``bound()``) until ``deadline`` (checked between steps), ``max_sweeps`` or, with
+    ``until_stalled``, a sweep that raises the bound by nothing; returns the best bound seen.
+    Without ``until_stalled`` the bound is computed once, at the end (a sweep's worth of work
+    on graphs with many small edge groups): the steps never lower it."""
+    best = bound() if until_stalled else -math.inf
     for _ in range(max_sweeps):
         for step in updates:
             if time.perf_counter() >= deadline:
                 return max(best, bound())
             step()
+        if not until_stalled:
+            continue
         value = bound()
         if value <= best + 1e-9 * abs(best):
             return max(best, value)
         best = value
-    return best
+    return best if until_stalled else bound()
 
 
 class _EdgeGroup:
@@ -1627,15 +1642,18 @@ class _Sweeps:
 
 
 def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping[tuple[int, int], np.ndarray],
-                 deadline: float, sweeps: _Sweeps | None = None, edge_stacks: Sequence[np.ndarray] = ()
-                 ) -> dict[int, int]:
+                 deadline: float, sweeps: _Sweeps | None = None, edge_stacks: Sequence[np.ndarray] = (),
+                 forbidding: set[tuple[int, int]] | None = None) -> dict[int, int]:
     """An assignment read off the reparametrised costs of :class:`_Messages`: the greedy pass and
     its 1-opt moves run on :math:`\theta'` (nodes most decided by their beliefs first), where the
     edges' costs already sit on the nodes, so a node's local choice sees what its far neighbours
     prefer; then 1-opt on ``red``'s own costs (memory repaired there when ``red`` has rows). On
     pairwise problems that are not series-parallel (IOPDDL's XLA graphs) it starts far better
-    than the greedy pass alone."""
+    than the greedy pass alone. With ``sweeps`` (and ``edge_stacks``, ``red``'s edges stacked
+    for it), for a ``red`` without memory rows, the 1-opt moves are :class:`_Sweeps`'.
+    ``forbidding`` as for :func:`_greedy_local_search`."""
     live = red.live_nodes()
+    forbidding = _forbidding(red) if forbidding is None else forbidding
     adj: list[dict[int, np.ndarray]] = [{} for _ in red.names]
     for (u, v), m in pairs.items():
         adj[u][v], adj[v][u] = m, m.T
@@ -1649,10 +1667,12 @@ def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping
 
     order = sorted(live, key=margin, reverse=True)
     if sweeps is None:
-        decoded = _greedy_local_search(replace(red, cost=cost, adj=adj), deadline=deadline, order=order)
-        return _greedy_local_search(red, deadline=deadline, initial=decoded)
+        decoded = _greedy_local_search(replace(red, cost=cost, adj=adj), deadline=deadline, order=order,
+                                       forbidding=forbidding)
+        return _greedy_local_search(red, deadline=deadline, initial=decoded, forbidding=forbidding)
     # the greedy pass node by node (its order is what makes the decode good), its 1-opt moves by sweeps
-    greedy = _greedy_local_search(replace(red, cost=cost, adj=adj), max_rounds=0, deadline=deadline, order=order)
+    greedy = _greedy_local_search(replace(red, cost=cost, adj=adj), max_rounds=0, deadline=deadline, order=order,
+                                  forbidding=forbidding)
     x = np.array([greedy[n] for n in sweeps.live])
     x = sweeps.descend(sweeps.laid_out(belief), sweeps.stacked(pairs), x, deadline)
     x = sweeps.descend(sweeps.laid_out(red.cost), edge_stacks, x, deadline)
@@ -1681,6 +1701,7 @@ class _MemoryPriced:
         # large graphs decode by sweeps of many nodes at once (built on the first decode)
         self.sweeps: _Sweeps | None = None
         self.edge_stacks: list[np.ndarray] = []
+        self.forbidding: set[tuple[int, int]] | None = None  # the edges with a forbidden pair
         self.series_parallel = True
         self.calls, self.seconds = 0, 0.0  # of `minimise`, for callers sizing their rounds
 
@@ -1702,7 +1723,7 @@ class _MemoryPriced:
         x = _unconstrained_min(red, cost) if self.series_parallel else None
         if x is None:
             self.series_parallel = False
-            value, belief, pairs = self.messages.run(cost, deadline, max_sweeps=_INNER_SWEEPS)
+            value, belief, pairs = self.messages.run(cost, deadline, max_sweeps=_INNER_SWEEPS, until_stalled=False)
             if time.perf_counter() >= deadline:
                 return None
             priced = replace(red, cost=[cost.get(n, c) for n, c in enumerate(red.cost)], rhs=np.zeros(0),
@@ -1715,12 +1736,14 @@ class _MemoryPriced:
                 pairs: Mapping[tuple[int, int], np.ndarray], deadline: float) -> dict[int, int]:
         """:func:`_dual_decode` of the priced problem; on graphs of :data:`_STACKED_EDGES` edges
         and more its 1-opt moves are :class:`_Sweeps` (built on the first call)."""
+        if self.forbidding is None:
+            self.forbidding = _forbidding(self.red)
         if len(self.edges) < _STACKED_EDGES:
-            return _dual_decode(priced, belief, pairs, deadline)
+            return _dual_decode(priced, belief, pairs, deadline, forbidding=self.forbidding)
         if self.sweeps is None:
             self.sweeps = _Sweeps(self.red)
             self.edge_stacks = self.sweeps.stacked({(u, v): m for u, v, m in self.edges})
-        return _dual_decode(priced, belief, pairs, deadline, self.sweeps, self.edge_stacks)
+        return _dual_decode(priced, belief, pairs, deadline, self.sweeps, self.edge_stacks, self.forbidding)
 
 
 def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 200,
