@@ -1450,36 +1450,53 @@ class _Messages:
                               until_stalled))
 
 
+#: Nodes with at least this many edges are stars in :class:`_StackedMessages`: their edges are
+#: updated in one step each sweep (:class:`_Star`) instead of one colour group per edge.
+_STAR_DEGREE = 16
+
+
 class _StackedMessages:
     """:class:`_Messages`' sweeps with edges updated in stacked groups: edges of one shape that
-    share no node (a greedy colouring per shape) update in one array step. The sweep visits the
-    edges in another order than one at a time does; the bound stays valid."""
+    share no node (a greedy colouring per shape) update in one array step. The edges of a node
+    with :data:`_STAR_DEGREE` edges or more (XLA graphs have nodes with over a thousand) would
+    need as many colours, most of them groups of one or two edges; they are updated together
+    instead (:class:`_Star`). The sweep visits the edges in another order than one at a time
+    does; the bound stays valid."""
 
     def __init__(self, red: _Reduced):
         self.live = red.live_nodes()
         row = {n: i for i, n in enumerate(self.live)}
         self.width = max((len(red.cost[n]) for n in self.live), default=0)
+        degree = {n: len(red.adj[n]) for n in self.live}
         used: dict[int, set[int]] = defaultdict(set)  # node -> colours of its edges so far
         members: dict[tuple[int, int, int], list[tuple[int, int, np.ndarray]]] = defaultdict(list)
+        spokes: dict[int, list[tuple[int, int, np.ndarray]]] = defaultdict(list)  # hub -> its edges
         for u, v, m in red.edges():
+            hub = max((u, v), key=lambda n: (degree[n], -n))
+            if degree[hub] >= _STAR_DEGREE:
+                spokes[hub].append((u, v, m))
+                continue
             colour = 0
             while colour in used[u] or colour in used[v]:
                 colour += 1
             used[u].add(colour)
             used[v].add(colour)
             members[(m.shape[0], m.shape[1], colour)].append((u, v, m))
-        self.groups = [_EdgeGroup(np.array([row[u] for u, _, _ in group]), np.array([row[v] for _, v, _ in group]),
-                                  [(u, v) for u, v, _ in group], np.stack([m for _, _, m in group]))
-                       for _, group in sorted(members.items(), key=lambda item: item[0][2])]
+        groups = [_EdgeGroup(np.array([row[u] for u, _, _ in group]), np.array([row[v] for _, v, _ in group]),
+                             [(u, v) for u, v, _ in group], np.stack([m for _, _, m in group]))
+                  for _, group in sorted(members.items(), key=lambda item: item[0][2])]
+        self.stars = [_Star(row[hub], row, edges) for hub, edges in spokes.items()]
+        self.groups = groups + [g for star in self.stars for g in star.groups]
+        self.updates = [g.update for g in groups] + [star.update for star in self.stars]
 
     def run(self, cost: Mapping[int, np.ndarray], deadline: float, max_sweeps: int, until_stalled: bool
             ) -> tuple[float, dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
         belief = np.full((len(self.live), self.width), np.inf)  # theta'_n, one row per live node
         for i, n in enumerate(self.live):
             belief[i, :len(cost[n])] = cost[n]
-        for g in self.groups:  # a group's nodes are distinct: plain indexed adds
+        for g in self.groups:  # a star's groups repeat its hub: adds that accumulate
             ku, kv = g.matrices.shape[1:]
-            belief[g.u, :ku] += g.to_u
+            np.add.at(belief, (g.u[:, None], np.arange(ku)), g.to_u)
             belief[g.v, :kv] += g.to_v
 
         def bound() -> float:
@@ -1488,11 +1505,72 @@ class _StackedMessages:
 
         def result(value: float):
             beliefs = {n: belief[i, :len(cost[n])].copy() for i, n in enumerate(self.live)}
-            pairs = {key: m for g in self.groups for key, m in zip(g.keys, g.pairs())}
+            pairs = {key: m for g in self.groups for key, m in g.items()}
             return value, beliefs, pairs
 
-        return result(_ascend(bound, [functools.partial(g.update, belief) for g in self.groups], deadline, max_sweeps,
-                              until_stalled))
+        return result(_ascend(bound, [functools.partial(update, belief) for update in self.updates], deadline,
+                              max_sweeps, until_stalled))
+
+
+class _Star:
+    r"""The edges of one node (the hub) updated as :class:`_Messages` updates them one after
+    another, in one array step. Each edge's update changes the hub's belief as
+    :math:`b_k = (b_{k-1} + \gamma_k - m_k) / 2` (:math:`\gamma_k` the edge's min over the other
+    end, which the earlier edges leave alone: the other ends are distinct; :math:`m_k` the
+    edge's old message to the hub), a linear recurrence, so the beliefs the hub passes through
+    are a triangular matrix product, taken in chunks of :data:`_STAR_CHUNK` (a weight of
+    :math:`2^{-64}` is below double precision). The edges are grouped by the size of their other
+    end, oriented hub first; ``flipped`` marks those stored the other way round in the problem."""
+
+    def __init__(self, hub: int, row: Mapping[int, int], edges: Sequence[tuple[int, int, np.ndarray]]):
+        self.hub = hub
+        by_size: dict[int, list[tuple[int, int, np.ndarray]]] = defaultdict(list)
+        for u, v, m in edges:
+            by_size[m.shape[1] if row[u] == hub else m.shape[0]].append((u, v, m))
+        self.groups = []
+        for group in by_size.values():
+            flipped = np.array([row[u] != hub for u, _, _ in group])
+            others = np.array([row[v] if row[u] == hub else row[u] for u, v, _ in group])
+            matrices = np.stack([m.T if f else m for (_, _, m), f in zip(group, flipped)])
+            self.groups.append(_EdgeGroup(np.full(len(group), hub), others, [(u, v) for u, v, _ in group],
+                                          matrices, flipped))
+        self.size = self.groups[0].matrices.shape[1]
+        k = np.arange(_STAR_CHUNK)
+        self.weights = np.tril(0.5 ** (k[:, None] - k[None, :] + 1.0))  # of gamma - m in each b_k
+        self.decay = 0.5 ** (k + 1.0)  # of the chunk's first belief in each b_k
+
+    def update(self, belief: np.ndarray) -> None:
+        kh = self.size
+        rest = [belief[g.v, :g.matrices.shape[2]] - g.to_v for g in self.groups]  # the other ends without the edge
+        gamma = np.concatenate([(g.matrices + bv[:, None, :]).min(axis=2) for g, bv in zip(self.groups, rest)])
+        old = np.concatenate([g.to_u for g in self.groups])
+        drive = gamma - old
+        if not np.isfinite(drive).all():
+            raise AssertionError("a hub strategy forbidden against every strategy of a neighbour survived pruning")
+        before = np.empty_like(drive)  # the hub's belief before each edge's update
+        b = belief[self.hub, :kh].copy()
+        for start in range(0, len(drive), _STAR_CHUNK):
+            chunk = drive[start: start + _STAR_CHUNK]
+            n = len(chunk)
+            after = self.decay[:n, None] * b[None, :] + self.weights[:n, :n] @ chunk
+            before[start] = b
+            before[start + 1: start + n] = after[:-1]
+            b = after[-1]
+        rest_hub = before - old  # the hub's belief without each edge, when its turn came
+        to_hub = 0.5 * (gamma - rest_hub)
+        at = 0
+        for g, bv in zip(self.groups, rest):
+            n = len(g.v)
+            bu = rest_hub[at: at + n]
+            g.to_u = to_hub[at: at + n]
+            g.to_v = 0.5 * ((g.matrices + bu[:, :, None]).min(axis=1) - bv)
+            belief[g.v, :g.matrices.shape[2]] = bv + g.to_v
+            at += n
+        belief[self.hub, :kh] = b
+
+
+#: Edges per triangular product in :meth:`_Star.update`.
+_STAR_CHUNK = 64
 
 
 def _ascend(bound: Callable[[], float], updates: Sequence[Callable[[], None]], deadline: float,
@@ -1520,13 +1598,20 @@ def _ascend(bound: Callable[[], float], updates: Sequence[Callable[[], None]], d
 class _EdgeGroup:
     """Edges of one shape that share no node, stacked: their MPLP updates are one array step."""
 
-    def __init__(self, u: np.ndarray, v: np.ndarray, keys: list[tuple[int, int]], matrices: np.ndarray):
+    def __init__(self, u: np.ndarray, v: np.ndarray, keys: list[tuple[int, int]], matrices: np.ndarray,
+                 flipped: np.ndarray | None = None):
         self.u, self.v, self.keys, self.matrices = u, v, keys, matrices
+        self.flipped = np.zeros(len(keys), dtype=bool) if flipped is None else flipped  # keys[i] is (v, u)
         self.to_u = np.zeros(matrices.shape[:2])  # messages into each edge's u, and into its v
         self.to_v = np.zeros((matrices.shape[0], matrices.shape[2]))
 
     def pairs(self) -> np.ndarray:
         return self.matrices - self.to_u[:, :, None] - self.to_v[:, None, :]
+
+    def items(self) -> Iterable[tuple[tuple[int, int], np.ndarray]]:
+        """Each edge's key and reparametrised costs, oriented as the key."""
+        for key, m, f in zip(self.keys, self.pairs(), self.flipped):
+            yield key, (m.T if f else m)
 
     def update(self, belief: np.ndarray) -> None:
         ku, kv = self.matrices.shape[1:]

@@ -636,3 +636,65 @@ def test_sweeps_end_where_no_single_node_move_helps(seed):
 
     before = dict(zip(live, (int(s) for s in start)))
     assert forbidden_pairs(choice) <= forbidden_pairs(before)
+
+
+def _star(rng: random.Random, leaves: int, hub_last: bool, sizes: tuple[int, ...]) -> Problem:
+    """A hub with ``leaves`` neighbours (the hub is the first node, or the last: its edges are
+    then stored leaf first), strategy counts drawn from ``sizes``."""
+    hub = leaves if hub_last else 0
+    ks = [rng.choice(sizes) for _ in range(leaves + 1)]
+    nodes = [Node(f"n{i}", [rng.uniform(0, 10) for _ in range(k)], [1.0] * k) for i, k in enumerate(ks)]
+    edges = []
+    for i in range(leaves + 1):
+        if i != hub:
+            a, b = (i, hub) if hub_last else (hub, i)
+            edges.append(Edge(f"n{a}", f"n{b}", [[rng.uniform(0, 8) for _ in range(ks[b])] for _ in range(ks[a])]))
+    return Problem(nodes, edges)
+
+
+@pytest.mark.parametrize("hub_last", [False, True], ids=["hub-first", "hub-last"])
+def test_a_star_updates_its_edges_as_one_at_a_time_does(hub_last):
+    """`_Star` updates a hub's 150 edges (three triangular chunks) in one step: the messages,
+    beliefs and bound must be those of updating the edges one after another in the same order
+    (`_Messages` with one shape of neighbour visits them in that order), over several calls that
+    carry the messages over. Tolerance: the triangular products sum in another order than the
+    sequential updates, ~1e-15 relative here."""
+    p = _star(random.Random(1), 150, hub_last, (3,))
+    red = S._unreduced(S._validate(p))
+    live = red.live_nodes()
+    cost = {n: red.cost[n] for n in live}
+    one_by_one = S._Messages(red)  # 150 edges: one at a time
+    stacked = S._StackedMessages(red)
+    assert len(stacked.stars) == 1 and len(stacked.groups) == 1
+    for _ in range(3):
+        b1, belief1, pairs1 = one_by_one.run(cost, math.inf, max_sweeps=1, until_stalled=False)
+        b2, belief2, pairs2 = stacked.run(cost, math.inf, max_sweeps=1, until_stalled=False)
+        assert b2 == pytest.approx(b1, rel=1e-12)
+        for n in live:
+            np.testing.assert_allclose(belief2[n], belief1[n], rtol=1e-12, atol=1e-12)
+        for key, m in pairs1.items():
+            np.testing.assert_allclose(pairs2[key], m, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stars_with_neighbours_of_several_sizes_bound_the_optimum(seed):
+    """Two hubs of mixed neighbour sizes, joined by leaves they share and by an edge: message
+    passing with stars never lowers its bound from sweep to sweep and never passes the
+    brute-forced optimum."""
+    rng = random.Random(seed)
+    p = _star(rng, 20, False, (2, 3, 4))
+    extra = [Node("h2", [rng.uniform(0, 10) for _ in range(3)], [1.0] * 3)]
+    shared = [Edge(f"n{i}", "h2", [[rng.uniform(0, 8) for _ in range(3)] for _ in p.nodes[i].costs_s])
+              for i in range(0, 21, 1)]  # n0 (the first hub) to h2 too
+    p = Problem(p.nodes + extra, p.edges + shared)
+    red = S._unreduced(S._validate(p))
+    live = red.live_nodes()
+    stacked = S._StackedMessages(red)
+    assert len(stacked.stars) == 2
+    best = solve(p)  # small: proven by the whole MILP
+    assert best.optimal
+    best_cost = best.cost_s
+    bounds = [stacked.run({n: red.cost[n] for n in live}, math.inf, max_sweeps=1, until_stalled=False)[0]
+              for _ in range(10)]
+    assert all(b2 >= b1 - 1e-9 * abs(b1) for b1, b2 in zip(bounds, bounds[1:]))
+    assert red.lower_bound() < bounds[-1] <= best_cost * (1 + 1e-9)
