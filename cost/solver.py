@@ -73,8 +73,10 @@ MILP of that size finds no incumbent in 60 s here):
 - a Lagrangian relaxation of the memory rows (:func:`_lagrangian`): for multipliers
   :math:`\lambda \ge 0` the minimum of :math:`\sum c\,x + \sum_j \lambda_j (U_j - rhs_j)` is a
   lower bound. Without memory rows, reduction 4 solves the inner problem exactly on
-  series-parallel graphs. Elsewhere message passing bounds it and decodes a minimiser.
-  Subgradient steps raise the bound; the best multipliers, scaled until their minimiser fits,
+  series-parallel graphs. Elsewhere message passing bounds it and decodes a minimiser (on large
+  graphs in array steps: edges of one shape that share no node together, a high-degree node's
+  edges together (:class:`_Star`), and 1-opt moves of non-adjacent nodes together
+  (:class:`_Sweeps`)). Subgradient steps raise the bound; the best multipliers, scaled until their minimiser fits,
   give a feasible plan that prices memory as the dual does;
 - that plan or the best start, whichever is cheaper, improved by 1-opt moves and then by large
   neighbourhood search (:func:`_large_neighbourhoods`). Windows are breadth-first graph
