@@ -1658,8 +1658,9 @@ class _Sweeps:
         colour_of = nx.greedy_color(graph, strategy="largest_first")
         colour = np.array([colour_of[i] for i in range(len(live))], dtype=np.int64)
         self.classes = [np.flatnonzero(colour == c) for c in range(int(colour.max(initial=-1)) + 1)]
-        self.keys = [keys for keys in by_shape.values()]
+        self.keys = list(by_shape.values())
         self.ends = [(np.array([row[u] for u, _ in keys]), np.array([row[v] for _, v in keys])) for keys in self.keys]
+        self.own = self.stacked({(u, v): m for u, v, m in red.edges()})  # red's own edge costs
         # per colour: its nodes' strategies (flat positions), where each node's run begins among
         # them, and per shape the edges whose u, and whose v, has that colour
         self.flat = [np.concatenate([np.arange(self.start[i], self.start[i] + self.sizes[i]) for i in nodes])
@@ -1681,10 +1682,6 @@ class _Sweeps:
         least = np.minimum.reduceat(key, runs)
         at = np.where(key <= np.repeat(least, sizes), np.arange(len(key)), len(key))
         return np.minimum.reduceat(at, runs) - runs
-
-    def argmin(self, cost: np.ndarray) -> np.ndarray:
-        """Each live node's cheapest strategy of laid-out ``cost``."""
-        return self._first_min(cost, self.start, self.sizes)
 
     def descend(self, cost: np.ndarray, matrices: Sequence[np.ndarray], choice: np.ndarray, deadline: float,
                 max_sweeps: int = 20) -> np.ndarray:
@@ -1732,15 +1729,14 @@ class _Sweeps:
 
 
 def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping[tuple[int, int], np.ndarray],
-                 deadline: float, sweeps: _Sweeps | None = None, edge_stacks: Sequence[np.ndarray] = (),
-                 forbidding: set[tuple[int, int]] | None = None) -> dict[int, int]:
+                 deadline: float, sweeps: _Sweeps | None = None, forbidding: set[tuple[int, int]] | None = None) -> dict[int, int]:
     """An assignment read off the reparametrised costs of :class:`_Messages`: the greedy pass and
     its 1-opt moves run on :math:`\theta'` (nodes most decided by their beliefs first), where the
     edges' costs already sit on the nodes, so a node's local choice sees what its far neighbours
     prefer; then 1-opt on ``red``'s own costs (memory repaired there when ``red`` has rows). On
     pairwise problems that are not series-parallel (IOPDDL's XLA graphs) it starts far better
-    than the greedy pass alone. With ``sweeps`` (and ``edge_stacks``, ``red``'s edges stacked
-    for it), for a ``red`` without memory rows, the 1-opt moves are :class:`_Sweeps`'.
+    than the greedy pass alone. With ``sweeps`` (built on ``red``'s graph, whose edge costs
+    it holds), for a ``red`` without memory rows, the 1-opt moves are :class:`_Sweeps`'.
     ``forbidding`` as for :func:`_greedy_local_search`."""
     live = red.live_nodes()
     forbidding = _forbidding(red) if forbidding is None else forbidding
@@ -1765,7 +1761,7 @@ def _dual_decode(red: _Reduced, belief: Mapping[int, np.ndarray], pairs: Mapping
                                   forbidding=forbidding)
     x = np.array([greedy[n] for n in sweeps.live])
     x = sweeps.descend(sweeps.laid_out(belief), sweeps.stacked(pairs), x, deadline)
-    x = sweeps.descend(sweeps.laid_out(red.cost), edge_stacks, x, deadline)
+    x = sweeps.descend(sweeps.laid_out(red.cost), sweeps.own, x, deadline)
     return {n: int(s) for n, s in zip(sweeps.live, x)}
 
 
@@ -1790,8 +1786,7 @@ class _MemoryPriced:
         self.messages = _Messages(red)
         # large graphs decode by sweeps of many nodes at once (built on the first decode)
         self.sweeps: _Sweeps | None = None
-        self.edge_stacks: list[np.ndarray] = []
-        self.forbidding: set[tuple[int, int]] | None = None  # the edges with a forbidden pair
+        self.forbidding = _forbidding(red)  # the edges with a forbidden pair, for every decode
         self.series_parallel = True
         self.calls, self.seconds = 0, 0.0  # of `minimise`, for callers sizing their rounds
 
@@ -1826,14 +1821,11 @@ class _MemoryPriced:
                 pairs: Mapping[tuple[int, int], np.ndarray], deadline: float) -> dict[int, int]:
         """:func:`_dual_decode` of the priced problem; on graphs of :data:`_STACKED_EDGES` edges
         and more its 1-opt moves are :class:`_Sweeps` (built on the first call)."""
-        if self.forbidding is None:
-            self.forbidding = _forbidding(self.red)
         if len(self.edges) < _STACKED_EDGES:
             return _dual_decode(priced, belief, pairs, deadline, forbidding=self.forbidding)
         if self.sweeps is None:
             self.sweeps = _Sweeps(self.red)
-            self.edge_stacks = self.sweeps.stacked({(u, v): m for u, v, m in self.edges})
-        return _dual_decode(priced, belief, pairs, deadline, self.sweeps, self.edge_stacks, self.forbidding)
+        return _dual_decode(priced, belief, pairs, deadline, self.sweeps, self.forbidding)
 
 
 def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 200,

@@ -618,7 +618,7 @@ def test_sweeps_end_where_no_single_node_move_helps(seed):
         assert not any(u in rows and v in rows for u, v, _ in red.edges())
     start = np.array([rng.randrange(len(red.cost[n])) for n in live])
     found = sweeps.descend(sweeps.laid_out({n: red.cost[n] for n in live}),
-                           sweeps.stacked({(u, v): m for u, v, m in red.edges()}), start, math.inf)
+                           sweeps.own, start, math.inf)
     choice = dict(zip(live, (int(s) for s in found)))
 
     def local(n: int, s: int) -> tuple[int, float]:
