@@ -698,3 +698,61 @@ def test_stars_with_neighbours_of_several_sizes_bound_the_optimum(seed):
               for _ in range(10)]
     assert all(b2 >= b1 - 1e-9 * abs(b1) for b1, b2 in zip(bounds, bounds[1:]))
     assert red.lower_bound() < bounds[-1] <= best_cost * (1 + 1e-9)
+
+
+def test_pair_moves_take_two_nodes_that_only_pay_off_together():
+    """1-opt is stuck at (0, 0): either node moving alone pays the edge's 10. Moving both pays 0,
+    and the pair move finds it; with a limit their joint memory exceeds, it must not."""
+    nodes = [Node("a", [5, 0], [0, 3], live=(0, 1)), Node("b", [5, 0], [0, 3], live=(1, 2))]
+    edges = [Edge("a", "b", [[0, 10], [10, 0]])]
+    for limit, expect in ((6, {0: 1, 1: 1}), (5, {0: 0, 1: 0})):
+        red = S._reduce(Problem(nodes, edges, memory_limit_bytes=limit), eliminate=False)
+        assert S._greedy_local_search(red, initial={0: 0, 1: 0}) == {0: 0, 1: 0}
+        assert S._pair_descent(red, {0: 0, 1: 0}, math.inf) == expect
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pair_descent_ends_where_no_fitting_pair_move_helps(seed):
+    """`_pair_descent` keeps memory exactly (nodes with two pieces each cut the rows into
+    several segments) and stops only where no edge's two ends have a fitting pair of strategies
+    with fewer forbidden pairs, or as few and a lower cost."""
+    rng = random.Random(seed)
+    while True:  # a problem where some node's piece spans two rows or more, to be cut in two
+        p = random_problem(rng, 24, 4, extra_edges=12)
+        # long live intervals, so a segment of rows has rooms that differ
+        nodes = [Node(n.name, n.costs_s, n.memory_bytes, live=(s, s + rng.randint(0, 8)))
+                 for n, s in zip(p.nodes, (rng.randint(0, 12) for _ in p.nodes))]
+        lo, _ = S.min_peak_memory(Problem(nodes, []))
+        hi = evaluate(Problem(nodes, []), {n.name: int(np.argmax(n.memory_bytes)) for n in nodes})[1]
+        p = Problem(nodes, [Edge(e.src, e.dst, [[math.inf if rng.random() < 0.1 else c for c in row]
+                                                for row in e.cost_s]) for e in p.edges],
+                    lo + 0.15 * (hi - lo), forbidden_cost_s=math.inf)
+        red = S._unreduced(S._validate(p))
+        S._memory_rows(p, red, [np.array(n.memory_bytes) for n in p.nodes], S._steps(p))
+        live = red.live_nodes()
+        if any(j2 > j1 for n in live for j1, j2, _ in red.pieces[n]):
+            break
+    start = {n: int(np.argmin(red.pieces[n][0][2])) if red.pieces[n] else 0 for n in live}  # least memory
+    assert S._fits(red, start, live)
+    for n in live:  # a second, disjoint piece with less memory: start still fits
+        pieces = red.pieces[n]
+        if len(pieces) == 1 and pieces[0][1] > pieces[0][0]:
+            j1, j2, extra = pieces[0]
+            red.pieces[n] = [(j1, j1, extra), (j1 + 1, j2, 0.5 * extra)]
+    assert any(len(red.pieces[n]) == 2 for n in live)
+    found = S._pair_descent(red, start, math.inf)
+    assert S._fits(red, found, live)
+
+    def score(x) -> tuple[int, float]:
+        terms = [float(red.cost[n][x[n]]) for n in live] + [float(m[x[u], x[v]]) for u, v, m in red.edges()]
+        return sum(math.isinf(t) for t in terms), sum(t for t in terms if not math.isinf(t))
+
+    here = score(found)
+    assert here <= score(start)
+    for u, v, _ in red.edges():
+        for a in range(len(red.cost[u])):
+            for b in range(len(red.cost[v])):
+                moved = {**found, u: a, v: b}
+                if S._fits(red, moved, live):
+                    bad, cost = score(moved)
+                    assert bad > here[0] or (bad == here[0] and cost >= here[1] - 1e-9 * abs(here[1])), (u, v, a, b)
