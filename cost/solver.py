@@ -110,6 +110,7 @@ deadline is enforced here: past it the solve is interrupted and the heuristic re
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -163,16 +164,34 @@ _DUAL_SHARE = 0.1
 _INNER_SWEEPS = 5
 # Edges from which message passing updates edges in stacked groups (`_StackedMessages`).
 _STACKED_EDGES = 5_000
-# Share of the time left for the Lagrangian bound (and the assignment it prices); the windows
-# get the rest. Its priced assignment gains more from rounds than the windows do from time: at
-# 0.7 rather than 0.4, IOPDDL K went 2.03 -> 1.76 of the best known, T 1.80 -> 1.54,
-# U 1.64 -> 1.37, S 1.47 -> 1.30 (N and R unchanged; 0.9 was no better then). With rounds made
-# cheaper (the stars and the sweeps), 0.85 rather than 0.7 took U 1.22 -> 1.09, N 1.57 -> 1.43,
-# T 1.31 -> 1.26, S 1.22 -> 1.19 (K, M, D the same, R 2.432 -> 2.437); 0.93 was mixed (N 1.34,
-# T 1.31, S 1.21).
-_LAGRANGIAN_SHARE = 0.85
+# Share of the time left for the Lagrangian bound (and the assignment it prices) on the windows
+# path, where the kicks (`_PairMoves.search`) and the windows get the rest. Before the kicks it
+# was 0.85: its priced assignment gained more from rounds than the windows did from time (0.7
+# rather than 0.4: IOPDDL K 2.03 -> 1.76 of the best known, T 1.80 -> 1.54; 0.85 rather than
+# 0.7: U 1.22 -> 1.09, N 1.57 -> 1.43). The kicks gain more still on some: single runs of
+# R, T, U, N at 0.85 / 0.5 / 0.25 gave 1.41 / 1.28 / 1.27, 1.31 / 1.34 / 1.34, 1.02 / 1.08 /
+# 1.09 and 1.28 / 1.20 / 1.22. Beside a whole MILP no kicks run and it keeps 0.85: the windows
+# there cover the problem in a few, and the price search walks from its multipliers (IOPDDL D,
+# Q).
+_LAGRANGIAN_SHARE = 0.5
+_LAGRANGIAN_ALONE_SHARE = 0.85
+#: Rounds after which a Lagrangian whose multipliers have not raised the bound above its
+#: every-price-zero value stops (IOPDDL R: none did in 30 rounds; its time goes to the kicks).
+_LAGRANGIAN_PATIENCE = 8
 #: Share of the time left that each descent by pair moves (`_pair_descent`) may take.
 _PAIR_SHARE = 0.25
+#: Nodes holding memory on an overflowing row that a repair after a kick considers moving.
+_REPAIR_SAMPLE = 32
+#: Pair-by-segment cells a memory check of a pair move compares at once.
+_PAIR_CELLS = 1_000_000
+#: A forbidden pair, for a repair weighing a move's cost per byte freed (above any real one).
+_FORBIDDEN_PER_BYTE = 1e30
+#: Edges a kick sets to random cheap pairs, and kicks between recomputing the tracked sums.
+_KICK_EDGES = 8
+_REFRESH_KICKS = 200
+_TERMS_KICKS = 16
+_KICK_FITS = True
+_KICK_SHARE = 0.8
 #: Of the time left after it, the share the price search (`_price_search`) takes from the windows.
 _PRICE_SHARE = 0.5
 # Where the whole MILP runs, the windows start beside it once this share of the time left has
@@ -1032,104 +1051,283 @@ def _forbidding(red: _Reduced) -> set[tuple[int, int]]:
     return {(u, v) for u, v, m in red.edges() if np.isinf(m).any()}
 
 
-def _pair_descent(red: _Reduced, choice: dict[int, int], deadline: float,
-                  stop: threading.Event | None = None) -> dict[int, int]:
-    """Improve a fitting ``choice`` by moving both ends of an edge at once (2-opt), the best pair
-    of strategies that fits memory, over the edges in order of their current cost (the edge's
-    term and both nodes'), most expensive first; sweeps repeat until one improves nothing or
-    ``deadline``.
+class _PairMoves:
+    """Moves of both ends of an edge at once (2-opt) on a fitting assignment, memory checked
+    exactly, with each node's cost against its neighbours' current strategies kept up to date
+    (forbidden, infinite, terms counted apart) and the objective tracked move by move.
 
     A 1-opt move cannot leave a pair that only pays off together: two nodes agreeing on a layout
     each pays for alone. Under a tight limit, memory makes that the usual case: on IOPDDL R (every
-    row 10-240x over at the unconstrained optimum) these moves take the greedy answer from 2.58x
-    the best known to 1.87x in 16 s, where 1-opt moves and the windows got 2.43x.
+    row 10-240x over at the unconstrained optimum) a descent by these moves takes the greedy answer
+    from 2.58x the best known to 1.81x in 5 s, where 1-opt moves and the windows got 2.43x.
 
-    A move is judged first by the forbidden pairs it touches, then by cost; memory is checked
-    exactly: the two nodes' pieces cut the rows into segments, and on each the pair's change
-    must fit the room left. Each node's cost against its neighbours' current strategies is kept
-    up to date as moves are made, with forbidden (infinite) terms counted apart."""
-    live = red.live_nodes()
-    choice = dict(choice)
-    room = red.rhs + _REL_TOL * np.abs(red.rhs) + 1e-9 - _usage(red, choice, live)
-    if np.any(room < 0):
-        return choice  # the moves keep an answer within memory; this one is not
-    edges = list(red.edges())
-    forbidding = _forbidding(red)
-    finite: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {
-        (u, v): (np.where(np.isinf(m), 0.0, m), np.isinf(m)) for u, v, m in edges if (u, v) in forbidding}
+    :meth:`descend` makes the best fitting pair move of each edge, most expensive edges first,
+    until nothing improves. :meth:`search` then kicks the answer out of its local minimum (a few
+    expensive edges set to random cheap pairs, overflowing rows repaired at the least cost per byte)
+    and descends again from the nodes it moved; a kick that does not pay off is undone."""
 
-    def split(u: int, v: int) -> tuple[np.ndarray, np.ndarray | None]:
+    def __init__(self, red: _Reduced, choice: dict[int, int]):
+        self.red = red
+        self.live = red.live_nodes()
+        self.choice = dict(choice)
+        self.edges = list(red.edges())
+        forbidding = _forbidding(red)
+        self.finite = {(u, v): (np.where(np.isinf(m), 0.0, m), np.isinf(m))
+                       for u, v, m in self.edges if (u, v) in forbidding}
+        # the pieces as arrays, to find the nodes holding memory on a row
+        held = [(n, j1, j2) for n in self.live for j1, j2, _ in red.pieces[n]]
+        self.piece_node = np.array([h[0] for h in held], dtype=np.int64)
+        self.piece_lo = np.array([h[1] for h in held], dtype=np.int64)
+        self.piece_hi = np.array([h[2] for h in held], dtype=np.int64)
+        # per node with memory: its pieces' first rows, ends (exclusive) and extras, sorted
+        self.held: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for n in self.live:
+            pieces = sorted(red.pieces[n], key=lambda piece: piece[0])
+            if pieces:
+                self.held[n] = (np.array([j1 for j1, _, _ in pieces]), np.array([j2 + 1 for _, j2, _ in pieces]),
+                                np.array([e for _, _, e in pieces]))
+        self.undo: list[tuple[int, int]] | None = None  # (node, strategy before) while a kick is on trial
+        self.kicks = self.kept = 0
+        self.term: np.ndarray | None = None  # the edges' terms, to draw kicks from (refreshed now and then)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute the room, the local costs and the objective from the choice (moves update
+        them by differences, which drift in floating point)."""
+        red, choice = self.red, self.choice
+        self.room = red.rhs + _REL_TOL * np.abs(red.rhs) + 1e-9 - _usage(red, choice, self.live)
+        self.local = {n: red.cost[n].copy() for n in self.live}
+        self.bad = {n: np.zeros(len(red.cost[n]), dtype=np.int64) for n in self.live}
+        for n in self.live:
+            for w in red.adj[n]:
+                m, inf = self.split(n, w)
+                self.local[n] += m[:, choice[w]]
+                if inf is not None:
+                    self.bad[n] += inf[:, choice[w]]
+        terms = [float(red.cost[n][choice[n]]) for n in self.live] + [
+            float(m[choice[u], choice[v]]) for u, v, m in self.edges]
+        self.forbidden = sum(math.isinf(t) for t in terms)
+        self.value = sum(t for t in terms if not math.isinf(t))
+
+    def fits(self) -> bool:
+        return bool(np.all(self.room >= 0))
+
+    def split(self, u: int, v: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The u-by-v matrix of edge (u, v) with forbidden terms as 0, and where they are."""
         if u < v:
-            m, bad = finite.get((u, v), (red.adj[u][v], None))
-            return m, bad
-        m, bad = finite.get((v, u), (red.adj[v][u], None))
+            return self.finite.get((u, v), (self.red.adj[u][v], None))
+        m, bad = self.finite.get((v, u), (self.red.adj[v][u], None))
         return m.T, (None if bad is None else bad.T)
 
-    # each node's cost against its neighbours' strategies, and its forbidden terms
-    local = {n: red.cost[n].copy() for n in live}
-    bad = {n: np.zeros(len(red.cost[n]), dtype=np.int64) for n in live}
-    for n in live:
+    def move(self, n: int, s: int) -> None:
+        red, old = self.red, self.choice[n]
+        if s == old:
+            return
+        if self.undo is not None:
+            self.undo.append((n, old))
+        self.value += float(self.local[n][s] - self.local[n][old])
+        self.forbidden += int(self.bad[n][s] - self.bad[n][old])
+        for j1, j2, extra in red.pieces[n]:
+            self.room[j1: j2 + 1] -= extra[s] - extra[old]
         for w in red.adj[n]:
-            m, inf = split(n, w)
-            local[n] += m[:, choice[w]]
+            m, inf = self.split(w, n)
+            self.local[w] += m[:, s] - m[:, old]
             if inf is not None:
-                bad[n] += inf[:, choice[w]]
+                self.bad[w] += inf[:, s].astype(np.int64) - inf[:, old]
+        self.choice[n] = s
 
-    def fits(u: int, v: int, du: list, dv: list) -> np.ndarray:
-        """Which pairs (a, b) keep every row of u's and v's pieces within the room."""
-        cuts = sorted({j for j1, j2, _ in red.pieces[u] + red.pieces[v] for j in (j1, j2 + 1)})
-        ok = np.ones((len(red.cost[u]), len(red.cost[v])), dtype=bool)
-        for lo, hi in zip(cuts, cuts[1:]):
-            a = next((d for (j1, j2, _), d in zip(red.pieces[u], du) if j1 <= lo <= j2), None)
-            b = next((d for (j1, j2, _), d in zip(red.pieces[v], dv) if j1 <= lo <= j2), None)
-            if a is None and b is None:
-                continue
-            head = float(room[lo:hi].min())
-            ok &= (0.0 if a is None else a[:, None]) + (0.0 if b is None else b[None, :]) <= head
+    def _pair_fits(self, u: int, v: int) -> np.ndarray:
+        """Which pairs (a, b) keep every row within the room: u's and v's pieces cut the rows
+        into segments, and on each the pair's change must fit the room left."""
+        ok = np.ones((len(self.red.cost[u]), len(self.red.cost[v])), dtype=bool)
+        if u not in self.held and v not in self.held:
+            return ok
+        if len(self.red.pieces[u]) <= 1 and len(self.red.pieces[v]) <= 1:  # most nodes: a few segments
+            du = [(j1, j2, e - e[self.choice[u]]) for j1, j2, e in self.red.pieces[u]]
+            dv = [(j1, j2, e - e[self.choice[v]]) for j1, j2, e in self.red.pieces[v]]
+            for lo, hi in itertools.pairwise(sorted({j for j1, j2, _ in du + dv for j in (j1, j2 + 1)})):
+                a = next((d for j1, j2, d in du if j1 <= lo <= j2), None)
+                b = next((d for j1, j2, d in dv if j1 <= lo <= j2), None)
+                if a is not None or b is not None:
+                    ok &= (0.0 if a is None else a[:, None]) + (0.0 if b is None else b[None, :]) <= self.room[lo:hi].min()
+            return ok
+        cuts = np.unique(np.concatenate([self.held[n][k] for n in (u, v) if n in self.held for k in (0, 1)]))
+        starts = cuts[:-1]
+        head = np.minimum.reduceat(self.room[:cuts[-1]], starts)
+        du, dv = self._deltas(u, starts), self._deltas(v, starts)
+        step = max(1, _PAIR_CELLS // ok.size)
+        for i in range(0, len(starts), step):
+            ok &= ((du[i:i + step, :, None] + dv[i:i + step, None, :]) <= head[i:i + step, None, None]).all(0)
         return ok
 
-    def move(n: int, s: int) -> None:
-        old = choice[n]
-        for j1, j2, extra in red.pieces[n]:
-            room[j1: j2 + 1] -= extra[s] - extra[old]
-        for w in red.adj[n]:
-            m, inf = split(w, n)
-            local[w] += m[:, s] - m[:, old]
-            if inf is not None:
-                bad[w] += inf[:, s].astype(np.int64) - inf[:, old]
-        choice[n] = s
+    def _deltas(self, n: int, starts: np.ndarray) -> np.ndarray:
+        """Per segment starting at ``starts``, n's memory change on it for each strategy."""
+        if n not in self.held:
+            return np.zeros((len(starts), len(self.red.cost[n])))
+        lo, hi, extra = self.held[n]
+        piece = np.searchsorted(lo, starts, side="right") - 1
+        inside = (piece >= 0) & (hi[np.maximum(piece, 0)] > starts)
+        now = extra[:, self.choice[n]]
+        return np.where(inside[:, None], extra[np.maximum(piece, 0)] - now[np.maximum(piece, 0), None], 0.0)
 
-    def improve(u: int, v: int) -> bool:
-        cu, cv = choice[u], choice[v]
-        m, inf = split(u, v)
-        total = (local[u] - m[:, cv])[:, None] + (local[v] - m[cu, :])[None, :] + m
-        worse = (bad[u][:, None] + bad[v][None, :]).astype(np.int64)
+    def improve(self, u: int, v: int) -> bool:
+        """Make edge (u, v)'s best fitting pair move, by forbidden pairs then cost; True if
+        it improves."""
+        cu, cv = self.choice[u], self.choice[v]
+        m, inf = self.split(u, v)
+        total = (self.local[u] - m[:, cv])[:, None] + (self.local[v] - m[cu, :])[None, :] + m
+        worse = self.bad[u][:, None] + self.bad[v][None, :]
         if inf is not None:
-            worse += inf.astype(np.int64) - inf[:, cv][:, None] - inf[cu, :][None, :]
-        ok = fits(u, v, [e - e[cu] for _, _, e in red.pieces[u]], [e - e[cv] for _, _, e in red.pieces[v]])
+            worse = worse + inf - inf[:, cv][:, None] - inf[cu, :][None, :]
+        ok = self._pair_fits(u, v)
         ok[cu, cv] = True
         fewest = worse[ok].min()
         key = np.where(ok & (worse == fewest), total, np.inf)
         a, b = np.unravel_index(int(np.argmin(key)), key.shape)
         if (fewest, key[a, b]) >= (worse[cu, cv], total[cu, cv] - 1e-12 * abs(total[cu, cv])):
             return False
-        if a != cu:
-            move(u, int(a))
-        if b != cv:
-            move(v, int(b))
+        self.move(u, int(a))
+        self.move(v, int(b))
         return True
 
-    while True:
+    def descend(self, deadline: float, stop: threading.Event | None = None,
+                around: Iterable[int] | None = None) -> bool:
+        """Pair moves until none improves or ``deadline``: sweeps over every edge, most
+        expensive first, or (``around``) a work list of the edges at those nodes, growing to the
+        edges of every node that moves. False if stopped by the deadline."""
+        red, choice = self.red, self.choice
+        if around is not None:
+            work = list(dict.fromkeys((min(n, w), max(n, w)) for n in around for w in red.adj[n]))
+            for i, (u, v) in enumerate(work):  # grows while it is walked
+                if _stopped(deadline, stop):
+                    return False
+                before = (choice[u], choice[v])
+                if self.improve(u, v):  # a node that moved: its other edges again
+                    work.extend((min(n, w), max(n, w)) for n, s in zip((u, v), before) if choice[n] != s
+                                for w in red.adj[n] if w not in (u, v))
+            return True
+        while True:
+            term = np.array([m[choice[u], choice[v]] + red.cost[u][choice[u]] + red.cost[v][choice[v]]
+                             for u, v, m in self.edges])
+            improved = False
+            for k in np.argsort(-term, kind="stable"):
+                if _stopped(deadline, stop):
+                    return False
+                improved |= self.improve(self.edges[k][0], self.edges[k][1])
+            if not improved:
+                return True
+
+    def _terms(self) -> np.ndarray:
+        """Each edge's term with its two nodes' (forbidden ones at ten times the largest other)."""
+        red, choice = self.red, self.choice
         term = np.array([m[choice[u], choice[v]] + red.cost[u][choice[u]] + red.cost[v][choice[v]]
-                         for u, v, m in edges])
-        improved = False
-        for i, k in enumerate(np.argsort(-term, kind="stable")):
-            if i % 64 == 0 and (time.perf_counter() >= deadline or (stop is not None and stop.is_set())):
-                return choice
-            improved |= improve(edges[k][0], edges[k][1])
-        if not improved:
-            return choice
+                         for u, v, m in self.edges])
+        inf = np.isinf(term)
+        if inf.any():
+            term[inf] = 10 * float(term[~inf].max(initial=1.0))
+        return term
+
+    def kick(self, rng: np.random.Generator, count: int) -> list[int]:
+        """Set ``count`` edges, drawn in proportion to their terms, to pairs drawn in inverse
+        proportion to the pair's own cost (its nodes' and the edge's); returns the nodes moved."""
+        red = self.red
+        if self.kicks % _TERMS_KICKS == 1 or self.term is None:
+            self.term = self._terms()
+        term = self.term
+        if not len(term) or term.sum() <= 0:
+            return []
+        moved = []
+        for k in rng.choice(len(term), size=min(count, len(term)), replace=False, p=term / term.sum()):
+            u, v, m = self.edges[k]
+            own = red.cost[u][:, None] + m + red.cost[v][None, :]
+            allowed = np.isfinite(own)
+            if not allowed.any():
+                continue
+            weight = np.zeros(own.shape)
+            weight[allowed] = 1.0 / (1.0 + own[allowed] - own[allowed].min())
+            if _KICK_FITS:
+                weight = np.where(self._pair_fits(u, v), weight, 0.0)
+            weight = weight.ravel()
+            if weight.sum() <= 0:
+                continue
+            a, b = np.unravel_index(int(rng.choice(len(weight), p=weight / weight.sum())), own.shape)
+            for n, s in ((u, int(a)), (v, int(b))):
+                if self.choice[n] != s:
+                    self.move(n, s)
+                    moved.append(n)
+        return moved
+
+    def repair(self, rng: np.random.Generator, deadline: float) -> list[int] | None:
+        """Bring every row back within the room: on the fullest row, of a sample of the nodes
+        holding memory there, the move with the least cost per byte it frees. Returns the nodes
+        moved, or None if the rows still overflow after as many moves as there are nodes."""
+        red, moved = self.red, []
+        for i in range(len(self.live) + 1):
+            j = int(np.argmin(self.room))
+            if self.room[j] >= 0:
+                return moved
+            if i % 16 == 0 and time.perf_counter() >= deadline:
+                return None
+            holders = self.piece_node[(self.piece_lo <= j) & (self.piece_hi >= j)]
+            if len(holders) > _REPAIR_SAMPLE:
+                holders = rng.choice(holders, size=_REPAIR_SAMPLE, replace=False)
+            best = (math.inf, -1, -1)
+            for n in holders:
+                n, s = int(n), self.choice[int(n)]
+                lo, _, extras = self.held[n]
+                extra = extras[int(np.searchsorted(lo, j, side="right")) - 1]
+                freed = extra[s] - extra
+                dearer = (self.local[n] - self.local[n][s]) + _FORBIDDEN_PER_BYTE * (self.bad[n] - self.bad[n][s])
+                per_byte = np.full(len(freed), np.inf)
+                frees = freed > 0
+                per_byte[frees] = dearer[frees] / freed[frees]
+                t = int(np.argmin(per_byte))
+                if per_byte[t] < best[0]:
+                    best = (float(per_byte[t]), n, t)
+            if best[1] < 0:
+                return None
+            self.move(best[1], best[2])
+            moved.append(best[1])
+        return None
+
+    def search(self, deadline: float, stop: threading.Event | None = None, seed: int = 0,
+               max_kicks: int | None = None) -> None:
+        """Kicks and descents around them until ``deadline`` (or ``max_kicks`` more kicks),
+        keeping what pays off."""
+        rng = np.random.default_rng(seed)
+        last = math.inf if max_kicks is None else self.kicks + max_kicks
+        while not _stopped(deadline, stop) and self.kicks < last:
+            self.kicks += 1
+            if self.kicks % _REFRESH_KICKS == 0:
+                self.refresh()
+            best = (self.forbidden, self.value)
+            self.undo = []
+            moved = self.kick(rng, _KICK_EDGES)
+            repaired = self.repair(rng, deadline)
+            if repaired is not None:
+                self.descend(deadline, stop, around=moved + repaired)
+            if repaired is None or not self.fits() or (self.forbidden, self.value) >= (
+                    best[0], best[1] - 1e-12 * abs(best[1])):
+                undo, self.undo = self.undo, None
+                for n, s in reversed(undo):
+                    self.move(n, s)
+            else:
+                self.kept += 1
+            self.undo = None
+
+
+def _stopped(deadline: float, stop: threading.Event | None) -> bool:
+    return time.perf_counter() >= deadline or (stop is not None and stop.is_set())
+
+
+def _pair_descent(red: _Reduced, choice: dict[int, int], deadline: float,
+                  stop: threading.Event | None = None) -> dict[int, int]:
+    """``choice`` improved by pair moves (:class:`_PairMoves`) where it fits memory."""
+    moves = _PairMoves(red, choice)
+    if not moves.fits():
+        return dict(choice)  # the moves keep an answer within memory; this one is not
+    moves.descend(deadline, stop)
+    return moves.choice
 
 
 def heuristic(problem: Problem) -> Solution:
@@ -1962,9 +2160,11 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 
     best_x: dict[int, int] | None = None
     # The rounds leave a fifth of the time for pricing memory above the dual and repairing.
     rounds_until = time.perf_counter() + 0.8 * max(0.0, deadline - time.perf_counter())
-    for _ in range(max_rounds):
+    for rounds in range(max_rounds):
         if time.perf_counter() >= rounds_until or (stop is not None and stop.is_set()):
             break
+        if rounds == _LAGRANGIAN_PATIENCE and not best_lam.any():
+            break  # no multipliers have raised the bound: its time goes to the answer's search
         found = inner(lam)
         if found is None:  # the deadline, inside message passing
             break
@@ -2070,12 +2270,14 @@ def _better(red: _Reduced, a: dict[int, int], b: dict[int, int], live: Sequence[
 
 
 def _priced_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, windows_until: float,
-                        stop: threading.Event | None = None, threads: int = _LNS_THREADS
-                        ) -> tuple[float, dict[int, int]]:
+                        stop: threading.Event | None = None, threads: int = _LNS_THREADS,
+                        pairs: bool = True) -> tuple[float, dict[int, int]]:
     """What a problem too big for one MILP gets, and the core beside a whole MILP: the
     Lagrangian (its bound, and its priced answer polished by 1-opt), the price search from its
     multipliers, then the windows until ``windows_until``, each improving ``warm``; all stop
-    when ``stop`` is set. Returns the Lagrangian's bound and the best answer (one that fits
+    when ``stop`` is set. With ``pairs`` (problems too big for one MILP), pair moves polish the
+    start and the priced answer, and kicks (:class:`_PairMoves`) take most of the time the
+    price search leaves. Returns the Lagrangian's bound and the best answer (one that fits
     where any of them does)."""
     live = red.live_nodes()
 
@@ -2083,15 +2285,23 @@ def _priced_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, wi
         now = time.perf_counter()
         return now + fraction * max(0.0, deadline - now)
 
-    warm = _pair_descent(red, warm, share(_PAIR_SHARE), stop=stop)
+    if pairs:
+        warm = _pair_descent(red, warm, share(_PAIR_SHARE), stop=stop)
     prices = _MemoryPriced(red)
-    bound, priced, lam = _lagrangian(red, red.objective(warm), share(_LAGRANGIAN_SHARE), priced=prices, stop=stop)
+    bound, priced, lam = _lagrangian(red, red.objective(warm), share(
+        _LAGRANGIAN_SHARE if pairs else _LAGRANGIAN_ALONE_SHARE), priced=prices, stop=stop)
     if priced is not None:
         priced = _greedy_local_search(red, deadline=share(0.1), initial=priced)
-        warm = _better(red, warm, _pair_descent(red, priced, share(_PAIR_SHARE), stop=stop), live)
+        if pairs:
+            priced = _pair_descent(red, priced, share(_PAIR_SHARE), stop=stop)
+        warm = _better(red, warm, priced, live)
     if lam.any():
         warm = _price_search(red, prices, lam, warm, share(_PRICE_SHARE), stop=stop)
-    warm = _pair_descent(red, warm, share(_PAIR_SHARE), stop=stop)
+    moves = _PairMoves(red, warm) if pairs else None
+    if moves is not None and moves.fits():
+        moves.descend(share(_PAIR_SHARE), stop)
+        moves.search(share(_KICK_SHARE), stop)
+        warm = moves.choice
     polished = _large_neighbourhoods(red, warm, windows_until, stop=stop, threads=threads)
     return bound, _better(red, warm, polished, live)
 
@@ -2120,7 +2330,7 @@ def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, win
     if not done.wait(max(0.0, windows_from - time.perf_counter())):
         # The MILP holds one core: the rest of the work takes the other.
         lagrangian, warm = _priced_and_windows(red, warm, deadline, deadline - min(1.0, 0.02 * (
-            deadline - time.perf_counter())), stop=done, threads=max(1, _LNS_THREADS - 1))
+            deadline - time.perf_counter())), stop=done, threads=max(1, _LNS_THREADS - 1), pairs=False)
     thread.join(max(0.0, deadline + 2 * _DEADLINE_GRACE_S - time.perf_counter()))
     choice, optimal, bound = result.get("out", (None, False, -math.inf))
     return choice, optimal, max(bound, lagrangian), warm

@@ -711,15 +711,11 @@ def test_pair_moves_take_two_nodes_that_only_pay_off_together():
         assert S._pair_descent(red, {0: 0, 1: 0}, math.inf) == expect
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_pair_descent_ends_where_no_fitting_pair_move_helps(seed):
-    """`_pair_descent` keeps memory exactly (nodes with two pieces each cut the rows into
-    several segments) and stops only where no edge's two ends have a fitting pair of strategies
-    with fewer forbidden pairs, or as few and a lower cost."""
-    rng = random.Random(seed)
-    while True:  # a problem where some node's piece spans two rows or more, to be cut in two
+def tight_reduced(rng: random.Random) -> tuple[S._Reduced, list[int]]:
+    """An unreduced problem with a tight limit over long live intervals (so a segment of rows
+    has rooms that differ) and forbidden pairs; some piece spans two rows or more."""
+    while True:
         p = random_problem(rng, 24, 4, extra_edges=12)
-        # long live intervals, so a segment of rows has rooms that differ
         nodes = [Node(n.name, n.costs_s, n.memory_bytes, live=(s, s + rng.randint(0, 8)))
                  for n, s in zip(p.nodes, (rng.randint(0, 12) for _ in p.nodes))]
         lo, _ = S.min_peak_memory(Problem(nodes, []))
@@ -731,7 +727,21 @@ def test_pair_descent_ends_where_no_fitting_pair_move_helps(seed):
         S._memory_rows(p, red, [np.array(n.memory_bytes) for n in p.nodes], S._steps(p))
         live = red.live_nodes()
         if any(j2 > j1 for n in live for j1, j2, _ in red.pieces[n]):
-            break
+            return red, live
+
+
+def reduced_score(red: S._Reduced, x: dict[int, int]) -> tuple[int, float]:
+    """(forbidden terms, the sum of the others) of ``x``."""
+    terms = [float(red.cost[n][x[n]]) for n in red.live_nodes()] + [float(m[x[u], x[v]]) for u, v, m in red.edges()]
+    return sum(math.isinf(t) for t in terms), sum(t for t in terms if not math.isinf(t))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pair_descent_ends_where_no_fitting_pair_move_helps(seed):
+    """`_pair_descent` keeps memory exactly (nodes with two pieces each cut the rows into
+    several segments) and stops only where no edge's two ends have a fitting pair of strategies
+    with fewer forbidden pairs, or as few and a lower cost."""
+    red, live = tight_reduced(random.Random(seed))
     start = {n: int(np.argmin(red.pieces[n][0][2])) if red.pieces[n] else 0 for n in live}  # least memory
     assert S._fits(red, start, live)
     for n in live:  # a second, disjoint piece with less memory: start still fits
@@ -742,17 +752,39 @@ def test_pair_descent_ends_where_no_fitting_pair_move_helps(seed):
     assert any(len(red.pieces[n]) == 2 for n in live)
     found = S._pair_descent(red, start, math.inf)
     assert S._fits(red, found, live)
-
-    def score(x) -> tuple[int, float]:
-        terms = [float(red.cost[n][x[n]]) for n in live] + [float(m[x[u], x[v]]) for u, v, m in red.edges()]
-        return sum(math.isinf(t) for t in terms), sum(t for t in terms if not math.isinf(t))
-
-    here = score(found)
-    assert here <= score(start)
+    here = reduced_score(red, found)
+    assert here <= reduced_score(red, start)
     for u, v, _ in red.edges():
         for a in range(len(red.cost[u])):
             for b in range(len(red.cost[v])):
                 moved = {**found, u: a, v: b}
                 if S._fits(red, moved, live):
-                    bad, cost = score(moved)
+                    bad, cost = reduced_score(red, moved)
                     assert bad > here[0] or (bad == here[0] and cost >= here[1] - 1e-9 * abs(here[1])), (u, v, a, b)
+
+
+def test_kicks_keep_an_answer_that_fits_and_costs_no_more():
+    """`_PairMoves.search` kicks the descended answer (random cheap pairs on expensive edges),
+    repairs the rows it overflows, descends around it and undoes what does not pay off. After
+    any number of kicks the answer fits, costs no more than before, and the objective and
+    forbidden count tracked move by move are the true ones; on some of these problems the kicks
+    find a cheaper answer than the descent's."""
+    kept = 0
+    for seed in range(6):
+        red, live = tight_reduced(random.Random(seed))
+        for n in live:  # a second, disjoint piece: the repair and the checks see several segments
+            if len(red.pieces[n]) == 1 and red.pieces[n][0][1] > red.pieces[n][0][0]:
+                j1, j2, extra = red.pieces[n][0]
+                red.pieces[n] = [(j1, j1, extra), (j1 + 1, j2, 0.5 * extra)]
+        moves = S._PairMoves(red, {n: int(np.argmin(red.pieces[n][0][2])) if red.pieces[n] else 0 for n in live})
+        assert moves.fits()
+        moves.descend(math.inf)
+        before = reduced_score(red, moves.choice)
+        moves.search(math.inf, seed=seed, max_kicks=40)
+        assert moves.kicks == 40
+        assert S._fits(red, moves.choice, live)
+        after = reduced_score(red, moves.choice)
+        assert after <= before
+        assert (moves.forbidden, moves.value) == pytest.approx(after, rel=1e-9)
+        kept += moves.kept
+    assert kept > 0
