@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import pathlib
 import sys
 import time
@@ -112,6 +113,7 @@ def main(argv=None) -> int:
           f"{args.forbidden:g}")
     print(f"{'instance':26s} {'nodes':>6s} {'edges':>6s} {'wall s':>7s} {'cost':>12s} {'bound':>12s} "
           f"{'fits':>5s} {'forbid':>6s} {'path':>14s} {'/best':>7s}")
+    ratios = []  # cost / best known of the answers that fit with no forbidden term
     for path in paths:
         raw = read_instance(path)
         name = raw.get("name", path.name.split(".")[0])
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
         cost, fits, bad = evaluate(raw, choice, args.forbidden)
         bound = sol.lower_bound_s
         ratio = f"{cost / best[name]:7.3f}" if name in best else "      -"
+        if name in best:
+            ratios.append(cost / best[name] if fits and not bad else math.inf)
         print(f"{name:26s} {len(problem.nodes):6d} {len(problem.edges):6d} {wall:7.1f} {cost:12.6g} {bound:12.6g} "
               f"{str(fits):>5s} {bad:6d} {sol.solver:>14s} {ratio}", flush=True)
         if args.whole_milp:
@@ -138,6 +142,8 @@ def main(argv=None) -> int:
             print(f"{'  one whole MILP':26s} {'':6s} {'':6s} {wall:7.1f} {cost_ref:12.6g} "
                   f"{ref.lower_bound_s:12.6g} {str(fits_ref):>5s} "
                   f"{bad_ref:6d} {ref.solver:>14s} {cost / cost_ref:7.3f}x", flush=True)
+    if ratios:  # an answer that does not fit or has a forbidden term counts as infinitely far
+        print(f"geometric mean of /best over {len(ratios)}: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}")
     return 0
 
 

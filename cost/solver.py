@@ -78,8 +78,11 @@ MILP of that size finds no incumbent in 60 s here):
   edges together (:class:`_Star`), and 1-opt moves of non-adjacent nodes together
   (:class:`_Sweeps`)). Subgradient steps raise the bound; the best multipliers, scaled until their minimiser fits,
   give a feasible plan that prices memory as the dual does;
-- that plan or the best start, whichever is cheaper, improved by 1-opt moves and then by large
-  neighbourhood search (:func:`_large_neighbourhoods`). Windows are breadth-first graph
+- that plan or the best start, whichever is cheaper, improved by 1-opt moves, by pair moves
+  (:class:`_PairMoves`: both ends of an edge at once, to the best pair that fits memory) and
+  by kicks (a few expensive edges set to random cheap pairs, the rows they overflow repaired
+  at the least cost per byte, pair moves around them; undone unless they pay off), then by
+  large neighbourhood search (:func:`_large_neighbourhoods`). Windows are breadth-first graph
   neighbourhoods, re-solved exactly by HiGHS with the rest fixed, two at a time where they
   share no node or edge. Their rows are merged where the same window nodes are live, so a
   window of W nodes has at most 2W rows.
