@@ -1206,7 +1206,7 @@ class _PairMoves:
         red, choice = self.red, self.choice
         if around is not None:
             work = list(dict.fromkeys((min(n, w), max(n, w)) for n in around for w in red.adj[n]))
-            for i, (u, v) in enumerate(work):  # grows while it is walked
+            for u, v in work:  # grows while it is walked
                 if _stopped(deadline, stop):
                     return False
                 before = (choice[u], choice[v])
@@ -1215,10 +1215,8 @@ class _PairMoves:
                                 for w in red.adj[n] if w not in (u, v))
             return True
         while True:
-            term = np.array([m[choice[u], choice[v]] + red.cost[u][choice[u]] + red.cost[v][choice[v]]
-                             for u, v, m in self.edges])
             improved = False
-            for k in np.argsort(-term, kind="stable"):
+            for k in np.argsort(-self._terms(), kind="stable"):
                 if _stopped(deadline, stop):
                     return False
                 improved |= self.improve(self.edges[k][0], self.edges[k][1])
