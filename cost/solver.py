@@ -1150,7 +1150,9 @@ class _PairMoves:
         ok = np.ones((len(self.red.cost[u]), len(self.red.cost[v])), dtype=bool)
         if u not in self.held and v not in self.held:
             return ok
-        if len(self.red.pieces[u]) <= 1 and len(self.red.pieces[v]) <= 1:  # most nodes: a few segments
+        # Nodes of one piece each (most) cut the rows into at most three segments, checked one by
+        # one: on IOPDDL R the descent takes 4.5 s this way, 6.7 s by the general path below.
+        if len(self.red.pieces[u]) <= 1 and len(self.red.pieces[v]) <= 1:
             du = [(j1, j2, e - e[self.choice[u]]) for j1, j2, e in self.red.pieces[u]]
             dv = [(j1, j2, e - e[self.choice[v]]) for j1, j2, e in self.red.pieces[v]]
             for lo, hi in itertools.pairwise(sorted({j for j1, j2, _ in du + dv for j in (j1, j2 + 1)})):
@@ -1314,17 +1316,17 @@ class _PairMoves:
             repaired = self.repair(rng, deadline)
             if repaired is not None:
                 self.descend(deadline, stop, around=moved + repaired)
+            undo, self.undo = self.undo, None
             if repaired is None or not self.fits() or (self.forbidden, self.value) >= (
                     best[0], best[1] - 1e-12 * abs(best[1])):
-                undo, self.undo = self.undo, None
                 for n, s in reversed(undo):
                     self.move(n, s)
             else:
                 self.kept += 1
-            self.undo = None
 
 
 def _stopped(deadline: float, stop: threading.Event | None) -> bool:
+    """Whether ``deadline`` has passed or ``stop`` is set."""
     return time.perf_counter() >= deadline or (stop is not None and stop.is_set())
 
 
@@ -1617,9 +1619,6 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
     usage = _usage(red, choice, live)
     room = red.rhs + _REL_TOL * np.abs(red.rhs) + 1e-9
 
-    def over() -> bool:
-        return time.perf_counter() >= deadline or (stop is not None and stop.is_set())
-
     def take(nodes: list[int], sub: _Reduced, future) -> bool:
         """Apply a solved window's answer where it is cheaper and fits; True if applied."""
         nonlocal usage
@@ -1642,13 +1641,13 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
         return True
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        while not over():
+        while not _stopped(deadline, stop):
             improved = False
             conflicts = sorted({n for u, v, m in red.edges() if np.isinf(m[choice[u], choice[v]]) for n in (u, v)})
             covered: set[int] = set()
             flight: list[tuple[list[int], _Reduced, object, set[int]]] = []  # nodes, sub, future, reach
             for seed in conflicts + live:
-                if over():
+                if _stopped(deadline, stop):
                     break
                 if seed in covered:
                     continue
@@ -2169,7 +2168,7 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 
     # The rounds leave a fifth of the time for pricing memory above the dual and repairing.
     rounds_until = time.perf_counter() + 0.8 * max(0.0, deadline - time.perf_counter())
     for rounds in range(max_rounds):
-        if time.perf_counter() >= rounds_until or (stop is not None and stop.is_set()):
+        if _stopped(rounds_until, stop):
             break
         if rounds == _LAGRANGIAN_PATIENCE and not best_lam.any():
             break  # no multipliers have raised the bound: its time goes to the answer's search
@@ -2198,7 +2197,7 @@ def _lagrangian(red: _Reduced, upper: float, deadline: float, max_rounds: int = 
     if best_lam.any() and (feasible[1] is None or feasible[0] > best * (1 + 1e-6)):
         lo, hi = 1.0, None
         for _ in range(24):
-            if time.perf_counter() >= deadline or (stop is not None and stop.is_set()):
+            if _stopped(deadline, stop):
                 break
             scale = 2 * lo if hi is None else (lo + hi) / 2
             found = inner(best_lam * scale)
@@ -2246,7 +2245,7 @@ def _price_search(red: _Reduced, priced: _MemoryPriced, lam: np.ndarray, incumbe
     first, steps = True, 0
     if priced.calls and deadline - time.perf_counter() < _PRICE_MIN_STEPS * priced.seconds / priced.calls:
         return incumbent  # too few steps fit: the windows get the time
-    while time.perf_counter() < deadline and (max_steps is None or steps < max_steps) and not (stop and stop.is_set()):
+    while not _stopped(deadline, stop) and (max_steps is None or steps < max_steps):
         began, steps = time.perf_counter(), steps + 1
         found = priced.minimise(lam, deadline)
         if found is None:
