@@ -248,6 +248,15 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    #: Which projections tensor parallelism shards: Megatron's pattern, or a layout of the
+    #: op-level solver (`graphpass.op_placement`).
+    tp_layout: str = "megatron"
+
+    @property
+    def key(self) -> tuple[int, bool, str]:
+        """What the blocks' costs depend on besides the batch: ``(tp, sequence_parallel,
+        tp_layout)``."""
+        return self.mesh.tp, self.sequence_parallel, self.tp_layout
 
     @classmethod
     def of(cls, pp: int, dp: int, tp: int, microbatches: int = 1, sequence_parallel: bool = False,
@@ -271,6 +280,8 @@ class Layout:
             text += f" m={self.microbatches}"
         if self.sequence_parallel:
             text += " sp"
+        if self.tp_layout != "megatron":
+            text += f" ({self.tp_layout})"
         if self.mesh.pp > 1 and self.schedule != "1f1b":
             text += f" {self.schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return text
@@ -461,6 +472,22 @@ class _Collectives:
 
     def _group(self, axis: str) -> Sequence[int]:
         return self.groups[axis]
+
+
+def transition_s(name: str, size: float, layout: Layout, costing: Costing, backward: bool = True) -> float:
+    """Seconds of the transition-table entry ``name`` (`graphpass.transitions.TABLE`) on a full
+    tensor of ``size`` bytes over its axis of ``layout``'s mesh: its collectives, each blocking
+    one with the link's synchronisation, and its local copies read and written at the device's
+    memory bandwidth, as :func:`price` prices a block's; ``backward=False`` leaves out the
+    backward part (a value that needs no gradient)."""
+    entry = TABLE[name]
+    comms = _Collectives(costing.cluster, layout)
+    n = layout.mesh[entry.axis] if entry.axis in layout.mesh else 1
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
+    moved = sum(comms.time(entry.axis, m.kind, m.factor * size, m.blocking) for m in entry.collectives
+                if backward or m.phase == FORWARD)
+    copied = sum(2 * c.bytes(size, n) / bandwidth for c in entry.copies if backward or c.phase == FORWARD)
+    return moved + copied
 
 
 def _cuts(block: BlockCost) -> list[int]:
@@ -1119,7 +1146,7 @@ def _smallest_peak(layout: Layout, options: Sequence[Sequence[tuple[Choice, Pric
 BASELINES = (Choice(0), Choice(0, recompute=True), Choice(3), Choice(3, recompute=True))
 
 
-def _refine_per_operator(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], found: list[Candidate],
+def _refine_per_operator(layouts: Mapping[tuple[int, bool, str], Sequence[BlockCost]], found: list[Candidate],
                          costing: Costing, deadline: float) -> list[Candidate]:
     """The ``_REFINED`` fastest per-block candidates solved again with per-operator options
     (:func:`choices_for`), each kept where that is faster under the full step formula: the
@@ -1132,7 +1159,7 @@ def _refine_per_operator(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]]
         if time.perf_counter() > deadline:
             break
         layout = cand.layout
-        blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
+        blocks = layouts[layout.key]
         refined, _ = solve_mesh(blocks, layout, costing, min(deadline, time.perf_counter() + _REFINE_S),
                                 per_operator=True)
         if refined is not None and refined.step_time_s < cand.step_time_s * (1 - _TIE_REL):
@@ -1142,7 +1169,7 @@ def _refine_per_operator(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]]
     return found
 
 
-def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: Sequence[Layout], costing: Costing,
+def search(layouts: Mapping[tuple[int, bool, str], Sequence[BlockCost]], mesh_list: Sequence[Layout], costing: Costing,
            time_limit_s: float | None = None, per_operator: bool = True
            ) -> tuple[Candidate, list[Candidate], dict[str, float], int]:
     """Solve every mesh; returns the best candidate, all feasible ones solved (fastest first), the
@@ -1161,7 +1188,7 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
     # whose floor is already slower than it is not solved at all (branch and bound over meshes).
     prepared = []
     for layout in mesh_list:
-        blocks = layouts[(layout.mesh.tp, layout.sequence_parallel)]
+        blocks = layouts[layout.key]
         options = _mesh_options(blocks, layout, costing, per_operator=False)
         prepared.append((step_floor(layout, options.options, costing), layout, blocks, options))
     prepared.sort(key=lambda item: item[0])
@@ -1196,6 +1223,6 @@ def search(layouts: Mapping[tuple[int, bool], Sequence[BlockCost]], mesh_list: S
     found.sort(key=lambda c: c.step_time_s)
     tied = [c for c in found if c.step_time_s <= found[0].step_time_s * (1 + _TIE_REL)]
     best = min(tied, key=lambda c: (c.layout.mesh.pp, c.layout.microbatches, c.layout.mesh.tp, c.layout.sequence_parallel,
-                                    c.peak_memory_bytes))
+                                    c.layout.tp_layout != "megatron", c.peak_memory_bytes))
     found.remove(best)
     return best, [best, *found], infeasible, pruned

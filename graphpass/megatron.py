@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -49,6 +50,15 @@ _PASS_THROUGH = {
     aten.matmul, aten.bmm, aten.type_as, aten.squeeze, aten.select, aten.unbind, operator.getitem,
     aten.masked_fill, aten.where,  # causal masks written as scores.masked_fill(mask, -inf) or where(mask, scores, -inf)
 }
+
+
+# Ops that act on each feature apart, so a value sharded on its features stays so through them.
+_ELEMENTWISE = {
+    aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.dropout, aten.mul, aten.add, aten.sub, aten.div,
+    aten.neg, aten.to, aten._to_copy, aten.alias, aten.contiguous, aten.clone, aten.type_as,
+}
+
+_ANY_LAYER = object()  # flows_into's default: follow the value into every layer
 
 
 def _packet(node: fx.Node):
@@ -109,17 +119,33 @@ def projection(node: fx.Node) -> Projection | None:
 def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
     """Linears of ``layer`` reached from ``start`` through pass-through ops (not through norms,
     reductions or other linears)."""
-    found, stack, seen = [], list(start.users), set()
+    return flows_into(start, layer)[0]
+
+
+def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx.Node], bool] | None = None
+               ) -> tuple[list[fx.Node], bool]:
+    """The linears ``start``'s output reaches through ops ``through`` accepts (default: the
+    pass-through ops, along which a column-parallel output stays sharded; not through norms,
+    reductions or other linears), within ``layer`` when one is given; and whether any other op
+    (a norm, a loss, the graph's output) reads the value on the way, where a sharded value must
+    be made whole."""
+    found, stack, seen, other = [], list(start.users), set(), False
     while stack:
         node = stack.pop()
-        if node in seen or node.op != "call_function" or node.meta.get(meta.LAYER) != layer:
+        if node in seen:
             continue
         seen.add(node)
-        if projection(node) is not None:
+        if node.op != "call_function":
+            other = True
+        elif layer is not _ANY_LAYER and node.meta.get(meta.LAYER) != layer:
+            continue
+        elif projection(node) is not None:
             found.append(node)
-        elif _packet(node) in _PASS_THROUGH:
+        elif (through(node) if through is not None else _packet(node) in _PASS_THROUGH):
             stack.extend(node.users)
-    return found
+        else:
+            other = True
+    return found, other
 
 
 def _feeds_cross_entropy(node: fx.Node) -> bool:
@@ -223,6 +249,12 @@ def keeps_features(view: fx.Node) -> bool:
     src, out = view.args[0].meta.get(meta.VAL), view.meta.get(meta.VAL)
     return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dim() >= 1 and out.dim() >= 1
             and src.shape[-1] == out.shape[-1])
+
+
+def feature_wise(node: fx.Node) -> bool:
+    """Whether ``node`` keeps a value sharded on its features so: an elementwise op, or a view
+    that keeps the features whole."""
+    return node.op == "call_function" and (_packet(node) in _ELEMENTWISE or keeps_features(node))
 
 
 def _feature_users(node: fx.Node) -> list[tuple[fx.Node, int]]:

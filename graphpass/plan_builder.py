@@ -30,13 +30,16 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
 
 def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[str, Choice], *,
                       sequence_parallel: bool = False, microbatches: int = 1, strategy: Strategy | None = None,
-                      reasons: Sequence[str] = ()) -> Plan:
+                      reasons: Sequence[str] = (),
+                      tp_layout: tuple[Mapping[str, str], Mapping[str, tuple[int, ...]]] | None = None) -> Plan:
     """The plan of ``choices`` (one for every node, or node name → choice; unlisted nodes take
     ``Choice()``) on ``mesh``.
 
     Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
-    and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). With ``tp``, the
-    Megatron layout (:func:`graphpass.megatron.megatron_layout`). A parameter node's ``zero=k``
+    and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). With ``tp``,
+    ``tp_layout`` (``(placements, parts)`` of the weights tensor parallelism shards, as the op-level
+    planner's :class:`graphpass.op_placement.OpLayout` holds them), by default the Megatron layout
+    (:func:`graphpass.megatron.megatron_layout`). A parameter node's ``zero=k``
     gives it ZeRO stage k when it is trainable and not a scalar (ZeRO shards along dim 0); a
     layer recomputes when its nodes choose ``recompute``; ``split=k`` on a linear splits it k ways
     along its output features when its weight is untied and has at least k rows
@@ -50,7 +53,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     tp_placements: dict[str, str] = {}
     tp_parts: dict[str, tuple[int, ...]] = {}
     if mesh.tp > 1:
-        tp_placements, tp_parts = megatron_layout(gm, mesh.tp)
+        tp_placements, tp_parts = (dict(tp_layout[0]), dict(tp_layout[1])) if tp_layout else megatron_layout(gm, mesh.tp)
     experts: set[str] = set()
     if mesh.ep > 1:
         experts = set(expert_weights(gm))

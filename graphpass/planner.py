@@ -60,7 +60,8 @@ from graphpass.ops import op_base
 from graphpass.repeats import condense
 from graphpass.plan import Choice, Plan, Strategy
 from graphpass.transitions import transition
-from graphpass.plan_builder import plan_from_choices, plan_from_strategy, uniform_stages
+from graphpass.plan_builder import plan_from_choices, uniform_stages
+from graphpass.op_placement import MEGATRON, OpLayout, Prices, op_layouts
 from graphpass.runtime.tensor_parallel import ALONE
 
 log = logging.getLogger(__name__)
@@ -329,7 +330,9 @@ class GraphProfile:
         self.measured = dict(measured or {})
         self._remeasure = remeasure
         self._measured_at: dict[int, dict[str, tuple[float, float]]] = {batch: self.measured}
-        self._programs: dict[tuple[int, bool, int], ProgramTimes] = {}
+        self._programs: dict[tuple[int, bool, str, int], ProgramTimes] = {}
+        #: the op-level planner's tensor-parallel layouts, by (tp, name) (`Planner.op_layouts`)
+        self.tp_layouts: dict[tuple[int, str], OpLayout] = {}
         self.param_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND, None) == "parameter"]
         self.tensors = {n.name: self._attr(n.target) for n in self.param_nodes}
         trainable = [n for n in self.param_nodes if self.tensors[n.name].requires_grad]
@@ -467,10 +470,11 @@ class GraphProfile:
             self._measured_at[batch] = self._remeasure.times(batch) if self._remeasure else {}
         return self._measured_at[batch]
 
-    def _program_times(self, tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
-        key = (tp, sequence_parallel, batch)
+    def _program_times(self, tp: int, sequence_parallel: bool, name: str, batch: int) -> ProgramTimes:
+        key = (tp, sequence_parallel, name, batch)
         if key not in self._programs:
-            self._programs[key] = self._remeasure.program(*key) if self._remeasure else ProgramTimes()
+            self._programs[key] = (self._remeasure.program(tp, sequence_parallel, batch, self.tp_layouts.get((tp, name)))
+                                   if self._remeasure else ProgramTimes())
         return self._programs[key]
 
     def _time(self, name: str, batch: int, divide: float) -> tuple[float, float]:
@@ -494,12 +498,13 @@ class GraphProfile:
         backward = max(flops_b * scale / divide / peak, 2 * moved / bandwidth) if has_backward else 0.0
         return forward, backward
 
-    def _tp_layout(self, tp: int, sequence_parallel: bool) -> tuple[dict[str, Any], list[EmittedCollective]]:
-        """The tensor-parallel pass's dry run at ``tp`` (`passes.tensor_parallel.layout`): each
-        node's placement and the collectives it emits. The nodes of a cut layer take the
-        placements and collectives of the layer standing in for it."""
+    def _tp_layout(self, tp: int, sequence_parallel: bool, name: str) -> tuple[dict[str, Any], list[EmittedCollective]]:
+        """The tensor-parallel pass's dry run at ``tp`` (`passes.tensor_parallel.layout`) of the
+        layout ``name`` (Megatron's, or one of ``tp_layouts``): each node's placement and the
+        collectives it emits. The nodes of a cut layer take the placements and collectives of
+        the layer standing in for it."""
         gm, node, _ = self._graph_to_run()
-        lay = tp_layout(gm, _tp_plan(gm, tp, sequence_parallel))
+        lay = tp_layout(gm, _tp_plan(gm, tp, sequence_parallel, self.tp_layouts.get((tp, name))))
         standing: dict[str, list[fx.Node]] = defaultdict(list)
         for n, c in node.items():
             standing[c.name].append(n)
@@ -509,9 +514,10 @@ class GraphProfile:
         emitted += [c for c in lay.collectives if c.anchor not in standing]
         return placements, emitted
 
-    def block_costs(self, tp: int, sequence_parallel: bool, batches: Sequence[int]) -> list[S.BlockCost]:
-        """The blocks under tensor-parallel layout ``(tp, sequence_parallel)``, with compute times at
-        every local batch in ``batches``.
+    def block_costs(self, tp: int, sequence_parallel: bool, batches: Sequence[int],
+                    name: str = MEGATRON) -> list[S.BlockCost]:
+        """The blocks under tensor-parallel layout ``(tp, sequence_parallel, name)``, with compute
+        times at every local batch in ``batches``.
 
         Raises:
             TensorParallelError: the model cannot take this tp.
@@ -521,7 +527,7 @@ class GraphProfile:
         copies: dict[str, list[tuple[str, float]]] = defaultdict(list)
         gathered: set[str] = set()
         if tp > 1:
-            placements, emitted = self._tp_layout(tp, sequence_parallel)
+            placements, emitted = self._tp_layout(tp, sequence_parallel, name)
             # A sharded value that the pass all-gathers for replicated consumers is saved by them
             # whole, as gathered; sequence parallelism's gathers into column linears are
             # re-gathered in backward instead (the runtime keeps the shard, as Megatron does).
@@ -551,7 +557,7 @@ class GraphProfile:
         # Measured where the emitted program could be timed (its nodes at their local shapes, the
         # ops the pass adds charged to the block of the original node they come from); else, or
         # for a node the program does not keep, the original node's time split tp ways if sharded.
-        programs = {b: self._program_times(tp, sequence_parallel, b) if tp > 1 else ProgramTimes() for b in batches}
+        programs = {b: self._program_times(tp, sequence_parallel, name, b) if tp > 1 else ProgramTimes() for b in batches}
         added = {b: defaultdict(lambda: (0.0, 0.0)) for b in batches}
         for b, program in programs.items():
             for anchor, (f, bw) in program.added.items():
@@ -726,8 +732,10 @@ def _is_float_node(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
-def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool) -> Plan:
-    return plan_from_strategy(gm, Strategy(dp=1, tp=tp, sequence_parallel=sequence_parallel), ())
+def _tp_plan(gm: fx.GraphModule, tp: int, sequence_parallel: bool, op_layout: OpLayout | None = None) -> Plan:
+    strategy = Strategy(dp=1, tp=tp, sequence_parallel=sequence_parallel)
+    return plan_from_choices(gm, strategy.mesh, strategy.choice, sequence_parallel=sequence_parallel, strategy=strategy,
+                             tp_layout=(op_layout.placements, op_layout.parts) if op_layout is not None else None)
 
 
 # ------------------------------------------------------------------------------------- search
@@ -875,28 +883,58 @@ class Planner:
         self.costing = replace(_costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                         measure_ops, measure_together),
                                expert_loads=loads, capacity_factor=capacity)
-        self._layouts: dict[tuple[int, bool], list[S.BlockCost]] = {}
-        self._batches: dict[tuple[int, bool], set[int]] = defaultdict(set)
-        self._rejected: dict[int, str] = {}
+        self._layouts: dict[tuple[int, bool, str], list[S.BlockCost]] = {}
+        self._batches: dict[tuple[int, bool, str], set[int]] = defaultdict(set)
+        self._rejected: dict[int, str] = {}  # tp degrees Megatron's layout cannot take, and why
+        self._rejected_op: dict[tuple[int, bool, str], str] = {}  # op-level layouts the pass refused
+        self._op_layouts: dict[int, list[OpLayout]] = {}
         self.measure_s = time.perf_counter() - start
 
     def blocks(self, layout: S.Layout) -> list[S.BlockCost] | None:
         """Block costs for ``layout``'s tensor parallelism (None when the model cannot take its tp)."""
-        return self._ensure([layout]).get((layout.mesh.tp, layout.sequence_parallel))
+        return self._ensure([layout]).get(layout.key)
 
-    def _ensure(self, layouts: Sequence[S.Layout]) -> dict[tuple[int, bool], list[S.BlockCost]]:
-        wanted: dict[tuple[int, bool], set[int]] = defaultdict(set)
+    def _ensure(self, layouts: Sequence[S.Layout]) -> dict[tuple[int, bool, str], list[S.BlockCost]]:
+        wanted: dict[tuple[int, bool, str], set[int]] = defaultdict(set)
         for layout in layouts:
-            wanted[(layout.mesh.tp, layout.sequence_parallel)].add(S.local_batch(layout, self.batch))
+            wanted[layout.key].add(S.local_batch(layout, self.batch))
         for key, batches in wanted.items():
-            if key[0] in self._rejected or (key in self._layouts and batches <= self._batches[key]):
+            tp, sequence_parallel, name = key
+            refused = tp in self._rejected if name == MEGATRON else key in self._rejected_op
+            if refused or (key in self._layouts and batches <= self._batches[key]):
                 continue
             self._batches[key] |= batches
             try:
-                self._layouts[key] = self.profile.block_costs(key[0], key[1], sorted(self._batches[key]))
+                self._layouts[key] = self.profile.block_costs(tp, sequence_parallel, sorted(self._batches[key]), name)
             except TensorParallelError as exc:
-                self._rejected[key[0]] = str(exc)
+                if name == MEGATRON:
+                    self._rejected[tp] = str(exc)
+                else:
+                    self._rejected_op[key] = str(exc)
+                    log.info("tp=%d %s layout not planned: %s", tp, name, exc)
         return self._layouts
+
+    def op_layouts(self, tp: int) -> list[OpLayout]:
+        """The op-level planner's tensor-parallel layouts at ``tp`` (`graphpass.op_placement`):
+        the projections Megatron's pattern leaves replicated placed by the op-level solver, its
+        terms priced at the local batch of a ``tp`` x dp mesh by the transition table and this
+        Planner's costing. Each is registered with the profile under its name, for the mesh
+        search to price exactly (``Layout.tp_layout``)."""
+        if tp not in self._op_layouts:
+            world = self.cluster.world_size
+            mesh = S.Layout.of(1, world // tp, tp)
+            scale = tp / world  # the local batch of that mesh over the captured one
+            element = self.profile.tensors[self.profile.param_nodes[0].name].element_size() if self.profile.param_nodes else 4
+            prices = Prices(
+                compute_s=lambda node: sum(self.profile._time(node.name, self.batch, 1)) * scale,
+                transition_s=lambda name, size, grad: S.transition_s(name, size, mesh, self.costing, grad),
+                batch_scale=scale,
+                state_bytes_per_element=element + self.costing.grad_bytes_per_param + self.costing.optimizer_bytes_per_param,
+            )
+            found = op_layouts(self.profile.gm, tp, prices)
+            self.profile.tp_layouts.update(((tp, lay.name), lay) for lay in found)
+            self._op_layouts[tp] = found
+        return self._op_layouts[tp]
 
     def _with_budget(self, memory_budget: int | float | str | None) -> tuple[int, S.Costing]:
         if memory_budget is None:
@@ -961,8 +999,9 @@ class Planner:
         """Search every mesh and per-block choice; the fastest plan that fits ``memory_budget``
         (default: the Planner's). With ``per_operator`` (the default) a block may also shard its
         largest operators' parameters at a higher ZeRO stage than the rest (OSDP,
-        :attr:`graphpass.plan.Choice.large_ops`); ``False`` gives the per-block plan, a subset
-        of the same options.
+        :attr:`graphpass.plan.Choice.large_ops`), and tensor parallelism may shard the
+        projections Megatron's pattern leaves replicated, as the op-level solver places them
+        (:meth:`op_layouts`); ``False`` gives the per-block plan, a subset of the same options.
 
         Raises:
             graphpass.cost.search.NoPlanError: nothing fits the budget.
@@ -976,14 +1015,20 @@ class Planner:
                 f"no mesh of {self.cluster.world_size} devices divides the global batch of {self.batch} "
                 "samples (dp must divide it); use a batch that is a multiple of the data-parallel degree"
             )
+        # The op-level planner's tp layouts beside Megatron's, without sequence parallelism (its
+        # norms on sequence shards are Megatron's pattern); per-operator choices, so the
+        # per-block plan leaves them out.
+        if per_operator:
+            mesh_list += [replace(m, tp_layout=lay.name) for m in mesh_list if m.mesh.tp > 1 and not m.sequence_parallel
+                          for lay in self.op_layouts(m.mesh.tp)]
         layouts = self._ensure(mesh_list)
-        usable = [m for m in mesh_list if (m.mesh.tp, m.sequence_parallel) in layouts]
+        usable = [m for m in mesh_list if m.key in layouts]
         _, costing = self._with_budget(memory_budget)
         best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
         alternatives = _alternatives(best, found, infeasible)
         reasons = _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
                            self.measure_s, pruned)
-        return _to_plan(self.profile, layouts[(best.layout.mesh.tp, best.layout.sequence_parallel)], best, costing,
+        return _to_plan(self.profile, layouts[best.layout.key], best, costing,
                         None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
                         alternatives)
 
@@ -1109,7 +1154,7 @@ class _Remeasure:
         self._measure(batch, *found)
         return self._times[batch]
 
-    def program(self, tp: int, sequence_parallel: bool, batch: int) -> ProgramTimes:
+    def program(self, tp: int, sequence_parallel: bool, batch: int, op_layout: OpLayout | None = None) -> ProgramTimes:
         """`ProgramTimes` of the program the tensor-parallel pass emits at ``batch`` samples: the
         pass dry-run on the graph of that batch (`tp_layout`), its fake values re-derived at the
         local shapes, its non-collective ops timed on this machine
@@ -1127,7 +1172,7 @@ class _Remeasure:
 
         other, sliced = found
         try:
-            program = tp_layout(other, _tp_plan(other, tp, sequence_parallel)).program
+            program = tp_layout(other, _tp_plan(other, tp, sequence_parallel, op_layout)).program
             _materialize(program, other)
             propagate_fake(program, sliced)
         except Exception as exc:  # noqa: BLE001 - the per-node split stands in; said here
@@ -1283,7 +1328,7 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], alternatives: Sequence
             f"{alt['layout']} needs >= {alt['peak_bytes'] / 2**30:.2f} GiB"
             for alt in alternatives if alt["step_time_s"] is None))
     for tp, why in sorted(rejected.items()):
-        lines.append(f"tp={tp} not possible: {why}")
+        lines.append(f"tp={tp} with Megatron's layout not possible: {why}")
     if best.exposed_comm_s > 0:
         lines.append(f"data-parallel communication not hidden behind compute: {best.exposed_comm_s * 1e3:.2f} ms per step")
     lines.append(f"measuring the graph took {measure_s:.1f} s")
@@ -1337,8 +1382,13 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     time_split = {"compute": max(0.0, cand.step_time_s - tp - cand.tail_s - bubble), "tp_comm": tp,
                   "dp_comm_exposed": cand.exposed_comm_s, "optimizer": max(0.0, cand.tail_s - cand.exposed_comm_s),
                   "bubble": bubble}
+    op_layout = profile.tp_layouts.get((mesh.tp, layout.tp_layout))
+    if op_layout is not None:
+        reasons.insert(1, f"tensor-parallel layout: {op_layout.name} (the op-level solver placed the projections "
+                          f"Megatron's pattern leaves replicated: {op_layout.describe()})")
     base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
-                             microbatches=layout.microbatches, strategy=strategy, reasons=reasons)
+                             microbatches=layout.microbatches, strategy=strategy, reasons=reasons,
+                             tp_layout=(op_layout.placements, op_layout.parts) if op_layout is not None else None)
     return replace(
         base,
         stages=stages,

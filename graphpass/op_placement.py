@@ -1,0 +1,251 @@
+"""Op-level tensor-parallel placement: the projections the Megatron pattern leaves undecided get
+replicated, column or row parallel by the op-level solver (`graphpass.cost.solver`).
+
+Megatron's pattern (`graphpass.megatron`) shards the linears of a repeated layer in column/row
+pairs and the logits' projection by vocabulary. A linear outside any repeated layer (an MLP
+written as a list of linears, a CNN's classifier head), or the third linear of a chain, stays
+replicated, and tensor parallelism then splits little of such a model. Here every such
+projection becomes a node of a :class:`~graphpass.cost.solver.Problem`:
+
+- strategies: *replicated*, *column* (weight sharded on its output features, when they divide
+  by tp) and *row* (on its input features); a projection Megatron decided keeps its placement
+  as its only strategy, and so does one whose weight is read by more than one op (tied) or whose
+  output is cut into fused parts;
+- node cost: its forward and backward compute, divided by tp when sharded; plus the conversions
+  its own placement forces: a row projection's partial sums all-reduced (``tp Partial ->
+  Replicate``), a column output gathered where a norm, a loss or the graph output reads it
+  (``tp Shard -> Replicate``), and its input converted from a replicated source that is not a
+  projection (``tp Replicate -> Shard`` into a row, ``tp Replicate into sharded compute`` into a
+  column);
+- edge cost, for a projection ``u`` whose output reaches projection ``v`` through elementwise
+  ops and views that keep the features (`graphpass.megatron.flows_into`): the conversion from
+  ``u``'s output (replicated, feature-sharded, or reduced partial sums) to what ``v`` reads
+  (replicated; replicated into sharded compute; feature-sharded), e.g. nothing for column into
+  row, an all-gather for column into replicated;
+- memory: the weight's (and a column bias's) parameter, gradient and optimizer bytes, divided
+  by tp when sharded, held through the step.
+
+Every conversion is priced from the transition table's entry (`graphpass.transitions`), the one
+the emitter inserts from, by the caller's ``transition_s``. The problem is an approximation of the
+tensor-parallel pass (it does not see, e.g., which ops between two projections run sharded); the
+planner prices each layout it returns exactly, by the pass's dry run, next to Megatron's, and
+keeps whichever plan is faster.
+
+Two layouts come out: the fastest (no memory limit) and the leanest (the fastest of those at the
+smallest parameter memory), each only when it differs from Megatron's and from the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from graphpass import meta
+from graphpass.cost.solver import Edge, Node, Problem, min_peak_memory, solve
+from graphpass.grads import grad_requiring_nodes
+from graphpass.megatron import Projection, feature_wise, flows_into, fused_parts, megatron_layout, projection
+
+REPLICATED, COLUMN, ROW = "replicated", "column", "row"
+#: Layout names: Megatron's pattern alone, and the solver's two (see the module docstring).
+MEGATRON, OP_LEVEL, OP_LEVEL_LEAN = "megatron", "op-level", "op-level lean"
+#: Seconds the solver may take per layout (the problems have one node per linear: tens to
+#: hundreds, proven optimal by one MILP in well under a second on the models tried).
+_SOLVE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What the problem costs its terms with, at one local batch.
+
+    Attributes:
+        compute_s: a node's forward plus backward seconds on one rank, unsharded.
+        transition_s: seconds of the transition-table entry ``name`` on a full tensor of
+            ``bytes`` over the tp group, and whether its backward part runs (the value needs
+            a gradient).
+        batch_scale: the local batch over the captured batch (activation sizes scale by it).
+        state_bytes_per_element: parameter, gradient and optimizer bytes per weight element.
+    """
+
+    compute_s: Callable[[fx.Node], float]
+    transition_s: Callable[[str, float, bool], float]
+    batch_scale: float
+    state_bytes_per_element: float
+
+
+@dataclass(frozen=True)
+class OpLayout:
+    """A tensor-parallel layout: ``placements`` and ``parts`` as
+    :func:`graphpass.megatron.megatron_layout` gives them, and ``chosen``: each projection the
+    Megatron pattern left undecided, by node name, to ``"replicated"``, ``"column"`` or ``"row"``;
+    ``paths`` their module paths; ``predicted_s`` the problem's objective."""
+
+    name: str
+    placements: dict[str, str]
+    parts: dict[str, tuple[int, ...]]
+    chosen: dict[str, str]
+    paths: dict[str, str]
+    predicted_s: float
+
+    def describe(self) -> str:
+        """``fc1 column, fc2 row`` of the projections the solver sharded (by module path)."""
+        sharded = [f"{self.paths.get(name, name)} {how}" for name, how in self.chosen.items() if how != REPLICATED]
+        return ", ".join(sharded) or "none sharded"
+
+
+def _bytes(node: fx.Node) -> float:
+    val = node.meta.get(meta.VAL)
+    return float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
+
+
+def _numel(node: fx.Node | None) -> int:
+    val = node.meta.get(meta.VAL) if node is not None else None
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def _sources(proj: Projection) -> tuple[list[fx.Node], bool]:
+    """The projections whose outputs reach ``proj``'s input through feature-wise ops, and whether
+    anything else does (a norm, a graph input: a replicated source)."""
+    found, stack, seen, other = [], [proj.x], set(), False
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if projection(node) is not None:
+            found.append(node)
+        elif feature_wise(node):
+            stack.extend(a for a in node.all_input_nodes if a.op != "get_attr")
+        else:
+            other = True
+    return found, other
+
+
+def _strategies(node: fx.Node, proj: Projection, decided: Mapping[str, str], shared: set[str], tp: int) -> list[str]:
+    placed = decided.get(proj.weight.name)
+    if placed is not None:
+        return [COLUMN if placed == proj.column else ROW]
+    if proj.weight.name in shared or meta.get(proj.weight, meta.ATTR_KIND, None) != "parameter":
+        return [REPLICATED]
+    shape = tuple(proj.weight.meta[meta.VAL].shape)
+    out_features, in_features = shape[proj.out_dim], shape[1 - proj.out_dim]
+    out = [REPLICATED]
+    if out_features % tp == 0 and fused_parts(node) is None:
+        out.append(COLUMN)
+    if in_features % tp == 0:
+        out.append(ROW)
+    return out
+
+
+# What a projection's output is under each strategy (a row's partial sums are all-reduced at
+# once, by its own node cost), and what it reads.
+_OUT = {REPLICATED: "R", COLUMN: "S", ROW: "R"}
+_READS = {REPLICATED: "R", COLUMN: "R into sharded", ROW: "S"}
+_CONVERT = {
+    ("R", "R into sharded"): "tp Replicate into sharded compute",
+    ("R", "S"): "tp Replicate -> Shard",
+    ("S", "R"): "tp Shard -> Replicate",
+    ("S", "R into sharded"): "tp Shard -> Replicate into column linears",
+}
+
+
+def build_problem(gm: fx.GraphModule, tp: int, prices: Prices) -> tuple[Problem, dict[str, list[str]], dict[str, str]]:
+    """The op-level problem of ``gm``'s projections at ``tp`` (see the module docstring): the
+    problem, each node's strategy names, and Megatron's placements it starts from."""
+    decided, _ = megatron_layout(gm, tp)
+    grads = grad_requiring_nodes(gm)
+    projections = {n: p for n in gm.graph.nodes if (p := projection(n)) is not None}
+    readers: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                readers[arg] = readers.get(arg, 0) + 1
+    shared = {w.name for w, count in readers.items() if count > 1}
+    strategies = {n.name: _strategies(n, p, decided, shared, tp) for n, p in projections.items()}
+    scale = prices.batch_scale
+
+    def convert(src: str, dst: str, size: float, grad: bool) -> float:
+        name = _CONVERT.get((src, dst))
+        return prices.transition_s(name, size * scale, grad) if name is not None else 0.0
+
+    nodes, edges = [], []
+    for node, proj in projections.items():
+        names = strategies[node.name]
+        compute = prices.compute_s(node)
+        out_bytes, in_bytes, grad = _bytes(node), _bytes(proj.x), proj.x in grads
+        consumers, whole = flows_into(node, through=feature_wise)
+        _, replicated_source = _sources(proj)
+        costs, memory = [], []
+        for how in names:
+            cost = compute / (tp if how != REPLICATED else 1)
+            if how == ROW:
+                cost += prices.transition_s("tp Partial -> Replicate", out_bytes * scale, True)
+            if how == COLUMN and whole:
+                cost += convert("S", "R", out_bytes, node in grads)
+            if replicated_source:
+                cost += convert("R", _READS[how], in_bytes, grad)
+            elements = _numel(proj.weight) + (_numel(proj.bias) if how == COLUMN else 0)
+            held = _numel(proj.weight) + _numel(proj.bias)
+            memory.append(prices.state_bytes_per_element * (held - elements + elements / (tp if how != REPLICATED else 1)))
+            costs.append(cost)
+        nodes.append(Node(node.name, costs, memory))
+        for user in consumers:
+            if user not in projections:
+                continue
+            size, user_grad = _bytes(projections[user].x), projections[user].x in grads
+            matrix = [[convert(_OUT[a], _READS[b], size, user_grad) for b in strategies[user.name]] for a in names]
+            if any(any(row) for row in matrix):
+                edges.append(Edge(node.name, user.name, matrix))
+    return Problem(nodes, edges), strategies, decided
+
+
+def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str]) -> dict[str, str]:
+    """Megatron's placements at ``tp`` with the projections in ``chosen`` (node name →
+    ``"replicated"``, ``"column"`` or ``"row"``) placed so: a column projection's weight on its
+    output features and its bias with it, a row projection's weight on its input features (its
+    bias is added after the reduction, replicated).
+
+    Raises:
+        ValueError: a name that is not a projection, or a placement other than those three.
+    """
+    placements, _ = megatron_layout(gm, tp)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name, how in chosen.items():
+        proj = projection(by_name[name]) if name in by_name else None
+        if proj is None:
+            raise ValueError(f"node {name!r} is not a projection (aten.linear, or addmm by a held weight)")
+        if how not in (REPLICATED, COLUMN, ROW):
+            raise ValueError(f"node {name!r}: placement {how!r}; use {REPLICATED!r}, {COLUMN!r} or {ROW!r}")
+        for param in (proj.weight, proj.bias):
+            if param is not None:
+                placements.pop(param.name, None)
+        if how == COLUMN:
+            placements[proj.weight.name] = proj.column
+            if proj.bias is not None:
+                placements[proj.bias.name] = "Shard(0)"
+        elif how == ROW:
+            placements[proj.weight.name] = proj.row
+    return placements
+
+
+def op_layouts(gm: fx.GraphModule, tp: int, prices: Prices) -> list[OpLayout]:
+    """The solver's layouts for ``gm`` at ``tp`` that differ from Megatron's (fastest first, then
+    leanest; see the module docstring). Empty when no projection is left to decide."""
+    problem, strategies, decided = build_problem(gm, tp, prices)
+    if all(len(s) == 1 for s in strategies.values()):
+        return []
+    _, megatron_parts = megatron_layout(gm, tp)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    lean_bytes = min_peak_memory(problem)[0] * (1 + 1e-9)  # the smallest parameter memory, rounding aside
+    out: list[OpLayout] = []
+    for name, limit in ((OP_LEVEL, None), (OP_LEVEL_LEAN, lean_bytes)):
+        solution = solve(Problem(problem.nodes, problem.edges, memory_limit_bytes=limit), time_limit_s=_SOLVE_S)
+        chosen = {n: strategies[n][i] for n, i in solution.choice.items() if len(strategies[n]) > 1}
+        placements = placements_of(gm, tp, chosen)
+        if placements == decided or any(placements == o.placements for o in out):
+            continue
+        paths = {k: by_name[k].meta.get(meta.MODULE_PATH) or k for k in chosen}
+        out.append(OpLayout(name, placements, dict(megatron_parts), chosen, paths, solution.cost_s))
+    return out

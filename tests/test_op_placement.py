@@ -1,0 +1,200 @@
+"""Op-level tensor-parallel placement (graphpass/op_placement.py): the problem it builds from the
+graph, the layouts the solver picks, the planner keeping them only where they are faster, and
+their numerics on 2 and 4 gloo ranks against one process.
+
+Numerics tolerances as in test_tensor_parallel.py: tensor parallelism changes only the order of
+fp32 additions (a row projection's all-reduce sums partial matmuls, a gather into a column
+projection reduce-scatters its partial input gradient), ~1e-7 relative; over 3 SGD-momentum
+steps rtol 1e-5 / atol 1e-6 catches any real error (a missing conversion doubles or drops a
+gradient, a wrong shard offset moves rows).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpass as gp
+from graphpass import meta
+from graphpass.capture import capture
+from graphpass.cost.solver import evaluate
+from graphpass.megatron import projection
+from graphpass.op_placement import COLUMN, OP_LEVEL, OP_LEVEL_LEAN, REPLICATED, ROW, Prices, build_problem, \
+    op_layouts, placements_of
+from graphpass.plan_builder import plan_from_choices
+from graphpass.planner import Planner
+
+import zoo
+
+RTOL, ATOL = 1e-5, 1e-6
+#: Distinct per-byte prices per transition-table entry, so each term says which conversion it is.
+_PER_BYTE = {"tp Partial -> Replicate": 1.0, "tp Shard -> Replicate": 2.0,
+             "tp Shard -> Replicate into column linears": 20.0, "tp Replicate -> Shard": 5.0,
+             "tp Replicate into sharded compute": 7.0}
+
+
+def _mlp_graph():
+    return capture(zoo.build("mlp"), zoo.batches("mlp", 1, 8)[0]).gm
+
+
+def _by_path(gm) -> dict[str, str]:
+    """Projection node names by module path (``layers.0`` → ``linear``)."""
+    return {n.meta[meta.MODULE_PATH]: n.name for n in gm.graph.nodes if projection(n) is not None}
+
+
+def _prices(compute: float = 1.0, per_byte: float = 1e-6) -> Prices:
+    # A backward part is priced at half the forward: a value without a gradient pays 2/3.
+    return Prices(compute_s=lambda node: compute,
+                  transition_s=lambda name, size, grad: _PER_BYTE[name] * per_byte * size * (1.0 if grad else 2 / 3),
+                  batch_scale=0.5, state_bytes_per_element=16.0)
+
+
+def test_problem_prices_every_conversion_between_projections_from_the_transition_table():
+    gm = _mlp_graph()
+    problem, strategies, decided = build_problem(gm, 2, _prices())
+    names = _by_path(gm)
+    assert decided == {}  # Megatron's pattern shards nothing of a layer-per-linear MLP
+    # The output projection has one output feature: tp=2 cannot shard it by columns.
+    assert strategies[names["out"]] == [REPLICATED, ROW]
+    assert all(strategies[names[f"layers.{i}"]] == [REPLICATED, COLUMN, ROW] for i in range(3))
+    edges = {(e.src, e.dst): e.cost_s for e in problem.edges}
+    assert set(edges) == {(names["layers.0"], names["layers.1"]), (names["layers.1"], names["layers.2"]),
+                          (names["layers.2"], names["out"])}
+    # Between two hidden layers a [8, 64] fp32 activation at half the batch (2048 / 2 bytes) that
+    # needs a gradient. Rows: the producer replicated, column, row (its partial sums already
+    # all-reduced, so replicated); columns: what the consumer reads.
+    size = 1e-6 * 8 * 64 * 4 * 0.5
+    expected = [[0.0, 7 * size, 5 * size],   # replicated into replicated / column (Megatron f) / row (scatter)
+                [2 * size, 20 * size, 0.0],  # a column's shard gathered; into a column, reduce-scattered back; a row reads it
+                [0.0, 7 * size, 5 * size]]
+    torch.testing.assert_close(torch.tensor(edges[(names["layers.0"], names["layers.1"])]), torch.tensor(expected))
+    by_node = {n.name: n for n in problem.nodes}
+    first = by_node[names["layers.0"]]
+    # The first layer reads the data (no gradient: the conversions' backward parts are left out),
+    # [8, 16] at half the batch; a row projection's [8, 64] partial sums are all-reduced.
+    data = 1e-6 * 8 * 16 * 4 * 0.5 * 2 / 3
+    torch.testing.assert_close(torch.tensor(first.costs_s),
+                               torch.tensor([1.0, 0.5 + 7 * data, 0.5 + 1 * size + 5 * data]))
+    # Weight [64, 16] and bias [64]: a column shards both, a row the weight only.
+    assert list(first.memory_bytes) == [16.0 * (1024 + 64), 16.0 * (1024 + 64) / 2, 16.0 * (512 + 64)]
+    # Its output reaches only the next projection (through tanh): nothing else needs it whole,
+    # while the last hidden layer's column shard is read only by `out`, but `out` may be a row.
+    assert len(by_node[names["out"]].costs_s) == 2
+
+
+def test_solver_pairs_columns_with_rows_where_that_is_the_cheapest_assignment():
+    gm = _mlp_graph()
+    prices = _prices(compute=1.0, per_byte=1e-6)
+    problem, strategies, _ = build_problem(gm, 2, prices)
+    # Brute force over every assignment: the solver's layout is the optimum, and here it is
+    # Megatron's pairs written across layers (column into row: no conversion at all).
+    order = [n.name for n in problem.nodes]
+    best = min(itertools.product(*(range(len(strategies[n])) for n in order)),
+               key=lambda c: evaluate(problem, dict(zip(order, c)))[0])
+    fastest, *_ = op_layouts(gm, 2, prices)
+    assert fastest.name == OP_LEVEL
+    assert fastest.chosen == {n: strategies[n][i] for n, i in zip(order, best)}
+    names = _by_path(gm)
+    assert [fastest.chosen[names[p]] for p in ("layers.0", "layers.1", "layers.2", "out")] == [COLUMN, ROW, COLUMN, ROW]
+    assert "layers.0 column, layers.1 row" in fastest.describe()
+
+
+def test_solver_keeps_projections_replicated_where_conversions_cost_more_than_the_compute_saved():
+    gm = _mlp_graph()
+    layouts = op_layouts(gm, 2, _prices(compute=1e-9, per_byte=1.0))
+    # The fastest is all replicated (Megatron's own, so not returned); the leanest shards every
+    # weight it can, whatever the conversions cost.
+    assert [lay.name for lay in layouts] == [OP_LEVEL_LEAN]
+    assert all(how != REPLICATED for how in layouts[0].chosen.values())
+
+
+def test_gpt_leaves_the_op_level_planner_nothing_to_decide():
+    gm = capture(zoo.build("gpt"), zoo.batches("gpt", 1, 8)[0]).gm
+    _, strategies, _ = build_problem(gm, 2, _prices())
+    assert strategies and all(len(s) == 1 for s in strategies.values())
+    assert op_layouts(gm, 2, _prices()) == []
+
+
+def test_placements_of_rejects_what_is_not_a_projection():
+    gm = _mlp_graph()
+    with pytest.raises(ValueError, match="'tanh' is not a projection"):
+        placements_of(gm, 2, {"tanh": COLUMN})
+    with pytest.raises(ValueError, match="placement 'diagonal'"):
+        placements_of(gm, 2, {_by_path(gm)["layers.0"]: "diagonal"})
+
+
+class _WideMLP(nn.Module):
+    """Linears written as a list, not as repeated layers Megatron's pattern pairs."""
+
+    def __init__(self, width: int = 8192, depth: int = 4, inputs: int = 1024, classes: int = 1000):
+        super().__init__()
+        dims = [inputs] + [width] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return F.cross_entropy(self.out(x), y)
+
+
+def test_planner_takes_the_op_level_layout_only_where_it_is_faster():
+    with torch.device("meta"):
+        model = _WideMLP()
+    inputs = (torch.empty(512, 1024, device="meta"), torch.empty(512, dtype=torch.long, device="meta"))
+    planner = Planner(model, gp.Cluster.preset("a100-80g", nodes=1, gpus_per_node=8), inputs)
+    auto = planner.auto()
+    per_block = planner.auto(per_operator=False)
+    # Megatron's pattern shards only the logits here (4% of the compute), so tp is refused for
+    # it; the op-level layout pairs the hidden linears and beats every per-block plan.
+    assert auto.mesh.tp > 1 and per_block.mesh.tp == 1
+    assert auto.predicted_step_time_s < per_block.predicted_step_time_s
+    assert any("tensor-parallel layout: op-level" in r for r in auto.reasons)
+    sharded = {name for name, p in auto.placements.items() if "tp" in p}
+    assert {"layers_0_weight", "layers_1_weight", "layers_2_weight", "layers_3_weight"} <= sharded
+    # The plan round-trips: a saved plan replays the op-level placements without solving.
+    assert gp.Plan.from_json(auto.to_json()).placements == auto.placements
+
+
+# ---------------------------------------------------------------------------- numerics
+
+#: Layouts covering every conversion the problem prices (module path → placement): column into
+#: row; a row's all-reduced output into a column; the data scattered into a row; a column's
+#: shard gathered into a column (reduce-scattered back in backward) and into a replicated one.
+SPECS = {
+    "pairs": {"layers.0": COLUMN, "layers.1": ROW, "layers.2": COLUMN, "out": ROW},
+    "gathers": {"layers.0": ROW, "layers.1": COLUMN, "layers.2": COLUMN, "out": REPLICATED},
+    "scatters": {"layers.0": REPLICATED, "layers.1": ROW, "layers.2": REPLICATED, "out": ROW},
+}
+CASES = {2: [("pairs", {}), ("gathers", {}), ("scatters", {})],
+         4: [("pairs", {}), ("gathers", {}), ("scatters", {}), ("gathers", {"dp": 2, "tp": 2, "zero": 2})]}
+
+
+def _train(spec: str, kwargs: dict, steps: int = 3, batch: int = 8):
+    world = dist.get_world_size()
+    strategy = gp.Strategy(**{"tp": world, **kwargs})
+    data = zoo.batches("mlp", steps, batch)
+    gm = capture(zoo.build("mlp"), data[0]).gm
+    names = _by_path(gm)
+    chosen = {names[path]: how for path, how in SPECS[spec].items()}
+    plan = plan_from_choices(gm, strategy.mesh, strategy.choice, strategy=strategy,
+                             tp_layout=(placements_of(gm, strategy.tp, chosen), {}))
+    dmodel = zoo.compile(zoo.build("mlp"), data[0], plan)
+    return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_op_level_layouts_match_one_process(rank_pool, world_size):
+    pool = rank_pool(world_size)
+    ref_losses, ref_state, _ = zoo.train_reference("mlp", steps=3, batch=8)
+    for spec, kwargs in CASES[world_size]:
+        results = pool.run(_train, spec, kwargs, timeout_s=300)
+        for rank, (losses, state) in enumerate(results):
+            zoo.assert_matches_reference(f"mlp {spec} {kwargs} on {world_size} rank {rank}", losses, state,
+                                         ref_losses, ref_state, rtol=RTOL, atol=ATOL)
