@@ -24,16 +24,18 @@ collectives, analytic memory) for the preset's published figures, so this checks
 not the model's accuracy.
 
 How to read it: one row per scenario. ``auto`` is the chosen mesh (``pp/dp/tp``, ``m``
-microbatches, ``sp`` sequence parallel) and how many blocks took which choice (``z3`` ZeRO-3,
+microbatches, ``sp`` sequence parallel, ``op`` / ``op-lean`` the op-level planner's tensor-parallel
+layout instead of Megatron's) and how many blocks took which choice (``z3`` ZeRO-3,
 ``rc`` recompute, ``s2`` operator split 2); ``auto s`` its predicted step time and ``peak/budget``
 its predicted peak against the budget in GiB. ``best baseline`` is the fastest baseline that fits
 and ``ratio`` is ``auto / best``: the search includes every baseline, so it must be <= 1.00 (the
 planner treats candidates within 1e-6 as tied and picks the simplest, so ratios up to 1 + 1e-6
 pass). ``fits`` lists which baseline families fit (``meg k/n``: k of the n Megatron points
 priced). A row where no baseline fits but auto does is marked ``auto only``. ``block s`` is the
-per-block plan (``planner.auto(per_operator=False)``: one ZeRO stage per block) and ``op/blk``
-the auto plan's time over it: per-operator choices (``z3@4/z1``: the block's 4 largest operators
-at ZeRO-3, the rest at ZeRO-1) must never make it slower. The last lines count the rows where
+per-block plan (``planner.auto(per_operator=False)``: one ZeRO stage per block, Megatron's tp
+layout) and ``op/blk`` the auto plan's time over it: per-operator choices (``z3@4/z1``: the
+block's 4 largest operators at ZeRO-3, the rest at ZeRO-1; the op-level tp layouts) must never
+make it slower. The last lines count the rows where
 auto <= best and where per-operator choices beat the per-block plan; the script exits 1 if any
 row fails.
 
@@ -107,6 +109,12 @@ SCENARIOS = [
     Scenario("gpt3-175b", "a100-40g", 64, 1536),
     Scenario("gpt3-175b", "a100-80g", 128, 1536),
     Scenario("gpt3-175b", "h100-80g", 128, 1536, "40GiB"),
+    # A model Megatron's pattern cannot shard (linears in a list, not in repeated layers): the
+    # op-level planner's tp layouts (`op`, `op-lean` in the plan column) against the per-block
+    # plan's data parallelism, ZeRO and pipelines; unsharded it needs 14 GB per device.
+    Scenario("mlp-0.9b", "a100-80g", 1, 1024),
+    Scenario("mlp-0.9b", "a100-40g", 1, 1024, "8GiB"),
+    Scenario("mlp-0.9b", "a100-80g", 4, 4096, "6GiB"),
 ]
 
 
@@ -164,6 +172,9 @@ def describe(plan: Plan) -> str:
         text += f" m{plan.microbatches}"
     if plan.sequence_parallel:
         text += " sp"
+    layout = next((r.split(": ", 1)[1].split(" (")[0] for r in plan.reasons if r.startswith("tensor-parallel layout: ")), None)
+    if layout is not None:  # the op-level planner's tp layout, not Megatron's
+        text += " " + layout.replace("op-level lean", "op-lean").replace("op-level", "op")
     counts = collections.Counter(_short(row["choice"]) for row in plan.breakdown)
     return text + " | " + ", ".join(f"{n} {c}" for c, n in counts.most_common())
 

@@ -1,4 +1,5 @@
-"""Example model configs at real sizes: GPT-3 1.3B/6.7B/13B/175B and Llama-like 7B/70B.
+"""Example model configs at real sizes: GPT-3 1.3B/6.7B/13B/175B, Llama-like 7B/70B, and a
+0.9B classifier MLP.
 
 These are for *planning*: build them on the meta device so no memory is allocated, then hand
 the model and :func:`example_inputs` to graphpass::
@@ -40,6 +41,7 @@ gpt3-13b        12,853,626,880    13e9
 gpt3-175b      174,604,836,864    175e9
 llama-7b         6,738,415,616    6.74e9
 llama-70b       68,976,648,192    69e9
+mlp-0.9b           888,865,768    0.89e9
 ==============  ================  ==========
 
 The GPT-3 "nominal" figures are rounded marketing names, counted with the paper's own
@@ -134,7 +136,26 @@ LLAMA: dict[str, LlamaLikeConfig] = {
     ),
 }
 
-CONFIGS: dict[str, Union[GPTConfig, LlamaLikeConfig]] = {**GPT3, **LLAMA}
+@dataclass(frozen=True)
+class MLPConfig:
+    """A classifier MLP: ``depth`` hidden linears of ``width`` with GELU after the first from
+    ``inputs`` features, then a linear to ``classes`` logits and a cross-entropy loss. The
+    linears are a list, not repeated layers of several ops, so Megatron's pattern (which pairs
+    the linears within a layer) shards only the logits; the op-level planner places the rest
+    (``graphpass/op_placement.py``)."""
+
+    inputs: int = 4096
+    width: int = 16384
+    depth: int = 4
+    classes: int = 1000
+
+
+MLPS: dict[str, MLPConfig] = {
+    # Wide enough that its optimizer state does not fit small budgets unsharded (0.89B params).
+    "mlp-0.9b": MLPConfig(inputs=4096, width=16384, depth=4, classes=1000),
+}
+
+CONFIGS: dict[str, Union[GPTConfig, LlamaLikeConfig, MLPConfig]] = {**GPT3, **LLAMA, **MLPS}
 
 NOMINAL_PARAMS: dict[str, float] = {
     "gpt3-1.3b": 1.3e9,
@@ -143,7 +164,25 @@ NOMINAL_PARAMS: dict[str, float] = {
     "gpt3-175b": 175e9,
     "llama-7b": 6.74e9,
     "llama-70b": 69e9,
+    "mlp-0.9b": 0.89e9,
 }
+
+
+class MLPClassifier(nn.Module):
+    """:class:`MLPConfig`'s model: ``forward(x, targets)`` returns the mean cross-entropy of the
+    logits of ``x`` (``[batch, inputs]``, cast to the weights' dtype) against ``targets``."""
+
+    def __init__(self, config: MLPConfig):
+        super().__init__()
+        dims = [config.inputs] + [config.width] * config.depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.head = nn.Linear(config.width, config.classes)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.head.weight.dtype)
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return F.cross_entropy(self.head(x), targets)
 
 
 class LlamaLike(nn.Module):
@@ -182,8 +221,8 @@ def build_llama_like(config: LlamaLikeConfig) -> LlamaLike:
     return LlamaLike(config)
 
 
-def _config(name_or_config) -> Union[GPTConfig, LlamaLikeConfig]:
-    if isinstance(name_or_config, (GPTConfig, LlamaLikeConfig)):
+def _config(name_or_config) -> Union[GPTConfig, LlamaLikeConfig, MLPConfig]:
+    if isinstance(name_or_config, (GPTConfig, LlamaLikeConfig, MLPConfig)):
         return name_or_config
     try:
         return CONFIGS[name_or_config]
@@ -199,13 +238,21 @@ def build(name) -> nn.Module:
     config = _config(name)
     if isinstance(config, GPTConfig):
         return GPT(config)
+    if isinstance(config, MLPConfig):
+        return MLPClassifier(config)
     return build_llama_like(config)
 
 
 def example_inputs(name, batch: int = 1, device="meta", seq_len: int | None = None):
     """``(idx, targets)`` int64 tensors of shape ``(batch, seq_len)``; ``seq_len`` defaults to
-    the config's full context (``block_size`` / ``max_position_embeddings``)."""
+    the config's full context (``block_size`` / ``max_position_embeddings``). For an
+    :class:`MLPConfig`: ``(x, targets)``, float32 ``[batch, inputs]`` and int64 ``[batch]``."""
     config = _config(name)
+    device = torch.device(device)
+    if isinstance(config, MLPConfig):
+        if device.type == "meta":
+            return torch.empty(batch, config.inputs, device=device), torch.empty(batch, dtype=torch.long, device=device)
+        return torch.randn(batch, config.inputs, device=device), torch.randint(0, config.classes, (batch,), device=device)
     if isinstance(config, GPTConfig):
         vocab, context = config.vocab_size, config.block_size
     else:
@@ -224,6 +271,9 @@ def example_inputs(name, batch: int = 1, device="meta", seq_len: int | None = No
 def param_count(name) -> int:
     """Parameter count, computed analytically (no model is built); a tied weight counts once."""
     c = _config(name)
+    if isinstance(c, MLPConfig):
+        dims = [c.inputs] + [c.width] * c.depth + [c.classes]
+        return sum(a * b + b for a, b in zip(dims, dims[1:]))
     if isinstance(c, GPTConfig):
         d, b = c.n_embd, int(c.bias)
         attn = 4 * d * d + 4 * d * b  # q, k, v, proj

@@ -151,11 +151,9 @@ _CONVERT = {
 }
 
 
-def build_problem(gm: fx.GraphModule, tp: int, prices: Prices) -> tuple[Problem, dict[str, list[str]], dict[str, str]]:
-    """The op-level problem of ``gm``'s projections at ``tp`` (see the module docstring): the
-    problem, each node's strategy names, and Megatron's placements it starts from."""
+def _choices(gm: fx.GraphModule, tp: int) -> tuple[dict[fx.Node, Projection], dict[str, list[str]], dict[str, str]]:
+    """``gm``'s projections, each one's strategy names at ``tp``, and Megatron's placements."""
     decided, _ = megatron_layout(gm, tp)
-    grads = grad_requiring_nodes(gm)
     projections = {n: p for n in gm.graph.nodes if (p := projection(n)) is not None}
     readers: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
@@ -163,7 +161,14 @@ def build_problem(gm: fx.GraphModule, tp: int, prices: Prices) -> tuple[Problem,
             if arg.op == "get_attr":
                 readers[arg] = readers.get(arg, 0) + 1
     shared = {w.name for w, count in readers.items() if count > 1}
-    strategies = {n.name: _strategies(n, p, decided, shared, tp) for n, p in projections.items()}
+    return projections, {n.name: _strategies(n, p, decided, shared, tp) for n, p in projections.items()}, decided
+
+
+def build_problem(gm: fx.GraphModule, tp: int, prices: Prices) -> tuple[Problem, dict[str, list[str]], dict[str, str]]:
+    """The op-level problem of ``gm``'s projections at ``tp`` (see the module docstring): the
+    problem, each node's strategy names, and Megatron's placements it starts from."""
+    projections, strategies, decided = _choices(gm, tp)
+    grads = grad_requiring_nodes(gm)
     scale = prices.batch_scale
 
     def convert(src: str, dst: str, size: float, grad: bool) -> float:
@@ -233,9 +238,9 @@ def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str]) -> dic
 def op_layouts(gm: fx.GraphModule, tp: int, prices: Prices) -> list[OpLayout]:
     """The solver's layouts for ``gm`` at ``tp`` that differ from Megatron's (fastest first, then
     leanest; see the module docstring). Empty when no projection is left to decide."""
-    problem, strategies, decided = build_problem(gm, tp, prices)
-    if all(len(s) == 1 for s in strategies.values()):
+    if all(len(s) == 1 for s in _choices(gm, tp)[1].values()):
         return []
+    problem, strategies, decided = build_problem(gm, tp, prices)
     _, megatron_parts = megatron_layout(gm, tp)
     by_name = {n.name: n for n in gm.graph.nodes}
     lean_bytes = min_peak_memory(problem)[0] * (1 + 1e-9)  # the smallest parameter memory, rounding aside

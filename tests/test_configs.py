@@ -15,6 +15,7 @@ from configs import (
     LLAMA,
     NOMINAL_PARAMS,
     LlamaLikeConfig,
+    MLPConfig,
     build,
     build_llama_like,
     example_inputs,
@@ -97,3 +98,16 @@ def test_tiny_llama_like_forward_and_count():
 def test_tiny_gpt_config_count():
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
     assert sum(p.numel() for p in GPT(cfg).parameters()) == param_count(cfg)
+
+
+def test_tiny_mlp_forward_and_count():
+    cfg = MLPConfig(inputs=8, width=16, depth=2, classes=4)
+    model = build(cfg)
+    assert sum(p.numel() for p in model.parameters()) == param_count(cfg) == 8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4
+    x, targets = example_inputs(cfg, batch=3, device="cpu")
+    assert x.shape == (3, 8) and x.dtype == torch.float32 and targets.shape == (3,) and int(targets.max()) < 4
+    loss = model(x, targets)
+    assert loss.shape == () and torch.isfinite(loss)
+    loss.backward()
+    assert model.layers[0].weight.grad is not None
+
