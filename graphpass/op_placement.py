@@ -8,9 +8,11 @@ replicated, and tensor parallelism then splits little of such a model. Here ever
 projection becomes a node of a :class:`~graphpass.cost.solver.Problem`:
 
 - strategies: *replicated*, *column* (weight sharded on its output features, when they divide
-  by tp) and *row* (on its input features); a projection Megatron decided keeps its placement
-  as its only strategy, and so does one whose weight is read by more than one op (tied) or whose
-  output is cut into fused parts;
+  by tp, and so do the heads its output is viewed into) and *row* (on its input features); a
+  projection Megatron decided keeps its placement as its only strategy, and one whose weight is
+  read by more than one op (tied) stays replicated. Where Megatron's layout does not apply at
+  tp (the pass refuses it: a 4-class head or 4 attention heads at tp=8, :func:`megatron_at`), it decides nothing and
+  every projection is free, so tp can still shard, say, the MLPs and leave attention whole;
 - node cost: its forward and backward compute, divided by tp when sharded; plus the conversions
   its own placement forces: a row projection's partial sums all-reduced (``tp Partial ->
   Replicate``), a column output gathered where a norm, a loss or the graph output reads it
@@ -46,7 +48,10 @@ import torch.fx as fx
 from graphpass import meta
 from graphpass.cost.solver import Edge, Node, Problem, min_peak_memory, solve
 from graphpass.grads import grad_requiring_nodes
-from graphpass.megatron import Projection, feature_wise, flows_into, fused_parts, megatron_layout, projection
+from graphpass.megatron import Projection, feature_wise, flows_into, fused_parts, heads, megatron_layout, projection
+from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_dry_run
+from graphpass.plan import Strategy
+from graphpass.plan_builder import plan_from_choices
 
 REPLICATED, COLUMN, ROW = "replicated", "column", "row"
 #: Layout names: Megatron's pattern alone, and the solver's two (see the module docstring).
@@ -132,7 +137,7 @@ def _strategies(node: fx.Node, proj: Projection, decided: Mapping[str, str], sha
     shape = tuple(proj.weight.meta[meta.VAL].shape)
     out_features, in_features = shape[proj.out_dim], shape[1 - proj.out_dim]
     out = [REPLICATED]
-    if out_features % tp == 0 and fused_parts(node) is None:
+    if out_features % tp == 0 and fused_parts(node) is None and (heads(node) or tp) % tp == 0:
         out.append(COLUMN)
     if in_features % tp == 0:
         out.append(ROW)
@@ -151,9 +156,32 @@ _CONVERT = {
 }
 
 
-def _choices(gm: fx.GraphModule, tp: int) -> tuple[dict[fx.Node, Projection], dict[str, list[str]], dict[str, str]]:
-    """``gm``'s projections, each one's strategy names at ``tp``, and Megatron's placements."""
-    decided, _ = megatron_layout(gm, tp)
+def megatron_at(gm: fx.GraphModule, tp: int, applies: bool | None = None
+                ) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """Megatron's layout (:func:`graphpass.megatron.megatron_layout`) where the tensor-parallel
+    pass can apply it at ``tp``, else none. ``applies`` says whether it can (the planner knows it
+    from its own dry run); None: dry-run the pass here. Where it cannot (a 4-class head or 4
+    attention heads at tp=8), the pattern's decisions are dropped whole and the op-level problem
+    places every projection."""
+    if applies is None:
+        applies = _megatron_applies(gm, tp)
+    return megatron_layout(gm, tp) if applies else ({}, {})
+
+
+def _megatron_applies(gm: fx.GraphModule, tp: int) -> bool:
+    strategy = Strategy(tp=tp)
+    try:
+        tp_dry_run(gm, plan_from_choices(gm, strategy.mesh, strategy.choice, strategy=strategy))
+    except TensorParallelError:
+        return False
+    return True
+
+
+def _choices(gm: fx.GraphModule, tp: int, applies: bool | None
+             ) -> tuple[dict[fx.Node, Projection], dict[str, list[str]], dict[str, str]]:
+    """``gm``'s projections, each one's strategy names at ``tp``, and the Megatron placements
+    they start from (:func:`megatron_at`)."""
+    decided, _ = megatron_at(gm, tp, applies)
     projections = {n: p for n in gm.graph.nodes if (p := projection(n)) is not None}
     readers: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
@@ -164,10 +192,12 @@ def _choices(gm: fx.GraphModule, tp: int) -> tuple[dict[fx.Node, Projection], di
     return projections, {n.name: _strategies(n, p, decided, shared, tp) for n, p in projections.items()}, decided
 
 
-def build_problem(gm: fx.GraphModule, tp: int, prices: Prices) -> tuple[Problem, dict[str, list[str]], dict[str, str]]:
+def build_problem(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies: bool | None = None
+                  ) -> tuple[Problem, dict[str, list[str]], dict[str, str]]:
     """The op-level problem of ``gm``'s projections at ``tp`` (see the module docstring): the
-    problem, each node's strategy names, and Megatron's placements it starts from."""
-    projections, strategies, decided = _choices(gm, tp)
+    problem, each node's strategy names, and Megatron's placements it starts from
+    (``megatron_applies``: as :func:`megatron_at` takes it)."""
+    projections, strategies, decided = _choices(gm, tp, megatron_applies)
     grads = grad_requiring_nodes(gm)
     scale = prices.batch_scale
 
@@ -206,16 +236,18 @@ def build_problem(gm: fx.GraphModule, tp: int, prices: Prices) -> tuple[Problem,
     return Problem(nodes, edges), strategies, decided
 
 
-def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str]) -> dict[str, str]:
+def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str], megatron_applies: bool | None = None
+                  ) -> dict[str, str]:
     """Megatron's placements at ``tp`` with the projections in ``chosen`` (node name →
     ``"replicated"``, ``"column"`` or ``"row"``) placed so: a column projection's weight on its
     output features and its bias with it, a row projection's weight on its input features (its
-    bias is added after the reduction, replicated).
+    bias is added after the reduction, replicated). ``megatron_applies``: as
+    :func:`megatron_at` takes it.
 
     Raises:
         ValueError: a name that is not a projection, or a placement other than those three.
     """
-    placements, _ = megatron_layout(gm, tp)
+    placements, _ = megatron_at(gm, tp, megatron_applies)
     by_name = {n.name: n for n in gm.graph.nodes}
     for name, how in chosen.items():
         proj = projection(by_name[name]) if name in by_name else None
@@ -235,20 +267,24 @@ def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str]) -> dic
     return placements
 
 
-def op_layouts(gm: fx.GraphModule, tp: int, prices: Prices) -> list[OpLayout]:
+def op_layouts(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies: bool | None = None) -> list[OpLayout]:
     """The solver's layouts for ``gm`` at ``tp`` that differ from Megatron's (fastest first, then
-    leanest; see the module docstring). Empty when no projection is left to decide."""
-    if all(len(s) == 1 for s in _choices(gm, tp)[1].values()):
+    leanest; see the module docstring). Empty when no projection is left to decide.
+    ``megatron_applies``: whether the tensor-parallel pass can apply Megatron's layout at ``tp``
+    (None: dry-run it here, :func:`megatron_at`)."""
+    if megatron_applies is None:
+        megatron_applies = _megatron_applies(gm, tp)
+    if all(len(s) == 1 for s in _choices(gm, tp, megatron_applies)[1].values()):
         return []
-    problem, strategies, decided = build_problem(gm, tp, prices)
-    _, megatron_parts = megatron_layout(gm, tp)
+    problem, strategies, decided = build_problem(gm, tp, prices, megatron_applies)
+    _, megatron_parts = megatron_at(gm, tp, megatron_applies)
     by_name = {n.name: n for n in gm.graph.nodes}
     lean_bytes = min_peak_memory(problem)[0] * (1 + 1e-9)  # the smallest parameter memory, rounding aside
     out: list[OpLayout] = []
     for name, limit in ((OP_LEVEL, None), (OP_LEVEL_LEAN, lean_bytes)):
         solution = solve(Problem(problem.nodes, problem.edges, memory_limit_bytes=limit), time_limit_s=_SOLVE_S)
         chosen = {n: strategies[n][i] for n, i in solution.choice.items() if len(strategies[n]) > 1}
-        placements = placements_of(gm, tp, chosen)
+        placements = placements_of(gm, tp, chosen, megatron_applies)
         if placements == decided or any(placements == o.placements for o in out):
             continue
         paths = {k: by_name[k].meta.get(meta.MODULE_PATH) or k for k in chosen}

@@ -333,6 +333,7 @@ class GraphProfile:
         self._programs: dict[tuple[int, bool, str, int], ProgramTimes] = {}
         #: the op-level planner's tensor-parallel layouts, by (tp, name) (`Planner.op_layouts`)
         self.tp_layouts: dict[tuple[int, str], OpLayout] = {}
+        self._dry_runs: dict[tuple[int, bool, str], Any] = {}
         self.param_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND, None) == "parameter"]
         self.tensors = {n.name: self._attr(n.target) for n in self.param_nodes}
         trainable = [n for n in self.param_nodes if self.tensors[n.name].requires_grad]
@@ -502,7 +503,31 @@ class GraphProfile:
         """The tensor-parallel pass's dry run at ``tp`` (`passes.tensor_parallel.layout`) of the
         layout ``name`` (Megatron's, or one of ``tp_layouts``): each node's placement and the
         collectives it emits. The nodes of a cut layer take the placements and collectives of
-        the layer standing in for it."""
+        the layer standing in for it (each dry run once: the refusal too).
+
+        Raises:
+            TensorParallelError: the pass cannot apply the layout at ``tp``.
+        """
+        key = (tp, sequence_parallel, name)
+        if key not in self._dry_runs:
+            try:
+                self._dry_runs[key] = self._dry_run(tp, sequence_parallel, name)
+            except TensorParallelError as exc:
+                self._dry_runs[key] = exc
+        found = self._dry_runs[key]
+        if isinstance(found, TensorParallelError):
+            raise found
+        return found
+
+    def megatron_applies(self, tp: int) -> bool:
+        """Whether the tensor-parallel pass can apply Megatron's layout at ``tp``."""
+        try:
+            self._tp_layout(tp, False, MEGATRON)
+        except TensorParallelError:
+            return False
+        return True
+
+    def _dry_run(self, tp: int, sequence_parallel: bool, name: str) -> tuple[dict[str, Any], list[EmittedCollective]]:
         gm, node, _ = self._graph_to_run()
         lay = tp_layout(gm, _tp_plan(gm, tp, sequence_parallel, self.tp_layouts.get((tp, name))))
         standing: dict[str, list[fx.Node]] = defaultdict(list)
@@ -931,7 +956,7 @@ class Planner:
                 batch_scale=scale,
                 state_bytes_per_element=element + self.costing.grad_bytes_per_param + self.costing.optimizer_bytes_per_param,
             )
-            found = op_layouts(self.profile.gm, tp, prices)
+            found = op_layouts(self.profile.gm, tp, prices, self.profile.megatron_applies(tp))
             self.profile.tp_layouts.update(((tp, lay.name), lay) for lay in found)
             self._op_layouts[tp] = found
         return self._op_layouts[tp]

@@ -25,7 +25,7 @@ from graphpass.capture import capture
 from graphpass.cost.solver import evaluate
 from graphpass.megatron import projection
 from graphpass.op_placement import COLUMN, OP_LEVEL, OP_LEVEL_LEAN, REPLICATED, ROW, Prices, build_problem, \
-    op_layouts, placements_of
+    megatron_at, op_layouts, placements_of
 from graphpass.plan_builder import plan_from_choices
 from graphpass.planner import Planner
 
@@ -120,6 +120,18 @@ def test_gpt_leaves_the_op_level_planner_nothing_to_decide():
     assert op_layouts(gm, 2, _prices()) == []
 
 
+def test_where_megatrons_layout_is_refused_every_projection_is_placed():
+    gm = capture(zoo.build("gpt_3heads"), zoo.batches("gpt_3heads", 1, 8)[0]).gm
+    assert megatron_at(gm, 2) == ({}, {})  # three attention heads cannot be split two ways
+    fastest = op_layouts(gm, 2, _prices(compute=1.0, per_byte=1e-9))[0]
+    by_path = {fastest.paths[n]: how for n, how in fastest.chosen.items()}
+    # Compute dominates: the MLPs are Megatron's pairs again, attention's projections shard
+    # anything but their heads (q, k, v are not column parallel).
+    assert by_path["h.0.mlp.up"] == COLUMN and by_path["h.0.mlp.down"] == ROW
+    assert all(by_path[f"h.0.attn.{p}"] != COLUMN for p in ("q", "k", "v"))
+    assert "lm_head" not in by_path  # tied to the token embedding: replicated, not a choice
+
+
 def test_placements_of_rejects_what_is_not_a_projection():
     gm = _mlp_graph()
     with pytest.raises(ValueError, match="'tanh' is not a projection"):
@@ -171,20 +183,25 @@ SPECS = {
     "gathers": {"layers.0": ROW, "layers.1": COLUMN, "layers.2": COLUMN, "out": REPLICATED},
     "scatters": {"layers.0": REPLICATED, "layers.1": ROW, "layers.2": REPLICATED, "out": ROW},
 }
-CASES = {2: [("pairs", {}), ("gathers", {}), ("scatters", {})],
-         4: [("pairs", {}), ("gathers", {}), ("scatters", {}), ("gathers", {"dp": 2, "tp": 2, "zero": 2})]}
+#: ... and "few heads": a GPT with 3 attention heads, which Megatron's layout cannot split 2 or 4
+#: ways, under the layout the solver picks when compute dominates.
+CASES = {2: [("mlp", "pairs", {}), ("mlp", "gathers", {}), ("mlp", "scatters", {}), ("gpt_3heads", "few heads", {})],
+         4: [("mlp", "pairs", {}), ("mlp", "gathers", {}), ("mlp", "scatters", {}),
+             ("mlp", "gathers", {"dp": 2, "tp": 2, "zero": 2}), ("gpt_3heads", "few heads", {})]}
 
 
-def _train(spec: str, kwargs: dict, steps: int = 3, batch: int = 8):
+def _train(name: str, spec: str, kwargs: dict, steps: int = 3, batch: int = 8):
     world = dist.get_world_size()
     strategy = gp.Strategy(**{"tp": world, **kwargs})
-    data = zoo.batches("mlp", steps, batch)
-    gm = capture(zoo.build("mlp"), data[0]).gm
-    names = _by_path(gm)
-    chosen = {names[path]: how for path, how in SPECS[spec].items()}
-    plan = plan_from_choices(gm, strategy.mesh, strategy.choice, strategy=strategy,
-                             tp_layout=(placements_of(gm, strategy.tp, chosen), {}))
-    dmodel = zoo.compile(zoo.build("mlp"), data[0], plan)
+    data = zoo.batches(name, steps, batch)
+    gm = capture(zoo.build(name), data[0]).gm
+    if spec == "few heads":
+        placements = op_layouts(gm, strategy.tp, _prices(compute=1.0, per_byte=1e-9))[0].placements
+    else:
+        names = _by_path(gm)
+        placements = placements_of(gm, strategy.tp, {names[path]: how for path, how in SPECS[spec].items()})
+    plan = plan_from_choices(gm, strategy.mesh, strategy.choice, strategy=strategy, tp_layout=(placements, {}))
+    dmodel = zoo.compile(zoo.build(name), data[0], plan)
     return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
 
 
@@ -192,9 +209,11 @@ def _train(spec: str, kwargs: dict, steps: int = 3, batch: int = 8):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_op_level_layouts_match_one_process(rank_pool, world_size):
     pool = rank_pool(world_size)
-    ref_losses, ref_state, _ = zoo.train_reference("mlp", steps=3, batch=8)
-    for spec, kwargs in CASES[world_size]:
-        results = pool.run(_train, spec, kwargs, timeout_s=300)
+    refs: dict[str, tuple] = {}
+    for name, spec, kwargs in CASES[world_size]:
+        if name not in refs:
+            refs[name] = zoo.train_reference(name, steps=3, batch=8)[:2]
+        results = pool.run(_train, name, spec, kwargs, timeout_s=300)
         for rank, (losses, state) in enumerate(results):
-            zoo.assert_matches_reference(f"mlp {spec} {kwargs} on {world_size} rank {rank}", losses, state,
-                                         ref_losses, ref_state, rtol=RTOL, atol=ATOL)
+            zoo.assert_matches_reference(f"{name} {spec} {kwargs} on {world_size} rank {rank}", losses, state,
+                                         *refs[name], rtol=RTOL, atol=ATOL)

@@ -297,6 +297,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return EncoderLM()
     if name == "mlp":
         return MLP()
+    if name == "gpt_3heads":  # 3 heads do not split 2 or 4 ways: Megatron's layout is refused at tp 2 and 4
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=3, n_embd=48))
     if name == "transformer":
         return TransformerLM()
     if name == "mha_weights":
