@@ -123,13 +123,13 @@ def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
 
 
 def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx.Node], bool] | None = None
-               ) -> tuple[list[fx.Node], bool]:
+               ) -> tuple[list[fx.Node], bool, list[fx.Node]]:
     """The linears ``start``'s output reaches through ops ``through`` accepts (default: the
     pass-through ops, along which a column-parallel output stays sharded; not through norms,
     reductions or other linears), within ``layer`` when one is given; and whether any other op
     (a norm, a loss, the graph's output) reads the value on the way, where a sharded value must
-    be made whole."""
-    found, stack, seen, other = [], list(start.users), set(), False
+    be made whole; and the ops passed through (which run on the shards)."""
+    found, stack, seen, other, passed = [], list(start.users), set(), False, []
     while stack:
         node = stack.pop()
         if node in seen:
@@ -142,10 +142,11 @@ def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx
         elif projection(node) is not None:
             found.append(node)
         elif (through(node) if through is not None else _packet(node) in _PASS_THROUGH):
+            passed.append(node)
             stack.extend(node.users)
         else:
             other = True
-    return found, other
+    return found, other, passed
 
 
 def _feeds_cross_entropy(node: fx.Node) -> bool:

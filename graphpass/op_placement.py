@@ -13,7 +13,8 @@ projection becomes a node of a :class:`~graphpass.cost.solver.Problem`:
   read by more than one op (tied) stays replicated. Where Megatron's layout does not apply at
   tp (the pass refuses it: a 4-class head or 4 attention heads at tp=8, :func:`megatron_at`), it decides nothing and
   every projection is free, so tp can still shard, say, the MLPs and leave attention whole;
-- node cost: its forward and backward compute, divided by tp when sharded; plus the conversions
+- node cost: its forward and backward compute, divided by tp when sharded (and the elementwise
+  ops after it, on a column projection's shards); plus the conversions
   its own placement forces: a row projection's partial sums all-reduced (``tp Partial ->
   Replicate``), a column output gathered where a norm, a loss or the graph output reads it
   (``tp Shard -> Replicate``), and its input converted from a replicated source that is not a
@@ -210,11 +211,14 @@ def build_problem(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies:
         names = strategies[node.name]
         compute = prices.compute_s(node)
         out_bytes, in_bytes, grad = _bytes(node), _bytes(proj.x), proj.x in grads
-        consumers, whole = flows_into(node, through=feature_wise)
+        consumers, whole, passed = flows_into(node, through=feature_wise)
+        # The elementwise ops after a column projection run on its shards too (a row's partial
+        # sums are all-reduced before them).
+        after = sum(prices.compute_s(n) for n in passed)
         _, replicated_source = _sources(proj)
         costs, memory = [], []
         for how in names:
-            cost = compute / (tp if how != REPLICATED else 1)
+            cost = compute / (tp if how != REPLICATED else 1) + after / (tp if how == COLUMN else 1)
             if how == ROW:
                 cost += prices.transition_s("tp Partial -> Replicate", out_bytes * scale, True)
             if how == COLUMN and whole:
