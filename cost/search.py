@@ -3,7 +3,8 @@ r"""The planner's search: meshes, pipeline stages and a per-block strategy ILP. 
 The unit of decision is a *block*: one repeated layer (``h.3``), or the segment before the first
 layer (embeddings: ``"pre"``) or after the last one (final norm, head, loss: ``"post"``). The
 graph side (:mod:`graphpass.planner`) measures every block once per tensor-parallel layout
-``(tp, sequence_parallel)``: compute time per local batch, activations saved for backward,
+``(tp, sequence_parallel, tp_layout)`` (:attr:`Layout.key`; ``tp_layout`` is Megatron's pattern or
+one of the op-level solver's, :mod:`graphpass.op_placement`): compute time per local batch, activations saved for backward,
 parameter bytes per tp rank, and the tensor-parallel collectives the pass would emit
 (:class:`BlockCost`). Everything below prices and searches with those numbers and the
 :class:`~graphpass.cluster.Cluster`'s links.

@@ -9,7 +9,9 @@ work, so a 175B model on 1024 GPUs plans on a laptop), measures the graph, and s
    machine and a profile exists, :mod:`graphpass.cost.profiler`); activations autograd saves for
    backward, measured by running the graph on fake tensors under ``saved_tensors_hooks`` and
    counting each storage once, attributed to the node that produced it.
-2. **Per tensor-parallel layout** ``(tp, sequence_parallel)``: dry-run the ``tensor_parallel``
+2. **Per tensor-parallel layout** ``(tp, sequence_parallel, tp_layout)``: Megatron's pattern, or
+   the op-level solver's placement of the projections it leaves replicated
+   (:mod:`graphpass.op_placement`, :meth:`Planner.op_layouts`); dry-run the ``tensor_parallel``
    pass (:func:`graphpass.passes.tensor_parallel.layout`) on a meta skeleton of the graph; every
    node whose input or output it shards runs 1/tp of its compute and saves 1/tp of its
    activations, parameters it shards hold 1/tp, and the collectives it emits are priced as they
