@@ -122,9 +122,9 @@ def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
     return flows_into(start, layer)[0]
 
 
-def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx.Node], bool] | None = None
-               ) -> tuple[list[fx.Node], bool, list[fx.Node]]:
-    """The linears ``start``'s output reaches through ops ``through`` accepts (default: the
+def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx.Node], bool] | None = None,
+               ends: Callable[[fx.Node], object] = None) -> tuple[list[fx.Node], bool, list[fx.Node]]:
+    """The linears (or nodes ``ends`` accepts) ``start``'s output reaches through ops ``through`` accepts (default: the
     pass-through ops, along which a column-parallel output stays sharded; not through norms,
     reductions or other linears), within ``layer`` when one is given; and whether any other op
     (a norm, a loss, the graph's output) reads the value on the way, where a sharded value must
@@ -139,7 +139,7 @@ def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx
             other = True
         elif layer is not _ANY_LAYER and node.meta.get(meta.LAYER) != layer:
             continue
-        elif projection(node) is not None:
+        elif (ends or projection)(node) is not None:
             found.append(node)
         elif (through(node) if through is not None else _packet(node) in _PASS_THROUGH):
             passed.append(node)
@@ -252,10 +252,15 @@ def keeps_features(view: fx.Node) -> bool:
             and src.shape[-1] == out.shape[-1])
 
 
+def elementwise(node: fx.Node) -> bool:
+    """Whether ``node`` acts on each element apart (so on each feature or channel apart)."""
+    return node.op == "call_function" and _packet(node) in _ELEMENTWISE
+
+
 def feature_wise(node: fx.Node) -> bool:
     """Whether ``node`` keeps a value sharded on its features so: an elementwise op, or a view
     that keeps the features whole."""
-    return node.op == "call_function" and (_packet(node) in _ELEMENTWISE or keeps_features(node))
+    return elementwise(node) or keeps_features(node)
 
 
 def _feature_users(node: fx.Node) -> list[tuple[fx.Node, int]]:

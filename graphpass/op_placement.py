@@ -49,11 +49,14 @@ import torch.fx as fx
 from graphpass import meta
 from graphpass.cost.solver import Edge, Node, Problem, min_peak_memory, solve
 from graphpass.grads import grad_requiring_nodes
-from graphpass.megatron import Projection, feature_wise, flows_into, fused_parts, heads, megatron_layout, projection
+from graphpass.ops import packet
+from graphpass.megatron import Projection, elementwise, feature_wise, flows_into, fused_parts, heads, megatron_layout, \
+    projection
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_dry_run
 from graphpass.plan import Strategy
 from graphpass.plan_builder import plan_from_choices
 
+aten = torch.ops.aten
 REPLICATED, COLUMN, ROW = "replicated", "column", "row"
 #: Layout names: Megatron's pattern alone, and the solver's two (see the module docstring).
 MEGATRON, OP_LEVEL, OP_LEVEL_LEAN = "megatron", "op-level", "op-level lean"
@@ -111,18 +114,82 @@ def _numel(node: fx.Node | None) -> int:
     return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
+_CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+# Ops on each channel (dim 1) apart, beside the elementwise ones: a channel-sharded value stays so.
+_PER_CHANNEL = {aten.batch_norm, aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.avg_pool1d, aten.avg_pool2d,
+                aten.avg_pool3d, aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d}
+
+
+def placeable(node: fx.Node) -> Projection | None:
+    """``node`` as an op whose weight tensor parallelism can shard: a projection
+    (:func:`graphpass.megatron.projection`), or a convolution by a held weight ``[out, in,
+    *kernel]`` with ``groups == 1`` (channel parallel: its column shards the output channels,
+    dim 1 of its output); None otherwise."""
+    proj = projection(node)
+    if proj is not None or node.op != "call_function" or node.target not in _CONVOLUTIONS:
+        return proj
+    weight = node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    groups = node.args[6] if len(node.args) > 6 else 1
+    if groups != 1 or not (isinstance(weight, fx.Node) and weight.op == "get_attr") or not isinstance(node.args[0], fx.Node):
+        return None
+    bias = bias if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
+    return Projection(node.args[0], weight, bias, out_dim=0, x_index=0, bias_index=2)
+
+
+def _per_channel(node: fx.Node) -> bool:
+    """Whether ``node`` keeps a value sharded on its channels (dim 1) so: elementwise, batch norm,
+    pooling, a mean or sum over other dims, a view keeping the first two dims (``flatten(1)`` of
+    pooled ``[N, C, 1, 1]``)."""
+    if node.op != "call_function":
+        return False
+    if elementwise(node) or packet(node) in _PER_CHANNEL:
+        return True
+    src, out = node.args[0].meta.get(meta.VAL) if node.args and isinstance(node.args[0], fx.Node) else None, \
+        node.meta.get(meta.VAL)
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dim() >= 2 and out.dim() >= 2):
+        return False
+    if node.target in (aten.mean.dim, aten.sum.dim_IntList):
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(src.dim())
+        return all(d % src.dim() not in (0, 1) for d in dims)
+    return (packet(node) in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten)
+            and tuple(src.shape[:2]) == tuple(out.shape[:2]))
+
+
+def _carries(node: fx.Node) -> bool:
+    """Whether a value sharded on its features (a linear's last dim) or channels (a
+    convolution's dim 1) stays so through ``node``."""
+    return feature_wise(node) or _per_channel(node)
+
+
+def _norms_after(conv: fx.Node) -> list[fx.Node]:
+    """The batch norms whose input is ``conv``'s output, directly or through elementwise ops of
+    one input each (they are channel-sharded with it: their weights and running statistics
+    shard with its output channels)."""
+    out, stack = [], [(user, conv) for user in conv.users]
+    while stack:
+        node, value = stack.pop()
+        if node.op != "call_function":
+            continue
+        if packet(node) is aten.batch_norm and node.args[0] is value:
+            out.append(node)
+        elif elementwise(node) and [a for a in node.all_input_nodes if a.op != "get_attr"] == [value]:
+            stack.extend((user, node) for user in node.users)
+    return out
+
+
 def _sources(proj: Projection) -> tuple[list[fx.Node], bool]:
-    """The projections whose outputs reach ``proj``'s input through feature-wise ops, and whether
-    anything else does (a norm, a graph input: a replicated source)."""
+    """The projections whose outputs reach ``proj``'s input through ops that keep their shards,
+    and whether anything else does (a norm, a graph input: a replicated source)."""
     found, stack, seen, other = [], [proj.x], set(), False
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if projection(node) is not None:
+        if placeable(node) is not None:
             found.append(node)
-        elif feature_wise(node):
+        elif _carries(node):
             stack.extend(a for a in node.all_input_nodes if a.op != "get_attr")
         else:
             other = True
@@ -138,7 +205,8 @@ def _strategies(node: fx.Node, proj: Projection, decided: Mapping[str, str], sha
     shape = tuple(proj.weight.meta[meta.VAL].shape)
     out_features, in_features = shape[proj.out_dim], shape[1 - proj.out_dim]
     out = [REPLICATED]
-    if out_features % tp == 0 and fused_parts(node) is None and (heads(node) or tp) % tp == 0:
+    linear = projection(node) is not None  # a convolution's output has no fused parts or heads
+    if out_features % tp == 0 and (not linear or fused_parts(node) is None and (heads(node) or tp) % tp == 0):
         out.append(COLUMN)
     if in_features % tp == 0:
         out.append(ROW)
@@ -183,7 +251,7 @@ def _choices(gm: fx.GraphModule, tp: int, applies: bool | None
     """``gm``'s projections, each one's strategy names at ``tp``, and the Megatron placements
     they start from (:func:`megatron_at`)."""
     decided, _ = megatron_at(gm, tp, applies)
-    projections = {n: p for n in gm.graph.nodes if (p := projection(n)) is not None}
+    projections = {n: p for n in gm.graph.nodes if (p := placeable(n)) is not None}
     readers: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
         for arg in node.all_input_nodes:
@@ -211,7 +279,7 @@ def build_problem(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies:
         names = strategies[node.name]
         compute = prices.compute_s(node)
         out_bytes, in_bytes, grad = _bytes(node), _bytes(proj.x), proj.x in grads
-        consumers, whole, passed = flows_into(node, through=feature_wise)
+        consumers, whole, passed = flows_into(node, through=_carries, ends=placeable)
         # The elementwise ops after a column projection run on its shards too (a row's partial
         # sums are all-reduced before them).
         after = sum(prices.compute_s(n) for n in passed)
@@ -244,19 +312,22 @@ def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str], megatr
                   ) -> dict[str, str]:
     """Megatron's placements at ``tp`` with the projections in ``chosen`` (node name →
     ``"replicated"``, ``"column"`` or ``"row"``) placed so: a column projection's weight on its
-    output features and its bias with it, a row projection's weight on its input features (its
-    bias is added after the reduction, replicated). ``megatron_applies``: as
+    output features and its bias with it (a column convolution also the batch norms it feeds:
+    weight, bias and running statistics on their channels), a row projection's weight on its
+    input features (its bias is added after the reduction, replicated). ``megatron_applies``: as
     :func:`megatron_at` takes it.
 
     Raises:
-        ValueError: a name that is not a projection, or a placement other than those three.
+        ValueError: a name that is not a projection or convolution (:func:`placeable`), or a
+            placement other than those three.
     """
     placements, _ = megatron_at(gm, tp, megatron_applies)
     by_name = {n.name: n for n in gm.graph.nodes}
     for name, how in chosen.items():
-        proj = projection(by_name[name]) if name in by_name else None
+        proj = placeable(by_name[name]) if name in by_name else None
         if proj is None:
-            raise ValueError(f"node {name!r} is not a projection (aten.linear, or addmm by a held weight)")
+            raise ValueError(f"node {name!r} is not a projection (aten.linear, addmm by a held weight) or a "
+                             "convolution by a held weight")
         if how not in (REPLICATED, COLUMN, ROW):
             raise ValueError(f"node {name!r}: placement {how!r}; use {REPLICATED!r}, {COLUMN!r} or {ROW!r}")
         for param in (proj.weight, proj.bias):
@@ -266,6 +337,9 @@ def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str], megatr
             placements[proj.weight.name] = proj.column
             if proj.bias is not None:
                 placements[proj.bias.name] = "Shard(0)"
+            if projection(by_name[name]) is None:
+                for norm in _norms_after(by_name[name]):
+                    placements.update((a.name, "Shard(0)") for a in norm.args[1:5] if isinstance(a, fx.Node))
         elif how == ROW:
             placements[proj.weight.name] = proj.row
     return placements

@@ -31,3 +31,11 @@ def op_base(node: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target.__name__
     return getattr(target, "__name__", str(target))
+
+
+def packet(node: fx.Node):
+    """The op of a ``call_function`` node without its overload (``aten.view`` for
+    ``aten.view.default``), to compare against ``torch.ops.aten`` packets; other targets as
+    they are."""
+    target = node.target
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target

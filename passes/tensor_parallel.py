@@ -15,7 +15,9 @@ mask out-of-range ids and produce partial sums; vocabulary-sharded logits go str
 residual stream is reduce-scattered along the sequence (dim 1) instead, norms and dropout run on
 sequence shards, and column linears all-gather their input (whose backward reduce-scatters).
 
-Rules cover linear, embedding, cross-entropy, attention, layer norm, elementwise and
+Rules cover linear, embedding, cross-entropy, attention, layer norm, convolutions (channel
+parallel: ``Shard(0)`` weights column, ``Shard(1)`` row), batch norm and pooling on channel
+shards, elementwise and
 broadcasting binary ops, views/reshapes/transposes/permutes/(un)squeeze/expand/flatten,
 reductions, slicing, cat/split and getitem. An op without a rule gets replicated inputs and a
 replicated output, with one warning naming the op. Replicated parameters that meet sharded
@@ -656,6 +658,91 @@ def _layer_norm(w: _Walker, node: fx.Node) -> Placement:
     if isinstance(xp, Shard) and xp.dim < w.ndim(x) - len(normalized):
         for param in node.args[2:4]:
             w.mark_partial_grad(param)
+        return xp
+    w.set_arg(node, 0, w.redistribute(x, R, node))
+    return R
+
+
+_CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+
+
+@rule(*_CONVOLUTIONS)
+def _conv(w: _Walker, node: fx.Node) -> Placement:
+    """A convolution by a held weight ``[out, in, *kernel]`` (``groups == 1``), channel parallel:
+    *column* when the weight is sharded on its output channels (dim 0): a replicated input (its
+    gradient partial, Megatron's f), an output sharded on its channels (dim 1), the bias with it;
+    *row* when sharded on its input channels (dim 1): the input sharded on its channels, partial
+    sums, the bias added after their reduction. A replicated weight gathers a sharded input."""
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    groups = node.args[6] if len(node.args) > 6 else 1
+    wp = w.placement(weight)
+    if groups != 1 and isinstance(wp, Shard):
+        raise TensorParallelError(f"{w.where(node)}: a grouped convolution (groups={groups}) cannot be "
+                                  "channel parallel; leave its weight replicated")
+    if wp == Shard(0):
+        w.set_arg(node, 0, w.copy_for_sharded_use(w.redistribute(x, R, node), node))
+        if isinstance(bias, fx.Node) and w.placement(bias) == R:
+            w.set_arg(node, 2, w.redistribute(bias, Shard(0), node))
+        return Shard(1)
+    if wp == Shard(1):
+        w.set_arg(node, 0, w.redistribute(x, Shard(1), node))
+        if isinstance(bias, fx.Node):
+            _conv_bias_after_reduction(w, node, bias)
+        return P
+    if w.placement(x) != R:
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+    return R
+
+
+def _conv_bias_after_reduction(w: _Walker, node: fx.Node, bias: fx.Node) -> None:
+    """A row-parallel convolution computes partial sums without its bias; the bias, viewed as
+    ``[out, 1, ...]``, is added to their sum."""
+    w.set_arg(node, 2, None)
+    spatial = w.ndim(node) - 2
+    with w.graph.inserting_after(node):
+        shaped = w.graph.call_function(aten.reshape.default, (bias, [-1] + [1] * spatial))
+    with w.graph.inserting_after(shaped):
+        add = w.graph.call_function(aten.add.Tensor, (node, shaped))
+    meta.copy_meta(bias, shaped, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD,
+                                          meta.PLACEMENT))
+    shaped.meta[meta.VAL] = bias.meta[meta.VAL].reshape([-1] + [1] * spatial)
+    meta.copy_meta(node, add)
+    add.meta[meta.VAL] = node.meta.get(meta.VAL)
+    node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+    w.gshape[shaped] = (w.gshape[bias][0], *[1] * spatial)
+    w.gshape[add] = w.gshape.get(node, ())
+    w.place[shaped] = R
+    w.inherit_grad(node, add)
+    w.place[node] = P
+    w.place[add] = _binary(w, add)
+
+
+@rule(aten.batch_norm.default)
+def _batch_norm(w: _Walker, node: fx.Node) -> Placement:
+    """Batch norm normalises each channel (dim 1) apart: with its weight, bias and running
+    statistics sharded on their channels (dim 0), its input is sharded on its channels and stays
+    so (each rank updates its channels' statistics); otherwise the input is gathered."""
+    x = node.args[0]
+    params = [a for a in node.args[1:5] if isinstance(a, fx.Node)]
+    placed = [w.placement(a) for a in params]
+    if params and all(p == Shard(0) for p in placed):
+        w.set_arg(node, 0, w.redistribute(x, Shard(1), node))
+        return Shard(1)
+    if any(isinstance(p, Shard) for p in placed):
+        raise TensorParallelError(f"{w.where(node)}: batch norm needs its weight, bias and running statistics "
+                                  "sharded together on their channels (Shard(0)), or none of them")
+    w.set_arg(node, 0, w.redistribute(x, R, node))
+    return R
+
+
+@rule(aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d,
+      aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d)
+def _pool(w: _Walker, node: fx.Node) -> Placement:
+    """Pooling works on each channel (dim 1) apart: a channel-sharded input stays so."""
+    x = node.args[0]
+    xp = w.placement(x)
+    if xp == R or xp == Shard(1):
         return xp
     w.set_arg(node, 0, w.redistribute(x, R, node))
     return R

@@ -25,7 +25,7 @@ from graphpass.capture import capture
 from graphpass.cost.solver import evaluate
 from graphpass.megatron import projection
 from graphpass.op_placement import COLUMN, OP_LEVEL, OP_LEVEL_LEAN, REPLICATED, ROW, Prices, build_problem, \
-    megatron_at, op_layouts, placements_of
+    megatron_at, op_layouts, placeable, placements_of
 from graphpass.plan_builder import plan_from_choices
 from graphpass.planner import Planner
 
@@ -43,8 +43,8 @@ def _mlp_graph():
 
 
 def _by_path(gm) -> dict[str, str]:
-    """Projection node names by module path (``layers.0`` → ``linear``)."""
-    return {n.meta[meta.MODULE_PATH]: n.name for n in gm.graph.nodes if projection(n) is not None}
+    """Projection and convolution node names by module path (``layers.0`` → ``linear``)."""
+    return {n.meta[meta.MODULE_PATH]: n.name for n in gm.graph.nodes if placeable(n) is not None}
 
 
 def _prices(compute: float = 1.0, per_byte: float = 1e-6) -> Prices:
@@ -185,12 +185,25 @@ SPECS = {
     "pairs": {"layers.0": COLUMN, "layers.1": ROW, "layers.2": COLUMN, "out": ROW},
     "gathers": {"layers.0": ROW, "layers.1": COLUMN, "layers.2": COLUMN, "out": REPLICATED},
     "scatters": {"layers.0": REPLICATED, "layers.1": ROW, "layers.2": REPLICATED, "out": ROW},
+    # Channel parallel convolutions: a column's batch norm and ReLU on its channel shards, read by
+    # a row convolution (bias after the reduction), by max pooling, by a column after a gather;
+    # the pooled channel shards read by a row linear.
+    "convolutions": {"conv1": COLUMN, "conv2": ROW, "conv3": COLUMN, "fc1": ROW, "fc2": REPLICATED},
+    # ResNet: residual adds of channel shards, a strided 1x1 shortcut, rows reading them.
+    "residuals": {"stem.0": COLUMN, "layers.0.conv1": ROW, "layers.0.conv2": COLUMN, "layers.1.conv1": ROW,
+                  "layers.1.shortcut.0": ROW, "layers.1.conv2": REPLICATED, "layers.2.conv1": COLUMN,
+                  "layers.2.conv2": ROW, "layers.2.shortcut.0": COLUMN, "fc": ROW},
 }
-#: ... and "few heads": a GPT with 3 attention heads, which Megatron's layout cannot split 2 or 4
-#: ways, under the layout the solver picks when compute dominates.
-CASES = {2: [("mlp", "pairs", {}), ("mlp", "gathers", {}), ("mlp", "scatters", {}), ("gpt_3heads", "few heads", {})],
+#: A GPT with 3 attention heads, which Megatron's layout cannot split 2 or 4 ways, and a ResNet
+#: take the layouts the solver picks for them when compute dominates ("solver").
+#: "solver" is the solver's layout of the model when compute dominates.
+CASES = {2: [("mlp", "pairs", {}), ("mlp", "gathers", {}), ("mlp", "scatters", {}), ("gpt_3heads", "solver", {}),
+             ("convnet", "convolutions", {}), ("resnet", "residuals", {}), ("resnet", "solver", {})],
          4: [("mlp", "pairs", {}), ("mlp", "gathers", {}), ("mlp", "scatters", {}),
-             ("mlp", "gathers", {"dp": 2, "tp": 2, "zero": 2}), ("gpt_3heads", "few heads", {})]}
+             ("mlp", "gathers", {"dp": 2, "tp": 2, "zero": 2}), ("gpt_3heads", "solver", {}),
+             ("convnet", "convolutions", {}), ("resnet", "residuals", {}), ("resnet", "solver", {})]}
+# (No CNN with dp > 1 here: batch norm then normalises each rank's batch, as DDP without SyncBN
+# does, which one process does not; the dp x tp mesh is the MLP's.)
 
 
 def _train(name: str, spec: str, kwargs: dict, steps: int = 3, batch: int = 8):
@@ -198,7 +211,7 @@ def _train(name: str, spec: str, kwargs: dict, steps: int = 3, batch: int = 8):
     strategy = gp.Strategy(**{"tp": world, **kwargs})
     data = zoo.batches(name, steps, batch)
     gm = capture(zoo.build(name), data[0]).gm
-    if spec == "few heads":
+    if spec == "solver":
         placements = op_layouts(gm, strategy.tp, _prices(compute=1.0, per_byte=1e-7))[0].placements
     else:
         names = _by_path(gm)

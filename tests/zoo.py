@@ -249,6 +249,25 @@ class ResNet(nn.Module):
         return F.cross_entropy(self.fc(x.mean(dim=(2, 3))), y)
 
 
+class ConvNet(nn.Module):
+    """A VGG-style CNN: biased convolutions, max pooling, a batch norm, global average pooling and
+    a two-linear classifier."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.conv3 = nn.Conv2d(32, 32, 3, padding=1)
+        self.bn = nn.BatchNorm2d(32)
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = F.adaptive_avg_pool2d(F.relu(self.bn(self.conv3(x))), 1).flatten(1)
+        return F.cross_entropy(self.fc2(F.relu(self.fc1(x))), y)
+
+
 class _BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
@@ -330,6 +349,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return FusedGPT()
     if name == "resnet":
         return ResNet()
+    if name == "convnet":
+        return ConvNet()
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if name == "hf_neox":  # fused q/k/v with heads interleaved: view(B, T, heads, 3 * head_dim)
         from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -384,7 +405,7 @@ def batches(name: str, n: int, batch: int = 8, seed: int = 1) -> list[tuple[torc
     for _ in range(n):
         if name == "mlp":
             out.append((torch.randn(batch, 16, generator=g), torch.randn(batch, generator=g)))
-        elif name == "resnet":
+        elif name in ("resnet", "convnet"):
             out.append((torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g)))
         else:
             out.append(
