@@ -26,6 +26,10 @@ from graphpass.cost.solver import evaluate
 from graphpass.megatron import projection
 from graphpass.op_placement import COLUMN, OP_LEVEL, OP_LEVEL_LEAN, REPLICATED, ROW, Prices, build_problem, \
     megatron_at, op_layouts, placeable, placements_of
+from graphpass.ops import op_name
+from graphpass.pass_manager import PassContext, run_passes
+from graphpass.passes import PIPELINE
+from graphpass.passes.collectives import is_collective
 from graphpass.plan_builder import plan_from_choices
 from graphpass.planner import Planner
 
@@ -133,6 +137,28 @@ def test_where_megatrons_layout_is_refused_every_projection_is_placed():
     assert by_path["h.0.mlp.up"] == COLUMN and by_path["h.1.mlp.up"] == COLUMN
     assert all(by_path[f"h.{i}.attn.{p}"] == ROW for i in (0, 1) for p in ("q", "k", "v"))
     assert "lm_head" not in by_path  # tied to the token embedding: replicated, not a choice
+
+
+def test_channel_parallel_convolutions_emit_megatrons_program():
+    data = zoo.batches("convnet", 1, 8)[0]
+    gm = capture(zoo.build("convnet"), data).gm
+    names = _by_path(gm)
+    placements = placements_of(gm, 2, {names[p]: how for p, how in SPECS["convolutions"].items()})
+    # A column convolution shards the batch norm it feeds, weights and running statistics.
+    assert {k: placements[k] for k in ("conv1_weight", "conv1_bias", "conv2_weight", "bn_weight", "bn_running_var")} == {
+        "conv1_weight": "Shard(0)", "conv1_bias": "Shard(0)", "conv2_weight": "Shard(1)", "bn_weight": "Shard(0)",
+        "bn_running_var": "Shard(0)"}
+    strategy = gp.Strategy(tp=2)
+    plan = plan_from_choices(gm, strategy.mesh, strategy.choice, strategy=strategy, tp_layout=(placements, {}))
+    out, _ = run_passes(gm, plan, PassContext(0, 2, data), PIPELINE)
+    # conv1 column -> conv2 row: no conversion, then its partial sums all-reduced before the
+    # bias; conv3 column reads the pooled replicated value (f: its gradient all-reduced); its
+    # batch norm, pooling and flatten stay on channel shards into fc1 row: one all-reduce.
+    assert [op_name(n) for n in out.graph.nodes if is_collective(n)] == ["tp_all_reduce", "tp_copy", "tp_all_reduce"]
+    conv2 = next(n for n in out.graph.nodes if n.meta.get(meta.MODULE_PATH) == "conv2" and "conv2d" in str(n.target))
+    assert conv2.args[2] is None  # the bias is added after the all-reduce
+    assert tuple(out.get_parameter("conv1.weight").shape) == (8, 3, 3, 3)
+    assert tuple(out.get_buffer("bn.running_mean").shape) == (16,)
 
 
 def test_placements_of_rejects_what_is_not_a_projection():

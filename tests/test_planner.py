@@ -464,8 +464,9 @@ def _compile_auto_cnn():
 
 
 def test_a_cnn_is_never_offered_a_tensor_parallel_layout_that_shards_no_compute():
-    """tp=2 on a ResNet would shard only its classifier and run every convolution on both
-    ranks; the planner does not offer it (and says why), whatever the links cost."""
+    """Megatron's tp=2 on a ResNet would shard only its classifier and run every convolution on
+    both ranks; the planner does not offer it (and says why), whatever the links cost. (The
+    op-level layouts, which shard convolutions by channels, are priced and lose to dp here.)"""
     planner = Planner(zoo.build("resnet"), gp.Cluster.local(2), zoo.batches("resnet", 1, 32)[0])
     plan = planner.auto()
     assert plan.mesh.get("tp", 1) == 1
