@@ -1,41 +1,44 @@
-"""Op-level tensor-parallel placement: the projections the Megatron pattern leaves undecided get
-replicated, column or row parallel by the op-level solver (`graphpass.cost.solver`).
+"""Op-level tensor-parallel placement: the linears the Megatron pattern leaves undecided, and
+convolutions, get replicated, column or row parallel by the op-level solver
+(`graphpass.cost.solver`).
 
 Megatron's pattern (`graphpass.megatron`) shards the linears of a repeated layer in column/row
 pairs and the logits' projection by vocabulary. A linear outside any repeated layer (an MLP
-written as a list of linears, a CNN's classifier head), or the third linear of a chain, stays
-replicated, and tensor parallelism then splits little of such a model. Here every such
-projection becomes a node of a :class:`~graphpass.cost.solver.Problem`:
+written as a list of linears, a classifier head), the third linear of a chain, and every
+convolution stay replicated, and tensor parallelism then splits little of such a model. Here
+each of them becomes a node of a :class:`~graphpass.cost.solver.Problem` (:func:`placeable`: a
+projection, or a convolution with ``groups == 1``, channel parallel, its features on dim 1):
 
 - strategies: *replicated*, *column* (weight sharded on its output features, when they divide
-  by tp, and so do the heads its output is viewed into) and *row* (on its input features); a
+  by tp, and so do the heads its output is viewed into) and *row* (on its input features). A
   projection Megatron decided keeps its placement as its only strategy, and one whose weight is
-  read by more than one op (tied) stays replicated. Where Megatron's layout does not apply at
-  tp (the pass refuses it: a 4-class head or 4 attention heads at tp=8, :func:`megatron_at`), it decides nothing and
-  every projection is free, so tp can still shard, say, the MLPs and leave attention whole;
-- node cost: its forward and backward compute, divided by tp when sharded (and the elementwise
-  ops after it, on a column projection's shards); plus the conversions
-  its own placement forces: a row projection's partial sums all-reduced (``tp Partial ->
-  Replicate``), a column output gathered where a norm, a loss or the graph output reads it
-  (``tp Shard -> Replicate``), and its input converted from a replicated source that is not a
-  projection (``tp Replicate -> Shard`` into a row, ``tp Replicate into sharded compute`` into a
-  column);
-- edge cost, for a projection ``u`` whose output reaches projection ``v`` through elementwise
-  ops and views that keep the features (`graphpass.megatron.flows_into`): the conversion from
-  ``u``'s output (replicated, feature-sharded, or reduced partial sums) to what ``v`` reads
-  (replicated; replicated into sharded compute; feature-sharded), e.g. nothing for column into
-  row, an all-gather for column into replicated;
+  read by more than one op (tied) stays replicated. Where the pass refuses Megatron's layout at
+  tp (a 4-class head, or 3 attention heads at tp=2: :func:`megatron_at`) it decides nothing and
+  every projection is free, so tp can still shard, say, the MLPs and attention by rows;
+- node cost: its forward and backward compute, divided by tp when sharded, and the ops after
+  it that keep its shards (elementwise ops; for channels batch norm and pooling), on a column's
+  shards; plus the conversions its own placement forces: a row's partial sums all-reduced
+  (``tp Partial -> Replicate``), a column's output gathered where another op (a layer norm, a
+  loss, the graph output) reads it (``tp Shard -> Replicate``), and its input converted from a
+  replicated source that is not a projection (``tp Replicate -> Shard`` into a row, ``tp
+  Replicate into sharded compute`` into a column);
+- edge cost, for a projection ``u`` whose output reaches projection ``v`` through ops that keep
+  its shards (`graphpass.megatron.flows_into`): the conversion from ``u``'s output (replicated,
+  sharded, or reduced partial sums) to what ``v`` reads (replicated; replicated into sharded
+  compute; sharded), e.g. nothing for column into row, an all-gather for column into replicated;
 - memory: the weight's (and a column bias's) parameter, gradient and optimizer bytes, divided
   by tp when sharded, held through the step.
 
 Every conversion is priced from the transition table's entry (`graphpass.transitions`), the one
-the emitter inserts from, by the caller's ``transition_s``. The problem is an approximation of the
-tensor-parallel pass (it does not see, e.g., which ops between two projections run sharded); the
-planner prices each layout it returns exactly, by the pass's dry run, next to Megatron's, and
-keeps whichever plan is faster.
+the emitter inserts from, by the caller's ``transition_s``. The problem approximates the
+tensor-parallel pass (it prices one gather where several readers may each convert, and not the
+replicated operands a residual add slices to meet a shard); the planner prices each layout it
+returns exactly, by the pass's dry run, next to Megatron's, and keeps whichever plan is faster.
 
 Two layouts come out: the fastest (no memory limit) and the leanest (the fastest of those at the
 smallest parameter memory), each only when it differs from Megatron's and from the other.
+:func:`placements_of` turns a choice per node into the plan's placements (a column convolution
+shards the batch norms it feeds with it).
 """
 
 from __future__ import annotations
@@ -98,10 +101,12 @@ class OpLayout:
     paths: dict[str, str]
     predicted_s: float
 
-    def describe(self) -> str:
-        """``fc1 column, fc2 row`` of the projections the solver sharded (by module path)."""
+    def describe(self, most: int = 12) -> str:
+        """``fc1 column, fc2 row`` of the projections the solver sharded (by module path; the
+        first ``most``, then how many more)."""
         sharded = [f"{self.paths.get(name, name)} {how}" for name, how in self.chosen.items() if how != REPLICATED]
-        return ", ".join(sharded) or "none sharded"
+        more = f", ... ({len(sharded) - most} more)" if len(sharded) > most else ""
+        return (", ".join(sharded[:most]) + more) or "none sharded"
 
 
 def _bytes(node: fx.Node) -> float:
