@@ -259,3 +259,43 @@ def test_op_level_layouts_match_one_process(rank_pool, world_size):
         for rank, (losses, state) in enumerate(results):
             zoo.assert_matches_reference(f"{name} {spec} {kwargs} on {world_size} rank {rank}", losses, state,
                                          *refs[name], rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------ plan, then compile the plan
+
+_WIDE = dict(inputs=256, width=2048, depth=4, classes=64)
+
+
+def _wide_mlp_data(steps: int = 3, batch: int = 16):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, _WIDE["inputs"], generator=g), torch.randint(0, _WIDE["classes"], (batch,), generator=g))
+            for _ in range(steps)]
+
+
+def _wide_mlp():
+    from configs import MLPConfig, build
+
+    torch.manual_seed(0)
+    return build(MLPConfig(**_WIDE))
+
+
+def _plan_then_compile():
+    data = _wide_mlp_data()
+    # Planned for two A100s by the cost model (no timing: the preset's figures), saved, replayed.
+    plan = gp.Plan.from_json(gp.plan(_wide_mlp(), "a100-80g:1x2", data[0]).to_json())
+    dmodel = gp.compile(_wide_mlp(), gp.Cluster.local(), example_inputs=data[0], strategy=plan)
+    return plan.reasons, zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_with_an_op_level_layout_compiles_and_matches_one_process(rank_pool):
+    """A 2048-wide MLP on two A100s: the planner shards its linears by the op-level layout
+    (Megatron's pattern would shard only the head); the saved plan runs on 2 gloo ranks."""
+    from graphpass.testing import train_reference
+
+    ref = train_reference(_wide_mlp, _wide_mlp_data(), "sgd-momentum", 0.05)
+    for rank, (reasons, losses, state) in enumerate(rank_pool(2).run(_plan_then_compile, timeout_s=240)):
+        assert any(r.startswith("tensor-parallel layout: op-level") for r in reasons), reasons
+        zoo.assert_matches_reference(f"planned wide MLP rank {rank}", losses, state, ref.losses, ref.state,
+                                     rtol=RTOL, atol=ATOL)
+
