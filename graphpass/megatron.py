@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
+from graphpass.ops import packet as _packet
 
 aten = torch.ops.aten
 
@@ -59,11 +60,6 @@ _ELEMENTWISE = {
 }
 
 _ANY_LAYER = object()  # flows_into's default: follow the value into every layer
-
-
-def _packet(node: fx.Node):
-    target = node.target
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
 
 
 @dataclass(frozen=True)
@@ -114,8 +110,6 @@ def projection(node: fx.Node) -> Projection | None:
     return Projection(x, weight, bias, out_dim, x_index, bias_index)
 
 
-
-
 def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
     """Linears of ``layer`` reached from ``start`` through pass-through ops (not through norms,
     reductions or other linears)."""
@@ -123,7 +117,7 @@ def _downstream_linears(start: fx.Node, layer) -> list[fx.Node]:
 
 
 def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx.Node], bool] | None = None,
-               ends: Callable[[fx.Node], object] = None) -> tuple[list[fx.Node], bool, list[fx.Node]]:
+               ends: Callable[[fx.Node], object] | None = None) -> tuple[list[fx.Node], bool, list[fx.Node]]:
     """The linears (or nodes ``ends`` accepts) ``start``'s output reaches through ops ``through`` accepts (default: the
     pass-through ops, along which a column-parallel output stays sharded; not through norms,
     reductions or other linears), within ``layer`` when one is given; and whether any other op

@@ -183,22 +183,20 @@ def _norms_after(conv: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _sources(proj: Projection) -> tuple[list[fx.Node], bool]:
-    """The projections whose outputs reach ``proj``'s input through ops that keep their shards,
-    and whether anything else does (a norm, a graph input: a replicated source)."""
-    found, stack, seen, other = [], [proj.x], set(), False
+def _reads_replicated(proj: Projection) -> bool:
+    """Whether anything but projections (a norm, a graph input: a replicated source) reaches
+    ``proj``'s input through ops that keep shards (the projections among them are its edges)."""
+    stack, seen = [proj.x], set()
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if placeable(node) is not None:
-            found.append(node)
-        elif _carries(node):
+        if placeable(node) is None:
+            if not _carries(node):
+                return True
             stack.extend(a for a in node.all_input_nodes if a.op != "get_attr")
-        else:
-            other = True
-    return found, other
+    return False
 
 
 def _strategies(node: fx.Node, proj: Projection, decided: Mapping[str, str], shared: set[str], tp: int) -> list[str]:
@@ -251,11 +249,19 @@ def _megatron_applies(gm: fx.GraphModule, tp: int) -> bool:
     return True
 
 
-def _choices(gm: fx.GraphModule, tp: int, applies: bool | None
-             ) -> tuple[dict[fx.Node, Projection], dict[str, list[str]], dict[str, str]]:
-    """``gm``'s projections, each one's strategy names at ``tp``, and the Megatron placements
-    they start from (:func:`megatron_at`)."""
-    decided, _ = megatron_at(gm, tp, applies)
+@dataclass(frozen=True)
+class _Choices:
+    """``gm``'s projections, each one's strategy names at ``tp``, and the Megatron layout
+    (placements, parts) they start from (:func:`megatron_at`)."""
+
+    projections: dict[fx.Node, Projection]
+    strategies: dict[str, list[str]]
+    decided: dict[str, str]
+    parts: dict[str, tuple[int, ...]]
+
+
+def _choices(gm: fx.GraphModule, tp: int, applies: bool | None) -> _Choices:
+    decided, parts = megatron_at(gm, tp, applies)
     projections = {n: p for n in gm.graph.nodes if (p := placeable(n)) is not None}
     readers: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
@@ -263,7 +269,8 @@ def _choices(gm: fx.GraphModule, tp: int, applies: bool | None
             if arg.op == "get_attr":
                 readers[arg] = readers.get(arg, 0) + 1
     shared = {w.name for w, count in readers.items() if count > 1}
-    return projections, {n.name: _strategies(n, p, decided, shared, tp) for n, p in projections.items()}, decided
+    return _Choices(projections, {n.name: _strategies(n, p, decided, shared, tp) for n, p in projections.items()},
+                    decided, parts)
 
 
 def build_problem(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies: bool | None = None
@@ -271,7 +278,12 @@ def build_problem(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies:
     """The op-level problem of ``gm``'s projections at ``tp`` (see the module docstring): the
     problem, each node's strategy names, and Megatron's placements it starts from
     (``megatron_applies``: as :func:`megatron_at` takes it)."""
-    projections, strategies, decided = _choices(gm, tp, megatron_applies)
+    return _problem(gm, tp, prices, _choices(gm, tp, megatron_applies))
+
+
+def _problem(gm: fx.GraphModule, tp: int, prices: Prices, choices: _Choices
+             ) -> tuple[Problem, dict[str, list[str]], dict[str, str]]:
+    projections, strategies = choices.projections, choices.strategies
     grads = grad_requiring_nodes(gm)
     scale = prices.batch_scale
 
@@ -288,7 +300,7 @@ def build_problem(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies:
         # The elementwise ops after a column projection run on its shards too (a row's partial
         # sums are all-reduced before them).
         after = sum(prices.compute_s(n) for n in passed)
-        _, replicated_source = _sources(proj)
+        replicated_source = _reads_replicated(proj)
         costs, memory = [], []
         for how in names:
             cost = compute / (tp if how != REPLICATED else 1) + after / (tp if how == COLUMN else 1)
@@ -310,7 +322,7 @@ def build_problem(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies:
             matrix = [[convert(_OUT[a], _READS[b], size, user_grad) for b in strategies[user.name]] for a in names]
             if any(any(row) for row in matrix):
                 edges.append(Edge(node.name, user.name, matrix))
-    return Problem(nodes, edges), strategies, decided
+    return Problem(nodes, edges), strategies, choices.decided
 
 
 def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str], megatron_applies: bool | None = None
@@ -326,7 +338,11 @@ def placements_of(gm: fx.GraphModule, tp: int, chosen: Mapping[str, str], megatr
         ValueError: a name that is not a projection or convolution (:func:`placeable`), or a
             placement other than those three.
     """
-    placements, _ = megatron_at(gm, tp, megatron_applies)
+    return _placed(gm, megatron_at(gm, tp, megatron_applies)[0], chosen)
+
+
+def _placed(gm: fx.GraphModule, decided: Mapping[str, str], chosen: Mapping[str, str]) -> dict[str, str]:
+    placements = dict(decided)
     by_name = {n.name: n for n in gm.graph.nodes}
     for name, how in chosen.items():
         proj = placeable(by_name[name]) if name in by_name else None
@@ -355,21 +371,19 @@ def op_layouts(gm: fx.GraphModule, tp: int, prices: Prices, megatron_applies: bo
     leanest; see the module docstring). Empty when no projection is left to decide.
     ``megatron_applies``: whether the tensor-parallel pass can apply Megatron's layout at ``tp``
     (None: dry-run it here, :func:`megatron_at`)."""
-    if megatron_applies is None:
-        megatron_applies = _megatron_applies(gm, tp)
-    if all(len(s) == 1 for s in _choices(gm, tp, megatron_applies)[1].values()):
+    choices = _choices(gm, tp, megatron_applies)
+    if all(len(s) == 1 for s in choices.strategies.values()):
         return []
-    problem, strategies, decided = build_problem(gm, tp, prices, megatron_applies)
-    _, megatron_parts = megatron_at(gm, tp, megatron_applies)
+    problem, strategies, decided = _problem(gm, tp, prices, choices)
     by_name = {n.name: n for n in gm.graph.nodes}
     lean_bytes = min_peak_memory(problem)[0] * (1 + 1e-9)  # the smallest parameter memory, rounding aside
     out: list[OpLayout] = []
     for name, limit in ((OP_LEVEL, None), (OP_LEVEL_LEAN, lean_bytes)):
         solution = solve(Problem(problem.nodes, problem.edges, memory_limit_bytes=limit), time_limit_s=_SOLVE_S)
         chosen = {n: strategies[n][i] for n, i in solution.choice.items() if len(strategies[n]) > 1}
-        placements = placements_of(gm, tp, chosen, megatron_applies)
+        placements = _placed(gm, decided, chosen)
         if placements == decided or any(placements == o.placements for o in out):
             continue
         paths = {k: by_name[k].meta.get(meta.MODULE_PATH) or k for k in chosen}
-        out.append(OpLayout(name, placements, dict(megatron_parts), chosen, paths, solution.cost_s))
+        out.append(OpLayout(name, placements, dict(choices.parts), chosen, paths, solution.cost_s))
     return out

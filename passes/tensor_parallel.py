@@ -46,6 +46,7 @@ import torch.nn as nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
+from graphpass.ops import packet as _packet
 from graphpass.megatron import Projection, keeps_features, projection
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
@@ -106,11 +107,6 @@ class MergedShard:
 _PARAM_VIEWS = {operator.getitem, aten.split, aten.split_with_sizes, aten.chunk, aten.t, aten.transpose, aten.view,
                 aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.alias, aten.detach, aten.slice,
                 aten.unflatten, aten.flatten, aten.contiguous}
-
-
-def _packet(node: fx.Node) -> Any:
-    target = node.target
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
 
 
 class TensorParallelError(ValueError):
@@ -762,7 +758,7 @@ _LINEAR_UNARY = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach,
 def _unary(w: _Walker, node: fx.Node) -> Placement:
     x = node.args[0]
     xp = w.placement(x)
-    packet = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else node.target
+    packet = _packet(node)
     if xp == P and packet not in _LINEAR_UNARY:
         # Sequence parallel: materialise partial sums as sequence shards (reduce-scatter).
         dst = Shard(1) if w.sp and w.ndim(x) >= 3 else R
