@@ -14,10 +14,11 @@ from graphpass.pass_manager import PassError, PassRecord
 from graphpass.plan import Plan, Strategy
 from graphpass.cost.profiler import profile
 from graphpass.planner import plan
-from graphpass.runtime.checkpoint import CheckpointError, load, load_into, save
+from graphpass.runtime.checkpoint import CheckpointError, SavedDataclass, load, load_into, save
 from graphpass.runtime.expert_placement import ExpertPlacement
 from graphpass.runtime.launch import RankError, launch
 from graphpass.runtime.module import DistributedModule
+from graphpass.runtime.rank_progress import HungRankError
 from graphpass.runtime.verifier import VerificationError
 from graphpass import nn
 
@@ -28,11 +29,13 @@ __all__ = [
     "DeviceSpec",
     "DistributedModule",
     "ExpertPlacement",
+    "HungRankError",
     "LinkSpec",
     "PassError",
     "PassRecord",
     "Plan",
     "RankError",
+    "SavedDataclass",
     "Strategy",
     "VerificationError",
     "capture",
