@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import rank_progress
 from graphpass.runtime.fake import is_fake
 
 
@@ -208,9 +209,10 @@ def _remember_buffer(key: torch.Tensor, buffer: torch.Tensor) -> None:
 
 class _AllReduceGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token: torch.Tensor, sync: GradSync, scale: float | None, *params: torch.Tensor):
+    def forward(ctx, token: torch.Tensor, sync: GradSync, scale: float | None, bucket: int, *params: torch.Tensor):
         ctx.sync = sync
         ctx.scale = scale
+        ctx.bucket = bucket
         # Held directly, not via save_for_backward: under saved-tensor hooks (ZeRO-3 re-gather)
         # autograd would hand back new tensor objects, and .grad must land on the real leaves.
         ctx.params = params
@@ -221,7 +223,7 @@ class _AllReduceGrads(torch.autograd.Function):
         params = ctx.params
         sync: GradSync = ctx.sync
         pieces = [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
-        done = (torch.zeros((), dtype=torch.float32), None, None) + (None,) * len(params)
+        done = (torch.zeros((), dtype=torch.float32), None, None, None) + (None,) * len(params)
         accumulation = sync.accumulation
         flat = accumulation.held(params[0])
         if flat is None:  # the step's first backward for this bucket: into the bucket's buffer
@@ -252,6 +254,7 @@ class _AllReduceGrads(torch.autograd.Function):
         if factor != 1.0:
             flat.mul_(factor)
         if group is not None:
+            rank_progress.enter("all_reduce_grads bucket", ctx.bucket)
             work = dist.all_reduce(flat, group=group, async_op=True)
         sync.add(work, flat, params)
         return done
@@ -271,4 +274,4 @@ def all_reduce_grads(
     """
     if any(is_fake(p) for p in params) or not torch.is_grad_enabled():
         return tuple(p.view_as(p) for p in params)
-    return _AllReduceGrads.apply(sync.token, sync, scale, *params)
+    return _AllReduceGrads.apply(sync.token, sync, scale, bucket, *params)

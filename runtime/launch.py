@@ -17,9 +17,16 @@ Two ways to get an SPMD program onto several ranks of this machine:
 Failures never hang the caller. If a rank raises, every rank is killed (the others are
 usually blocked in a collective waiting for it) and ``RankError`` carries the failed
 rank's traceback; a rank that dies without reporting (segfault, ``os._exit``) gives a
-``RankError`` with its exit code; a run that outlives ``timeout_s`` kills every rank and
+``RankError`` with its exit code; a rank that hangs is named by its peers once their collective
+times out (:class:`~graphpass.runtime.rank_progress.HungRankError`), and the ``RankError`` blames
+it (``reported_by`` is the peer); a run that outlives ``timeout_s`` kills every rank and
 raises ``TimeoutError`` naming the ranks that had not finished. The next ``run`` on the
 same pool starts fresh ranks.
+
+A plain torchrun script needs neither: ``graphpass.compile`` calls :func:`join_torchrun_job`,
+which joins the job's group as DeepSpeed and Accelerate do, and records each rank's uncaught
+error in torch elastic's error file so that torchrun's root cause is the rank that failed first
+(:mod:`graphpass.runtime.elastic_errors`).
 
 Functions, arguments and results cross process boundaries by pickle: ``fn`` must be a
 module-level function of an importable module (or of the ``__main__`` script, which then
@@ -57,9 +64,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from graphpass.runtime.elastic_errors import record_uncaught_errors
 from graphpass.runtime.mesh import release_at_exit
+from graphpass.runtime.rank_progress import HungRankError
 
-__all__ = ["RankError", "RankPool", "free_port", "in_torchrun", "init_from_env", "launch"]
+__all__ = ["RankError", "RankPool", "free_port", "in_torchrun", "init_from_env", "join_torchrun_job", "launch"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +79,7 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _READY = "ready"  # payload: None
 _INIT_FAILED = "init_failed"  # payload: traceback text
 _DONE = "done"  # payload: pickled result
-_FAILED = "failed"  # payload: traceback text
+_FAILED = "failed"  # payload: (traceback text, ranks a HungRankError names or ())
 
 # How long the parent keeps collecting reports after the first failure before it kills the
 # ranks, so that a rank that died (the usual root cause) is blamed rather than a peer whose
@@ -89,13 +98,16 @@ _PORT_RETRIES = 3
 
 
 class RankError(RuntimeError):
-    """A rank failed while running a function.
+    """A rank failed (or hung) while running a function.
 
     Attributes:
-        rank: The rank that failed.
-        remote_traceback: The formatted traceback from that rank, or ``None`` when the rank
-            died without reporting one.
+        rank: The rank that failed, or the rank that hung when its peers' collective timed out
+            waiting for it (``reported_by`` is then set).
+        remote_traceback: The formatted traceback of that rank (of ``reported_by`` for a hung
+            rank: its :class:`~graphpass.runtime.rank_progress.HungRankError`, with the hung
+            rank's stack), or ``None`` when the rank died without reporting one.
         exitcode: The rank's process exit code when it died without reporting, else ``None``.
+        reported_by: For a hung rank, the rank whose collective timed out waiting for it.
     """
 
     def __init__(
@@ -105,23 +117,26 @@ class RankError(RuntimeError):
         *,
         exitcode: int | None = None,
         note: str = "",
+        reported_by: int | None = None,
     ) -> None:
         if remote_traceback is not None:
             detail = "\n" + remote_traceback.rstrip()
         else:
             detail = f" process exited with code {exitcode} without reporting a result"
-        super().__init__(f"rank {rank} failed:{detail}{note}")
+        what = "failed" if reported_by is None else f"hung (reported by rank {reported_by})"
+        super().__init__(f"rank {rank} {what}:{detail}{note}")
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.exitcode = exitcode
+        self.reported_by = reported_by
         self._note = note
 
     def __reduce__(self):
-        return (_rebuild_rank_error, (self.rank, self.remote_traceback, self.exitcode, self._note))
+        return (_rebuild_rank_error, (self.rank, self.remote_traceback, self.exitcode, self._note, self.reported_by))
 
 
-def _rebuild_rank_error(rank, remote_traceback, exitcode, note):
-    return RankError(rank, remote_traceback, exitcode=exitcode, note=note)
+def _rebuild_rank_error(rank, remote_traceback, exitcode, note, reported_by=None):
+    return RankError(rank, remote_traceback, exitcode=exitcode, note=note, reported_by=reported_by)
 
 
 def free_port() -> int:
@@ -157,6 +172,7 @@ def init_from_env(timeout_s: float = 60.0, *, backend: str = "gloo") -> None:
         ValueError: If the torchrun variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
             ``MASTER_PORT``) are not all set.
     """
+    record_uncaught_errors()  # torchrun's root cause: the rank that failed first
     if dist.is_initialized():
         return
     missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
@@ -171,6 +187,35 @@ def init_from_env(timeout_s: float = 60.0, *, backend: str = "gloo") -> None:
         backend, init_method="env://", timeout=timedelta(seconds=timeout_s)
     )
     logger.debug("joined the default group as rank %d of %d", dist.get_rank(), dist.get_world_size())
+
+
+#: Collective timeout a rank joins torchrun's job with (compile's default, which ``compile(timeout_s=)``
+#: then replaces): gloo on CPU, NCCL on GPU.
+_JOIN_TIMEOUT_S = {"gloo": 300.0, "nccl": 600.0}
+
+
+def join_torchrun_job() -> None:
+    """Join the job's default process group if this is a torchrun rank that has not yet (as
+    DeepSpeed and Accelerate do), so a plain torchrun script needs no :func:`launch`.
+
+    The backend is NCCL when CUDA is available (this rank's device set from ``LOCAL_RANK``), else
+    gloo; the group is released at exit (:func:`~graphpass.runtime.mesh.release_at_exit`). Does
+    nothing outside torchrun or when the group exists, except that a torchrun rank's uncaught
+    errors are recorded for torchrun's root cause either way
+    (:mod:`graphpass.runtime.elastic_errors`).
+    """
+    if not in_torchrun():
+        return
+    record_uncaught_errors()
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    init_from_env(_JOIN_TIMEOUT_S[backend], backend=backend)
+    release_at_exit()
+    if dist.get_rank() == 0:
+        logger.info("joined torchrun's job: %d ranks, %s", dist.get_world_size(), backend)
 
 
 def launch(
@@ -401,37 +446,44 @@ class RankPool:
         return results
 
     def _failure(self, workers: _Workers, pending: set[int], task_id: int,
-                 first: tuple[int, str] | None) -> RankError:
+                 first: tuple[int, tuple[str, tuple[int, ...]]] | None) -> RankError:
         """Collect reports for a moment after a failure, kill the ranks, blame one."""
-        errors: dict[int, str] = {}
+        reports: dict[int, tuple[str, tuple[int, ...]]] = {}  # rank -> (traceback, ranks it names as hung)
         if first is not None:
-            errors[first[0]] = first[1]
+            reports[first[0]] = first[1]
         settle_until = time.monotonic() + _FAILURE_SETTLE_S
         while time.monotonic() < settle_until:
-            unreported = pending - set(errors)
+            unreported = pending - set(reports)
             if all(workers.procs[r].exitcode is not None for r in unreported):
                 break
             message = workers.poll(settle_until)
             if message is not None and message[0] == _FAILED and message[2] == task_id:
-                errors.setdefault(message[1], message[3])
+                reports.setdefault(message[1], message[3])
         # Drain reports that arrived together with a death.
         while (message := workers.poll(0.0)) is not None:
             if message[0] == _FAILED and message[2] == task_id:
-                errors.setdefault(message[1], message[3])
-        dead = [(r, c) for r, c in workers.dead_ranks(pending) if r not in errors]
+                reports.setdefault(message[1], message[3])
+        dead = [(r, c) for r, c in workers.dead_ranks(pending) if r not in reports]
         self._stop(kill=True)
-        # A rank that died is the likeliest root cause: its peers' collectives fail after it.
+        order = sorted(reports, key=lambda r: (first is None or r != first[0], r))  # the first reporter first
+        own = [r for r in order if not reports[r][1]]
+        reported_by = None
+        # A rank that died is the likeliest root cause: its peers' collectives fail after it. Then a
+        # rank that raised on its own; last, a rank its peers name as hung (it never reports).
         if dead:
-            rank, code = dead[0]
-            error = None
+            (rank, code), error = dead[0], None
+        elif own:
+            rank, code = own[0], None
+            error = reports[rank][0]
         else:
-            rank = first[0] if first is not None else min(errors)
-            error = errors[rank]
-            code = None
-        others = [f"rank {r}: {_last_line(tb)}" for r, tb in sorted(errors.items()) if r != rank]
+            reported_by = order[0]
+            rank, code = min(reports[reported_by][1]), None
+            error = reports[reported_by][0]
+        others = [f"rank {r}: " + (f"waited for rank {', '.join(map(str, hung))}" if hung else _last_line(tb))
+                  for r, (tb, hung) in sorted(reports.items()) if r not in (rank, reported_by)]
         others += [f"rank {r}: exited with code {c}" for r, c in dead if r != rank]
         note = ("\n(also failed: " + "; ".join(others) + ")") if others else ""
-        return RankError(rank, error, exitcode=code, note=note)
+        return RankError(rank, error, exitcode=code, note=note, reported_by=reported_by)
 
     def _stop(self, *, kill: bool) -> None:
         workers, self._workers = self._workers, None
@@ -572,17 +624,29 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, collective_t
         except BaseException as exc:  # SystemExit from fn is a failure to report too
             # Skip this frame: the traceback should start in the user's code.
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
-            result_queue.put((_FAILED, rank, task_id, text))
+            result_queue.put((_FAILED, rank, task_id, (text, _hung_ranks(exc))))
             continue
         try:
             data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             text = (f"the result of {_describe(fn)} ({type(result).__name__}) cannot be "
                     f"pickled back to the parent: {type(exc).__name__}: {exc}")
-            result_queue.put((_FAILED, rank, task_id, text))
+            result_queue.put((_FAILED, rank, task_id, (text, ())))
             continue
         result_queue.put((_DONE, rank, task_id, data))
     dist.destroy_process_group()
+
+
+def _hung_ranks(exc: BaseException) -> tuple[int, ...]:
+    """The ranks a :class:`HungRankError` in ``exc``'s chain names (the rank's collective timed
+    out waiting for them), else ``()``."""
+    for _ in range(8):
+        if exc is None:
+            break
+        if isinstance(exc, HungRankError):
+            return tuple(exc.ranks)
+        exc = exc.__cause__ or exc.__context__
+    return ()
 
 
 def _exit_when_parent_dies() -> None:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from graphpass.runtime import rank_progress
 from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
 
@@ -43,11 +44,13 @@ def _deferring_reports() -> Iterator[None]:
     _DEFERRED.append([])
     try:
         yield
-    finally:
-        for work, tensor, divisor in _DEFERRED.pop():
-            work.wait()
-            if divisor != 1:
-                tensor.div_(divisor)
+    except BaseException:
+        _DEFERRED.pop()  # a failed step's reports are never read: do not wait on a peer that may be gone
+        raise
+    for work, tensor, divisor in _DEFERRED.pop():
+        work.wait()
+        if divisor != 1:
+            tensor.div_(divisor)
 
 
 def reports_deferred() -> bool:
@@ -91,6 +94,7 @@ class StepProgram:
         self.loss_index, self.report_index = loss_index, report_index
         self.schedule = tuple(schedule)
         self.num_microbatches = 1 + max(a.microbatch for a in self.schedule)
+        self.steps_run = 0  # steps started: a collective that times out names the step it was in
         self._last_backward = {}
         for position, action in enumerate(self.schedule):
             if action.kind == BACKWARD:
@@ -115,7 +119,8 @@ class StepProgram:
         losses: dict[tuple[int, int], torch.Tensor] = {}
         reports: list[torch.Tensor] = []
         weight = 1.0 / self.num_microbatches
-        with _deferring_reports():
+        self.steps_run += 1
+        with rank_progress.watching(self.steps_run), _deferring_reports():
             self._run(accumulations, losses, reports, weight, microbatches)
         return torch.stack(reports).mean() if len(reports) > 1 else reports[0]
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import rank_progress
 from graphpass.runtime import regather
 from graphpass.runtime.fake import is_fake
 
@@ -56,6 +57,7 @@ def _gather(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # rank-major, as one flat all-gather fills it
+    rank_progress.enter("tp_all_gather")
     _all_gather_flat(out, x, group=group)
     if dim == 0:
         return out
@@ -72,6 +74,7 @@ def _reduce_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Te
     # Rank-major input: chunk r of dim ``dim`` becomes block r of a flat buffer.
     blocks = x.unflatten(dim, (size, chunk)).movedim(dim, 0).contiguous()
     out = x.new_empty((*x.shape[:dim], chunk, *x.shape[dim + 1 :]))
+    rank_progress.enter("tp_reduce_scatter")
     _reduce_scatter_flat(out, blocks.view(size * out.shape[0], *out.shape[1:]), group=group)
     return out
 
@@ -80,6 +83,7 @@ def _all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     out = x.contiguous().clone()
     group = _group(axis)
     if group is not None:
+        rank_progress.enter("tp_all_reduce")
         dist.all_reduce(out, group=group)
     return out
 
@@ -221,6 +225,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         if group is not None:
+            rank_progress.enter("vocab_parallel_cross_entropy")
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - local_max.unsqueeze(-1)
         vocab_local = logits.shape[-1]

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import rank_progress
 from graphpass.runtime import regather
 from graphpass.runtime.fake import is_fake
 from graphpass.runtime.grad_sync import GradSync
@@ -243,17 +244,19 @@ class _RowOfAllReduce:
 
 class _AllGatherParams(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token, sync: GradSync, shapes, stage: int, partial, divisor, *shards: torch.Tensor):
+    def forward(ctx, token, sync: GradSync, shapes, stage: int, partial, divisor, index: int, *shards: torch.Tensor):
         mesh = mesh_lib.current()
         group = mesh.group(sync.axis)
         num = mesh.axis_size(sync.axis)
         ctx.sync, ctx.shapes, ctx.stage, ctx.num, ctx.partial = sync, shapes, stage, num, partial
-        ctx.divisor = divisor
+        ctx.divisor, ctx.index = divisor, index
         ctx.shards = shards  # leaves: referencing them keeps nothing extra alive
         accumulation = sync.accumulation
         kept = accumulation.gathered.get(id(shards[0])) if stage < 3 else None
         if kept is not None:  # stage 1/2, a later microbatch: the weights of the first forward
             return tuple(t.view_as(t) for t in kept)
+        if group is not None:
+            rank_progress.enter("all_gather_params group", index)
         full = tuple(_unpack_full(_forward_gather(sync, shards, group, num), shards, shapes))
         if stage < 3 and accumulation.num_microbatches > 1:
             accumulation.gathered[id(shards[0])] = full
@@ -267,7 +270,7 @@ class _AllGatherParams(torch.autograd.Function):
         group = mesh.group(sync.axis)
         grads = _sum_partial_grads(grads, ctx.partial, mesh)
         buffer = _rank_major_grads(grads, shards, ctx.shapes, num, ctx.divisor)
-        done = (torch.zeros(()), None, None, None, None, None) + (None,) * len(shards)
+        done = (torch.zeros(()), None, None, None, None, None, None) + (None,) * len(shards)
         if ctx.stage == 1:
             accumulation = sync.accumulation
             held = accumulation.held(shards[0])
@@ -278,11 +281,13 @@ class _AllGatherParams(torch.autograd.Function):
                 accumulation.hold(shards[0], buffer)  # all-reduced with the step's last backward
                 return done
             accumulation.release(shards[0])
+            rank_progress.enter("all_reduce of all_gather_params group", ctx.index)
             all_reduce = dist.all_reduce(buffer, group=group, async_op=True)
             work = _RowOfAllReduce(all_reduce, buffer, mesh.axis_rank(sync.axis))
             out = work.out
         else:
             out = buffer.new_empty(buffer.shape[1])
+            rank_progress.enter("reduce_scatter of all_gather_params group", ctx.index)
             work = _reduce_scatter_flat(out, buffer.view(-1), group=group, async_op=True)
         sync.add(work, out, shards)
         return done
@@ -300,6 +305,7 @@ def _sum_partial_grads(grads: tuple, partial, mesh) -> tuple:
         if not index or group is None:
             continue
         flat = torch.cat([grads[i].reshape(-1) for i in index])
+        rank_progress.enter(f"all_reduce of partial gradients over {axis}")
         dist.all_reduce(flat, group=group)
         offset = 0
         for i in index:
@@ -338,14 +344,15 @@ def all_gather_params(
     if not torch.is_grad_enabled():
         return tuple(gather_full_parameters(shards, shapes, axis))
     partial = tuple(partial) if partial else None
-    full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, partial, divisor, *shards)
+    full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, partial, divisor, group,
+                                  *shards)
     if stage == 3 and regather.active():
         regather.register(full, functools.partial(_regathered, tuple(shards), tuple(map(tuple, shapes)), axis,
-                                                  mesh_lib.current()))
+                                                  mesh_lib.current(), group))
     return full
 
 
-def _regathered(shards, shapes, axis: str, mesh) -> list[torch.Tensor]:
+def _regathered(shards, shapes, axis: str, mesh, index: int = 0) -> list[torch.Tensor]:
     """A stage-3 group's full weights gathered again for backward.
 
     Synchronous, unlike forward's gathers: launching the previous group's re-gather ahead
@@ -353,4 +360,7 @@ def _regathered(shards, shapes, axis: str, mesh) -> list[torch.Tensor]:
     ranks, bench model) but holds one more gathered group at the start of backward, which on
     the zoo GPT lifted the ZeRO-3 peak above ZeRO-2's (1.62 vs 1.58 MB on 4 ranks).
     """
-    return _unpack_full(_gather_flat(shards, mesh.group(axis), mesh.axis_size(axis)), shards, shapes)
+    group = mesh.group(axis)
+    if group is not None:
+        rank_progress.enter("backward re-gather of all_gather_params group", index)
+    return _unpack_full(_gather_flat(shards, group, mesh.axis_size(axis)), shards, shapes)

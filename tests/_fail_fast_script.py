@@ -1,10 +1,10 @@
 """A compiled training job in which rank 1 fails in the middle of its second step.
 
 ``train_and_fail(mode, timeout_s, pid_dir)``: rank 1 raises (``"raise"``), kills itself with
-SIGKILL (``"kill"``) or hangs (``"hang"``) as its second step's forward starts, while rank 0 is
-inside that step, blocked in a collective waiting for rank 1. Every rank first writes its pid to
-``pid_dir`` so the test can check that none is left behind; rank 0 raises
-:class:`StepFailed` if its collective times out first. test_fail_fast runs it under
+SIGKILL (``"kill"``) or hangs (``"hang"``) as its second step's forward starts, while the other
+ranks are inside that step, blocked in a collective waiting for rank 1. Every rank first writes its
+pid to ``pid_dir`` so the test can check that none is left behind; the others raise
+:class:`StepFailed` if their collective times out first. test_fail_fast runs it under
 ``gp.launch`` and, as a script, under ``torchrun``: ``_fail_fast_script.py MODE TIMEOUT_S PID_DIR``.
 """
 
@@ -36,7 +36,7 @@ class StepFailed(RuntimeError):
 
 
 def train_and_fail(mode: str, timeout_s: float, pid_dir: str) -> None:
-    """Never returns: rank 1 fails as ``mode`` says; rank 0, if it is still alive when its
+    """Never returns: rank 1 fails as ``mode`` says; another rank, if it is still alive when its
     collective raises (the ``hang`` mode), raises :class:`StepFailed` saying how long it waited."""
     import graphpass as gp
     import zoo
@@ -52,7 +52,7 @@ def train_and_fail(mode: str, timeout_s: float, pid_dir: str) -> None:
         dmodel.graph_module.register_forward_pre_hook(lambda module, args: _fail(mode))
     start = time.monotonic()
     try:
-        dmodel.train_step(*data[1])  # rank 0 blocks in the step's first all-gather
+        dmodel.train_step(*data[1])  # the others block in the step's first all-gather
     except Exception as exc:
         if rank == FAILED_RANK:
             raise
