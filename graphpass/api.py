@@ -45,6 +45,9 @@ StrategyLike = Union[str, Strategy, Plan]
 
 
 def _process_group_size() -> tuple[int, int]:
+    from graphpass.runtime.launch import join_torchrun_job
+
+    join_torchrun_job()  # a torchrun rank without gp.launch joins its job's group here
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

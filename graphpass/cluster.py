@@ -440,11 +440,23 @@ def _load_profile(device_name: str, kind: str, world_size: int) -> Cluster | Non
     return cluster
 
 
+def _rank() -> int:
+    """This process's rank in its job: the default group's, else torchrun's ``RANK``, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    raw = os.environ.get("RANK", "")
+    return int(raw) if raw.isdigit() else 0
+
+
 def _warn_unprofiled(device_name: str, world_size: int, why: str) -> None:
+    """Warn once per job (on rank 0; the other ranks log it at debug level)."""
     if (device_name, world_size) in _WARNED_UNPROFILED:
         return
     _WARNED_UNPROFILED.add((device_name, world_size))
-    logger.warning(
+    logger.log(
+        logging.WARNING if _rank() == 0 else logging.DEBUG,
         "Cluster.local: %s; %d x %r uses %s figures (nothing at %s). Measure this machine with "
         "graphpass.profile(world_size=%d) or `graphpass profile --world-size %d`.",
         why, world_size, device_name, _UNPROFILED, profile_path(device_name, world_size),
@@ -602,8 +614,8 @@ class Cluster:
         share the host's RAM. A profile written by `graphpass.profile` for this device
         name and world size (`profile_path`) supplies every figure when it exists.
         Otherwise figures the hardware does not report are presets (for a known GPU) or
-        default, unprofiled placeholders (the ``name`` then says so, and a warning is
-        logged once).
+        default, unprofiled placeholders (the ``name`` then says so, and rank 0 logs a
+        warning once).
 
         Args:
             world_size: Expected number of ranks; None to take it from the environment.

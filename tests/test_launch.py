@@ -184,10 +184,10 @@ def _clean_env():
     return env
 
 
-def _run_bounded(cmd, timeout_s):
+def _run_bounded(cmd, timeout_s, env=None):
     """Run cmd in its own session; on timeout kill the whole session (it may have ranks)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_clean_env(), cwd=_REPO_ROOT, start_new_session=True)
+                            env={**_clean_env(), **(env or {})}, cwd=_REPO_ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -221,6 +221,46 @@ def test_launch_under_torchrun_joins_its_group_instead_of_spawning():
     for mesh, losses in trained:
         assert math.prod(mesh.values()) == 2, mesh
         assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.timeout(150)
+def test_a_plain_torchrun_script_compiles_without_launch_and_matches_one_process(tmp_path):
+    """``gp.compile(model, gp.Cluster.local(), ...)`` in a torchrun script that never calls
+    ``gp.launch`` nor ``init_process_group`` joins torchrun's job (gloo here, no CUDA) and trains as
+    one process does; the unprofiled-cluster warning is printed once for the job, not per rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--local-addr", "127.0.0.1", str(_TESTS_DIR / "_plain_torchrun_script.py"), str(tmp_path)]
+    # An empty cache: no profile of this machine, so Cluster.local warns.
+    returncode, out = _run_bounded(cmd, timeout_s=135, env={"GRAPHPASS_CACHE_DIR": str(tmp_path / "cache")})
+    assert returncode == 0, out
+    assert out.count("CPU compute and loopback links are not profiled") == 1, out
+    import zoo
+
+    trained = torch.load(tmp_path / "trained.pt")
+    assert (trained["backend"], trained["world_size"], math.prod(trained["mesh"].values())) == ("gloo", 2, 2)
+    ref_losses, ref_state, _ = zoo.train_reference("gpt", steps=2, batch=4)
+    # Tolerances: zoo's parity defaults (fp32 reduction order, see test_dp.py).
+    zoo.assert_matches_reference("torchrun without launch", trained["losses"], trained["state"], ref_losses,
+                                 ref_state)
+
+
+def test_cluster_local_warns_about_missing_figures_on_rank_0_only(monkeypatch, tmp_path, caplog):
+    import logging
+
+    from graphpass import cluster as cluster_module
+
+    monkeypatch.setenv("GRAPHPASS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    warned = {}
+    for rank in ("1", "0"):
+        monkeypatch.setattr(cluster_module, "_WARNED_UNPROFILED", set())
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="graphpass.cluster"):
+            cluster_module.Cluster.local(2)
+        warned[rank] = [r for r in caplog.records if "not profiled" in r.getMessage()]
+    assert len(warned["0"]) == 1 and warned["1"] == [], warned
 
 
 _ABANDON_POOL = textwrap.dedent("""
