@@ -1,13 +1,19 @@
-"""Progress bars: drawn on a terminal with what is being done, silent in logs and when quiet."""
+"""Progress bars and phases: drawn on a terminal with what is being done, silent in logs, on
+other ranks and when quiet."""
 
 from __future__ import annotations
 
 import io
 import sys
+import threading
+import time
+
+import pytest
 
 import graphpass as gp
 import zoo
-from graphpass.progress import Progress
+from graphpass import progress
+from graphpass.progress import Progress, phase
 
 
 class _Terminal(io.StringIO):
@@ -47,3 +53,48 @@ def test_only_rank_0_draws(monkeypatch):
     with Progress(3, "work", stream=terminal) as bar:
         bar.step("step 1/3")
     assert "step 1/3" in terminal.getvalue()
+
+
+def test_a_phase_longer_than_the_delay_shows_its_name_and_elapsed_time_then_clears(monkeypatch):
+    monkeypatch.delenv("GRAPHPASS_QUIET", raising=False)
+    monkeypatch.setattr(progress, "PHASE_DELAY_S", 0.05)
+    monkeypatch.setattr(progress, "PHASE_REFRESH_S", 0.01)
+    terminal = _Terminal()
+    with phase("capturing GPT", stream=terminal):
+        time.sleep(0.3)
+    drawn = terminal.getvalue()
+    assert "capturing GPT (0 s)" in drawn, drawn
+    assert drawn.endswith("\r"), drawn  # the line is blanked when the phase ends (nothing left behind)
+
+
+def test_a_short_phase_a_log_quiet_mode_and_other_ranks_draw_nothing(monkeypatch):
+    monkeypatch.delenv("GRAPHPASS_QUIET", raising=False)
+    monkeypatch.setattr(progress, "PHASE_REFRESH_S", 0.01)
+    terminal = _Terminal()
+    with phase("quick", stream=terminal):  # under the default delay of ~2 s
+        pass
+    assert terminal.getvalue() == ""
+    monkeypatch.setattr(progress, "PHASE_DELAY_S", 0.0)
+    log = io.StringIO()
+    with phase("long", stream=log):
+        time.sleep(0.05)
+    assert log.getvalue() == ""
+    monkeypatch.setenv("RANK", "1")
+    with phase("long", stream=terminal):
+        time.sleep(0.05)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("GRAPHPASS_QUIET", "1")
+    with phase("long", stream=terminal):
+        time.sleep(0.05)
+    assert terminal.getvalue() == ""
+
+
+def test_a_phase_ends_its_line_when_the_block_raises(monkeypatch):
+    monkeypatch.delenv("GRAPHPASS_QUIET", raising=False)
+    monkeypatch.setattr(progress, "PHASE_DELAY_S", 0.0)
+    terminal = _Terminal()
+    with pytest.raises(ValueError):
+        with phase("failing", stream=terminal):
+            time.sleep(0.05)
+            raise ValueError("boom")
+    assert not [t for t in threading.enumerate() if t.name.startswith("graphpass phase")]
