@@ -8,6 +8,10 @@ Every rank runs the same SPMD function: build the model from the same seed, comp
 train on the *global* batch (graphpass gives each rank its share). The parent process first
 trains the same model alone, then prints both loss curves side by side, the plan, and where the
 per-pass graph dumps went.
+
+Under torchrun (``graphpass run -n 2 examples/train_gpt.py``) every worker runs this script:
+``gp.launch`` joins torchrun's ranks instead of spawning, rank 0 alone trains the single-process
+reference (once, after the ranks have trained) and prints the report; the other ranks print nothing.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def train_rank(steps: int, batch: int, dump_dir: str | None, strategy: dict | No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 4)),
+                        help="ranks (default 4; under torchrun, its WORLD_SIZE)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--dump-dir", default=os.environ.get("GRAPHPASS_DUMP_DIR", "dumps/train_gpt"))
@@ -98,10 +103,20 @@ def main() -> None:
                         sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                         microbatches=args.microbatches)
 
-    n_params = sum(p.numel() for p in GPT(CONFIG).parameters())
-    print(f"GPT {n_params / 1e6:.2f}M parameters, global batch {args.batch} x {CONFIG.block_size} tokens")
-    reference = train_single_process(args.steps, args.batch)
+    # Under torchrun this script runs once per rank: rank 0 alone reports (and trains the reference).
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ["RANK"]) if under_torchrun else 0
+    if rank == 0:
+        n_params = sum(p.numel() for p in GPT(CONFIG).parameters())
+        print(f"GPT {n_params / 1e6:.2f}M parameters, global batch {args.batch} x {CONFIG.block_size} tokens")
+    # Without torchrun the reference trains here, before the ranks start; under torchrun rank 0
+    # trains it after them, so the other ranks do not wait for it in the rendezvous.
+    reference = None if under_torchrun else train_single_process(args.steps, args.batch)
     results = gp.launch(train_rank, args.world_size, args=(args.steps, args.batch, args.dump_dir, strategy))
+    if rank != 0:
+        return
+    if reference is None:
+        reference = train_single_process(args.steps, args.batch)
     rank0 = results[0]
     print(f"\nplan ({args.world_size} gloo ranks):\n{rank0['plan']}\n")
     print("passes:")

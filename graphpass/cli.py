@@ -15,19 +15,25 @@ Bad input exits with status 2 and one line saying what to change.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import inspect
+import io
 import os
 import pathlib
 import platform
 import re
 import subprocess
 import sys
+import sysconfig
+import traceback
 
 from graphpass.cluster import Cluster, presets
 from graphpass.planner import DEFAULT_MEMORY_FRACTION
-from graphpass.plan import Plan
+from graphpass.plan import Plan, Strategy
+from graphpass.progress import phase
 
 # fx prints a call to graphpass.runtime.<module>.<op> as graphpass_runtime_<module>_<op>(...).
 _COLLECTIVE_RE = re.compile(r"graphpass_runtime_(?:collectives|grad_sync|zero|tensor_parallel)_(\w+)\(")
@@ -63,10 +69,12 @@ def _explain(args: argparse.Namespace) -> int:
         plan = Plan.from_json(path.read_text())
     except (ValueError, TypeError) as exc:
         raise _Usage(f"{path} is not a saved plan: {exc}") from None
+    html_path = _output_path(args.html, "--html")
+    if html_path is not None:  # first: a reader who stops reading (`| head`) still gets it
+        plan.to_html(html_path)
     print(plan.explain())
-    if args.html:
-        plan.to_html(args.html)
-        print(f"page: {pathlib.Path(args.html).resolve()}")
+    if html_path is not None:
+        print(f"page: {html_path.resolve()}")
     return 0
 
 
@@ -91,12 +99,49 @@ def _load_factory(spec: str):
             loader_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise _Usage(f"cannot import {module_name!r} for the factory {spec!r}: {exc}") from None
+    except _Usage:
+        raise
+    except Exception as exc:  # ImportError, and whatever the module's own code raises on import
+        raise _Usage(f"cannot import {module_name!r} for the factory {spec!r}: {_one_line(exc)}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise _Usage(f"module {module_name!r} has no factory {attr!r} (a callable returning the model)")
     return factory
+
+
+def _one_line(exc: BaseException, with_type: bool = True) -> str:
+    """``exc`` as one line: its type, its message's lines joined with ``; `` (a CaptureError lists
+    one reason per capture route), and the line of the user's code that raised it."""
+    lines = [line.strip().lstrip("- ") for line in str(exc).splitlines() if line.strip()]
+    text = (lines[0] + " " + "; ".join(lines[1:])).strip() if lines else ""
+    if with_type:
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    frame = _user_frame(exc)
+    if frame is not None and " (at " not in text:
+        text += f" (at {frame.filename}:{frame.lineno})"
+    return text
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``exc``'s traceback outside Python, installed packages and graphpass."""
+    library = [pathlib.Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "purelib", "platlib")]
+    library += [pathlib.Path(path).resolve() for name in ("graphpass", "graphpass.passes", "graphpass.cost",
+                                                          "graphpass.runtime") if name in sys.modules
+                for path in getattr(sys.modules[name], "__path__", [])]
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = pathlib.Path(frame.filename).resolve()
+        if frame.filename.startswith("<") or any(path.is_relative_to(root) for root in library):
+            continue
+        return frame
+    return None
+
+
+def _count(num: float) -> str:
+    """A parameter count as people write it: 867K, 12.3M, 1.31B, 175B."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if num >= scale:
+            return f"{num / scale:.3g}{suffix}"
+    return f"{num:.0f}"
 
 
 def _batch_shape(text: str) -> tuple[int, ...]:
@@ -106,44 +151,157 @@ def _batch_shape(text: str) -> tuple[int, ...]:
     return tuple(int(g) for g in match.groups() if g is not None)
 
 
+def _cluster(text: str) -> Cluster:
+    """``--cluster``: a preset (``h100-80g``, ``h100-80g:16x8``) or a cluster JSON file (what
+    ``graphpass profile`` writes, or ``Cluster.to_json``)."""
+    from graphpass.planner import resolve_cluster
+
+    path = pathlib.Path(text).expanduser()
+    if text.endswith(".json") or os.sep in text or path.is_file():
+        if not path.is_file():
+            raise _Usage(f"--cluster: no such cluster file {text} (give a preset such as h100-80g:16x8, or the "
+                         "JSON graphpass profile --out writes)")
+        try:
+            return Cluster.from_json(path.read_text())
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
+            raise _Usage(f"--cluster: {text} is not a cluster JSON (graphpass profile writes one): "
+                         f"{_one_line(exc)}") from None
+    try:
+        return resolve_cluster(text)
+    except (ValueError, KeyError) as exc:
+        raise _Usage(f"--cluster: {str(exc).strip(chr(39))}") from None
+
+
+def _strategy(text: str, world_size: int) -> Strategy:
+    """``--strategy dp=8,tp=8,zero=1`` → a checked :class:`Strategy` for ``world_size`` devices; dp,
+    when not given, takes the devices tp x pp leave."""
+    fields = {f.name: f.default for f in dataclasses.fields(Strategy)}
+    kwargs: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        key = key.replace("-", "_")
+        if key not in fields:
+            raise _Usage(f"--strategy: unknown key {key!r} in {text!r}; the keys are {', '.join(fields)}")
+        if not sep or not value:
+            raise _Usage(f"--strategy: {key} needs a value ({key}=...)")
+        if key in kwargs:
+            raise _Usage(f"--strategy: {key} is given twice in {text!r}")
+        default = fields[key]
+        if isinstance(default, bool):
+            truth = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+            if value.lower() not in truth:
+                raise _Usage(f"--strategy: {key}={value!r} must be true or false")
+            kwargs[key] = truth[value.lower()]
+        elif isinstance(default, int):
+            if not re.fullmatch(r"\d+", value):
+                raise _Usage(f"--strategy: {key}={value!r} must be a whole number")
+            kwargs[key] = int(value)
+        else:
+            kwargs[key] = value
+    if not kwargs:
+        raise _Usage(f"--strategy {text!r}: give KEY=VALUE pairs, e.g. dp=8,tp=8,zero=1")
+    if "dp" not in kwargs:
+        rest = int(kwargs.get("tp", 1)) * int(kwargs.get("pp", 1))
+        if rest and world_size % rest == 0:
+            kwargs["dp"] = world_size // rest
+    try:
+        strategy = Strategy(**kwargs)
+        strategy.check(world_size)
+    except (ValueError, NotImplementedError) as exc:
+        raise _Usage(f"--strategy: {_one_line(exc, with_type=False)}") from None
+    return strategy
+
+
+def _output_path(text: str | None, flag: str) -> pathlib.Path | None:
+    """Check before planning that ``text`` can be written (missing directories are made when it is)."""
+    if text is None:
+        return None
+    path = pathlib.Path(text).expanduser().absolute()
+    if path.is_dir():
+        raise _Usage(f"{flag} {text} is a directory; give a file path, e.g. {path / ('plan' + flag.replace('--', '.'))}")
+    existing = path.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise _Usage(f"{flag} {text}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise _Usage(f"{flag} {text}: permission denied (cannot write in {existing})")
+    return path
+
+
+def _build(factory, called: str, args: tuple, extra: dict):
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return factory(*args, **extra)
+    except Exception as exc:  # the factory's own failure: the user's code, said in one line
+        raise _Usage(f"{called} raised {_one_line(exc)}") from None
+
+
+@contextlib.contextmanager
+def _held_stderr(discard_on: type[BaseException]):
+    """Hold what the block writes to stderr (directly or through a logging handler such as torch's)
+    and pass it on after the block, unless it raises ``discard_on``: torch.export prints the partial
+    graph of a failed capture and a warning to stderr, which would bury the one line saying what failed."""
+    import logging
+
+    held = io.StringIO()
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    handlers = list({id(h): h for logger in loggers for h in logger.handlers
+                     if isinstance(h, logging.StreamHandler) and h.stream is sys.stderr}.values())
+    streams = [h.setStream(held) for h in handlers]
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except discard_on:
+        raise
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+    else:
+        sys.stderr.write(held.getvalue())
+    finally:
+        for handler, stream in zip(handlers, streams):
+            handler.setStream(stream)
+
+
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
-    from graphpass.planner import parse_memory, plan, resolve_cluster
+    from graphpass.capture import CaptureError
+    from graphpass.planner import Planner, parse_memory
 
-    try:
-        cluster = resolve_cluster(args.cluster)
-    except (ValueError, KeyError) as exc:
-        raise _Usage(f"--cluster: {str(exc).strip(chr(39))}") from None
+    cluster = _cluster(args.cluster)
     try:
         budget = None if args.memory is None else parse_memory(args.memory, "--memory")
     except ValueError as exc:
         raise _Usage(str(exc)) from None
+    strategy = None if args.strategy is None else _strategy(args.strategy, cluster.world_size)
+    json_path, html_path = _output_path(args.json, "--json"), _output_path(args.html, "--html")
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     shape = _batch_shape(args.batch)
-    factory = _load_factory(args.factory)
     called = f"{args.factory}({', '.join(map(repr, args.arg))})"
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        signature = None
-    wants_batch = signature is not None and "batch" in signature.parameters
-    extra = {"batch": shape} if wants_batch else {}
-    if signature is not None:
+    with phase(f"building {called}"):
+        factory = _load_factory(args.factory)
         try:
-            signature.bind(*args.arg, **extra)
-        except TypeError as exc:
-            raise _Usage(f"{called}: {exc} (give the factory's arguments with --arg)") from None
-    try:
-        with torch.device("meta"):
-            built = factory(*args.arg, **extra)
-    except (ValueError, KeyError) as exc:  # the factory refusing its arguments (an unknown config name)
-        raise _Usage(f"{called} raised {type(exc).__name__}: {exc}") from None
-    model, inputs = built if isinstance(built, tuple) else (built, None)
-    if not isinstance(model, torch.nn.Module):
-        raise _Usage(f"factory {args.factory!r} returned {type(model).__name__}, not a torch.nn.Module "
-                     "(or a (model, example_inputs) pair)")
-    model = model.to(dtypes[args.dtype])
+            signature = inspect.signature(factory)
+        except (TypeError, ValueError):
+            signature = None
+        wants_batch = signature is not None and "batch" in signature.parameters
+        extra = {"batch": shape} if wants_batch else {}
+        if signature is not None:
+            try:
+                signature.bind(*args.arg, **extra)
+            except TypeError as exc:
+                raise _Usage(f"{called}: {exc} (give the factory's arguments with --arg)") from None
+        built = _build(factory, called, tuple(args.arg), extra)
+        model, inputs = built if isinstance(built, tuple) else (built, None)
+        if not isinstance(model, torch.nn.Module):
+            raise _Usage(f"factory {args.factory!r} returned {type(model).__name__}, not a torch.nn.Module "
+                         "(or a (model, example_inputs) pair)")
+        model = model.to(dtypes[args.dtype])
     if inputs is not None:  # floating inputs take the model's dtype, as its activations will
         inputs = tuple(t.to(dtypes[args.dtype]) if t.is_floating_point() else t for t in inputs)
     if inputs is None:
@@ -151,21 +309,36 @@ def _plan(args: argparse.Namespace) -> int:
             raise _Usage(f"--batch {args.batch!r}: a model given without example inputs takes token ids and "
                          "targets of shape BATCHxSEQ (or let the factory return (model, example_inputs))")
         inputs = tuple(torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(2))
+    name = type(model).__name__
     try:
-        chosen = plan(model, cluster, inputs, memory_budget=budget, time_limit_s=args.time_limit,
-                      optimizer_states=args.optimizer_states)
-    except ValueError as exc:  # NoPlanError, PlanningError, a batch no mesh divides: the inputs' fault
+        with phase(f"capturing {name} and pricing its ops"), _held_stderr(discard_on=CaptureError):
+            planner = Planner(model, cluster, inputs, budget, optimizer_states=args.optimizer_states)
+        if strategy is None:
+            with phase(f"searching meshes for {name} on {cluster.world_size} devices"):
+                chosen = planner.auto(args.time_limit)
+        else:
+            with phase(f"pricing {strategy}"):
+                chosen = planner.price(strategy)
+    except CaptureError as exc:  # the model's forward, not graphpass: one line naming each route's reason
+        raise _Usage(_one_line(exc, with_type=False)) from None
+    except (ValueError, NotImplementedError) as exc:
+        # NoPlanError, PlanningError, a batch no mesh divides, a strategy the model cannot take
         raise _Usage(str(exc).splitlines()[0].replace("raise memory_budget", "raise --memory")) from None
+    # Files first: a reader who stops reading (`| head`) still gets them.
+    written = []
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(chosen.to_json() + "\n")
+        written.append(f"plan: {json_path.resolve()}")
+    if html_path is not None:
+        chosen.to_html(html_path)
+        written.append(f"page: {html_path.resolve()}")
     print(f"{args.factory}{'(' + ', '.join(args.arg) + ')' if args.arg else ''}: "
-          f"{sum(p.numel() for p in model.parameters()) / 1e9:.3g}B parameters, {args.dtype}, "
+          f"{_count(sum(p.numel() for p in model.parameters()))} parameters, {args.dtype}, "
           f"batch {args.batch} on {cluster.explain()}")
     print(chosen.explain())
-    if args.json:
-        pathlib.Path(args.json).write_text(chosen.to_json() + "\n")
-        print(f"plan: {pathlib.Path(args.json).resolve()}")
-    if args.html:
-        chosen.to_html(args.html)
-        print(f"page: {pathlib.Path(args.html).resolve()}")
+    for line in written:
+        print(line)
     return 0
 
 
@@ -290,13 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     p = _subparser(sub, "plan", "plan a model for a cluster without the cluster (fake tensors)", _plan)
     p.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. configs:build or examples/configs.py:build")
     p.add_argument("--arg", action="append", default=[], metavar="ARG", help="a string argument to the factory (repeatable)")
-    p.add_argument("--cluster", required=True, help="preset NAME or NAME:NODESxGPUS, e.g. h100-80g:16x8 (see graphpass presets)")
+    p.add_argument("--cluster", required=True, help="preset NAME or NAME:NODESxGPUS, e.g. h100-80g:16x8 (see graphpass "
+                   "presets), or a cluster JSON file (graphpass profile --out writes one)")
     p.add_argument("--batch", required=True, help="global batch, BATCHxSEQ for token models, e.g. 512x2048")
     p.add_argument("--memory", default=None, help="per-device budget, e.g. 70GiB (default "
                    f"{DEFAULT_MEMORY_FRACTION * 100:.0f}%% of the device)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="parameter dtype (default bf16)")
     p.add_argument("--optimizer-states", type=int, default=2, help="fp32 states per parameter (2: Adam, 1: SGD momentum)")
     p.add_argument("--time-limit", type=float, default=None, help="stop searching after this many seconds")
+    p.add_argument("--strategy", default=None, metavar="KEY=VALUE,...",
+                   help="price this strategy instead of searching, e.g. dp=8,tp=8,zero=1 (keys: the fields of "
+                   "graphpass.Strategy; dp defaults to the devices tp x pp leave)")
     p.add_argument("--json", default=None, help="write the plan as JSON here")
     p.add_argument("--html", default=None, help="write the plan's page here")
     p = _subparser(sub, "run", "run a script on N local ranks through torchrun (loopback only)", _run)
@@ -317,10 +494,27 @@ def main(argv: list[str] | None = None) -> int:
     _subparser(sub, "env", "print versions, backends, devices and profiles for a bug report", _env)
     args = parser.parse_args(argv)
     try:
-        return args.fn(args)
+        status = args.fn(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen here rather than at exit
+        return status
     except _Usage as exc:
         print(f"graphpass {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `graphpass plan ... | head`: the reader stopped; the files are written
+        _discard_stdout()
+        return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush does not fail on the closed pipe."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's stream)
+        sys.stdout = open(os.devnull, "w")
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ script, nothing fetched.
 Sections: the headline figures; the mesh with every rank on its node (coloured by pipeline stage,
 its ``pp/dp/tp`` coordinates on hover); the predicted step split into compute, tensor-parallel
 communication, exposed data-parallel communication, optimizer and pipeline bubble; memory per
-pipeline rank against the budget; every block's choice and figures (``Plan.breakdown``); the
-runner-up meshes and why they lost; the planner's reasons. Every figure carries a ``data-*``
+pipeline rank against the budget; the blocks' choices and figures (``Plan.breakdown``), consecutive
+blocks with the same stage and choice in one row as ``Plan.explain`` groups them (every block's own
+row folded below); each pipeline stage named by its first block (``layer 48``); the runner-up meshes and why they lost; the planner's reasons. Every figure carries a ``data-*``
 attribute with the exact value it shows, so a test (or a user's script) can read the page back.
 """
 
@@ -43,7 +44,7 @@ tr.hl td { background: #fff6d5; } .muted { color: #777; } .over { color: #b00; f
 """
 
 _SCRIPT = """
-document.querySelectorAll("tr[data-block]").forEach(function (row) {
+document.querySelectorAll("tr[data-block], tr[data-run]").forEach(function (row) {
   row.addEventListener("mouseenter", function () { row.classList.add("hl"); });
   row.addEventListener("mouseleave", function () { row.classList.remove("hl"); });
 });
@@ -88,11 +89,27 @@ def _mesh_section(plan: Plan) -> str:
             f'<p class="muted">{_e(groups)}</p>{"".join(rows)}{more}')
 
 
+def _stage_starts(plan: Plan) -> list[str]:
+    """Where each stage starts, as a person names it: its first block (``layer 48``) from the
+    breakdown, with the node that cuts there; the node alone for a plan without a breakdown."""
+    first_block = {}
+    for row in plan.breakdown:
+        first_block.setdefault(row["stage"], row["block"])
+    starts = []
+    for s, node in enumerate(plan.stages):
+        block = first_block.get(s)
+        if s == 0:
+            starts.append(f"<b>{_e(block)}</b> (the model's start)" if block else "the model's start")
+        else:
+            starts.append(f"<b>{_e(block)}</b> (node <code>{_e(node)}</code>)" if block else f"node <code>{_e(node)}</code>")
+    return starts
+
+
 def _stages_section(plan: Plan) -> str:
     if len(plan.stages) == 1:
         return "<h2>Pipeline</h2><p>No pipeline: every rank runs the whole model.</p>"
-    items = "".join(f'<li data-stage="{s}">stage {s} (pp rank {pipeline_rank(s, plan.mesh.pp)}) starts at <code>{_e(start)}</code></li>'
-                    for s, start in enumerate(plan.stages))
+    items = "".join(f'<li data-stage="{s}">stage {s} (pp rank {pipeline_rank(s, plan.mesh.pp)}) starts at {start}</li>'
+                    for s, start in enumerate(_stage_starts(plan)))
     return (f"<h2>Pipeline</h2><p>{len(plan.stages)} stages on pp={plan.mesh.pp}, schedule {_e(plan.schedule)}, "
             f"{plan.microbatches} microbatches.</p><ol start=0>{items}</ol>")
 
@@ -138,19 +155,47 @@ def _memory_section(plan: Plan) -> str:
     return f"<h2>Memory per device</h2><p>{head}</p><table style=\"width:100%\">{''.join(rows)}</table>"
 
 
+#: (breakdown key, scale to the unit shown, decimals) of the figures in a block row.
+_BLOCK_FIGURES = (("time_s", 1e3, 3), ("tp_comm_s", 1e3, 3), ("dp_comm_s", 1e3, 3),
+                  ("state_bytes", 2**-30, 4), ("activation_bytes", 2**-30, 4))
+_BLOCK_HEAD = ("<th>stage</th><th class=l>choice</th><th>compute + tp ms</th><th>tp comm ms</th>"
+               "<th>dp comm ms</th><th>state GiB</th><th>activations GiB</th>")
+
+
+def _runs(breakdown) -> list[list[int]]:
+    """Consecutive blocks with the same stage and choice, as ``Plan.explain`` groups them."""
+    runs: list[list[int]] = []
+    for i, row in enumerate(breakdown):
+        if runs and (breakdown[runs[-1][-1]]["stage"], breakdown[runs[-1][-1]]["choice"]) == (row["stage"], row["choice"]):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
 def _blocks_section(plan: Plan) -> str:
     if not plan.breakdown:
         return "<h2>Blocks</h2><p>No per-block figures (the plan was not priced).</p>"
-    head = ("<tr><th class=l>block</th><th>stage</th><th class=l>choice</th><th>compute + tp ms</th>"
-            "<th>tp comm ms</th><th>dp comm ms</th><th>state GiB</th><th>activations GiB</th></tr>")
+    blocks = plan.breakdown
+    # One row per run of equal blocks (a 96-layer model is a handful of rows), their figures summed;
+    # every block's own row below, folded.
+    grouped = []
+    for r, run in enumerate(_runs(blocks)):
+        first, last = blocks[run[0]], blocks[run[-1]]
+        names = _e(first["block"]) if len(run) == 1 else f'{_e(first["block"])} .. {_e(last["block"])} ({len(run)})'
+        grouped.append(
+            f'<tr data-run="{r}" data-blocks="{run[0]}-{run[-1]}"><td class="l">{names}</td><td>{_e(first["stage"])}</td>'
+            f'<td class="l">{_e(first["choice"])}</td>'
+            + "".join(f'<td data-sum="{key}" data-value="{sum(blocks[i][key] for i in run)!r}">'
+                      f'{sum(blocks[i][key] for i in run) * scale:.{digits}f}</td>' for key, scale, digits in _BLOCK_FIGURES)
+            + "</tr>")
     rows = []
-    for i, row in enumerate(plan.breakdown):
+    for i, row in enumerate(blocks):
         rows.append(
             f'<tr data-block="{i}"><td class="l">{_e(row["block"])}</td><td>{_e(row["stage"])}</td>'
             f'<td class="l">{_e(row["choice"])}</td>'
             + "".join(f'<td data-key="{key}" data-value="{row[key]!r}">{row[key] * scale:.{digits}f}</td>'
-                      for key, scale, digits in (("time_s", 1e3, 3), ("tp_comm_s", 1e3, 3), ("dp_comm_s", 1e3, 3),
-                                                 ("state_bytes", 2**-30, 4), ("activation_bytes", 2**-30, 4)))
+                      for key, scale, digits in _BLOCK_FIGURES)
             + "</tr>")
     extras = []
     if plan.sequence_parallel:
@@ -160,7 +205,11 @@ def _blocks_section(plan: Plan) -> str:
     if plan.split:
         extras.append(f"{len(plan.split)} linears split (OSDP)")
     note = f'<p>{_e("; ".join(extras))}</p>' if extras else ""
-    return f"<h2>Blocks ({len(plan.breakdown)})</h2>{note}<table>{head}{''.join(rows)}</table>"
+    return (f"<h2>Blocks ({len(blocks)})</h2>{note}<p class=\"muted\">Consecutive blocks with the same stage and "
+            "choice share a row; their figures are summed.</p>"
+            f"<table><tr><th class=l>blocks</th>{_BLOCK_HEAD}</tr>{''.join(grouped)}</table>"
+            f"<details><summary>every block ({len(blocks)})</summary>"
+            f"<table><tr><th class=l>block</th>{_BLOCK_HEAD}</tr>{''.join(rows)}</table></details>")
 
 
 def _alternatives_section(plan: Plan) -> str:
@@ -185,7 +234,8 @@ def render(plan: Plan) -> str:
         _mesh_section(plan), _stages_section(plan), _time_section(plan), _memory_section(plan),
         _blocks_section(plan), _alternatives_section(plan),
         f"<h2>Why</h2><ul>{reasons}</ul>" if reasons else "",
-        '<p class="muted" id="rendered"></p>',
+        # the script writes here when it has run (a browser test reads it); nothing a reader sees
+        '<p id="rendered" hidden></p>',
     ))
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>graphpass plan: {summary}</title>'
             f"<style>{_CSS}</style></head><body>{body}<script>{_SCRIPT}</script></body></html>\n")

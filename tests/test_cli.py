@@ -1,15 +1,21 @@
-"""The graphpass command line: presets, explain a saved plan, summarise a dump directory."""
+"""The graphpass command line: presets, explain a saved plan, summarise a dump directory, plan a
+model from a factory (what a person sees: one-line errors, files written before the report,
+progress on a terminal), run a script through torchrun."""
 
 from __future__ import annotations
 
+import io
 import pathlib
+import sys
+import textwrap
 
 import pytest
 
 import graphpass as gp
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.capture import capture
-from graphpass.cli import main
+from graphpass.cli import _count, main
+from graphpass.progress import Progress
 from graphpass.dump import Dumper
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import PIPELINE
@@ -91,6 +97,16 @@ def test_plan_gpt3_175b_on_1024_h100s_prints_the_plan_table(tmp_path, capsys):
     (["plan", "configs:build", "--cluster", "h100-80g", "--batch", "8x2048"], "give the factory's arguments with --arg"),
     (["plan", "configs:build", "--arg", "gpt3-1.3b", "--cluster", "h100-80g", "--batch", "8xx"],
      "--batch '8xx' must be BATCHxSEQ"),
+    (["plan", "configs:build", "--arg", "gpt3-1.3b", "--cluster", "h100-80g:1x8", "--batch", "8x2048",
+      "--strategy", "dp=8,tpp=2"], "--strategy: unknown key 'tpp'"),
+    (["plan", "configs:build", "--arg", "gpt3-1.3b", "--cluster", "h100-80g:1x8", "--batch", "8x2048",
+      "--strategy", "tp=two"], "--strategy: tp='two' must be a whole number"),
+    (["plan", "configs:build", "--arg", "gpt3-1.3b", "--cluster", "h100-80g:1x8", "--batch", "8x2048",
+      "--strategy", "dp=3"], "--strategy: Strategy dp=3 x tp=1 x pp=1 = 3 devices, but the cluster has world_size=8"),
+    (["plan", "configs:build", "--arg", "gpt3-1.3b", "--cluster", "h100-80g:1x8", "--batch", "8x2048",
+      "--strategy", "tp=2,recompute=maybe"], "--strategy: recompute='maybe' must be true or false"),
+    (["plan", "configs:build", "--arg", "gpt3-1.3b", "--cluster", "no_such_cluster.json", "--batch", "8x2048"],
+     "--cluster: no such cluster file no_such_cluster.json"),
     (["run", "-n", "0", "examples/train_gpt.py"], "-n 0: give the number of local ranks"),
     (["run", "-n", "2", "no_such_script.py"], "no such script no_such_script.py"),
 ])
@@ -135,6 +151,156 @@ def test_run_trains_the_example_on_two_local_ranks_through_torchrun(tmp_path):
            "--world-size", "2", "--steps", "2", "--batch", "8", "--dump-dir", str(tmp_path / "dumps")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=200, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # Each torchrun worker ran the script: both trained with graphpass as one process does.
-    assert done.stdout.count("(all ranks agree: True)") == 2, done.stdout
+    # Both torchrun workers trained; rank 0 alone trained the one-process reference and reported.
+    assert done.stdout.count("(all ranks agree: True)") == 1, done.stdout
+    assert done.stdout.count("GPT 0.") == 1 and done.stdout.count("plan (2 gloo ranks)") == 1, done.stdout
     assert (tmp_path / "dumps" / "plan.html").is_file() and (tmp_path / "dumps" / "rank1").is_dir()
+
+
+# ------------------------------------------------------------------ graphpass plan: what a person sees
+
+_FACTORIES = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        """Four equal blocks between an embedding and a head: 8.38K parameters."""
+
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(64, 32)
+            self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+            self.head = nn.Linear(32, 64)
+
+        def forward(self, idx, targets):
+            x = self.emb(idx)
+            for block in self.blocks:
+                x = torch.relu(block(x))
+            return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+    class Branchy(Tiny):
+        def forward(self, idx, targets):
+            if idx.sum() > 0:  # data-dependent control flow: neither capture route takes it
+                return super().forward(idx, targets)
+            return super().forward(targets, idx)
+
+    def tiny():
+        return Tiny()
+
+    def branchy():
+        return Branchy()
+
+    def raises():
+        raise RuntimeError("no GPU here")
+
+    def never():
+        raise AssertionError("the factory ran although an argument was bad")
+''')
+
+
+@pytest.fixture
+def factories(tmp_path) -> str:
+    path = tmp_path / "cli_factories.py"
+    path.write_text(_FACTORIES)
+    return str(path)
+
+
+def _plan_tiny(factories: str, *extra: str, factory: str = "tiny", cluster: str = "h100-80g:1x2") -> int:
+    return main(["plan", f"{factories}:{factory}", "--cluster", cluster, "--batch", "4x8", *extra])
+
+
+def test_a_factory_that_raises_or_a_model_that_cannot_be_captured_is_one_line_and_status_2(factories, capsys):
+    assert _plan_tiny(factories, factory="raises") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "raises() raised RuntimeError: no GPU here (at " in err, err
+    assert "cli_factories.py:" in err  # the line of the user's code that raised
+
+    assert _plan_tiny(factories, factory="branchy") == 2
+    err = capsys.readouterr().err  # torch.export's partial graph and warnings are not shown either
+    assert err.count("\n") == 1 and err.startswith("graphpass plan: error: could not capture Branchy: export: "), err
+    assert "; symbolic_trace: " in err
+
+
+def test_output_paths_are_checked_before_planning_and_missing_directories_made(factories, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    assert _plan_tiny(factories, "--json", str(tmp_path / "a_file" / "plan.json"), factory="never") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--json" in err and "a_file is not a directory" in err, err
+    assert _plan_tiny(factories, "--html", str(tmp_path), factory="never") == 2
+    assert "is a directory; give a file path" in capsys.readouterr().err
+
+    out_json = tmp_path / "new" / "dir" / "plan.json"
+    assert _plan_tiny(factories, "--json", str(out_json)) == 0
+    assert gp.Plan.from_json(out_json.read_text()).world_size == 2
+    assert f"plan: {out_json}" in capsys.readouterr().out
+
+
+class _ClosedPipe(io.StringIO):
+    """stdout of ``graphpass plan ... | head -1`` after head has exited."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_pipe_ends_quietly_after_the_files_are_written(factories, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert _plan_tiny(factories, "--json", str(tmp_path / "plan.json"), "--html", str(tmp_path / "plan.html")) == 0
+    assert (tmp_path / "plan.json").is_file() and (tmp_path / "plan.html").is_file()
+    assert capsys.readouterr().err == ""
+
+
+def test_cluster_takes_the_json_that_profile_writes(factories, tmp_path, capsys):
+    path = tmp_path / "cluster.json"
+    path.write_text(gp.Cluster.preset("a100-80g", nodes=1, gpus_per_node=2).to_json())
+    assert _plan_tiny(factories, cluster=str(path)) == 0
+    assert "on 2 x a100-80g (1 node x 2)" in capsys.readouterr().out
+    path.write_text("{not json")
+    assert _plan_tiny(factories, cluster=str(path)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a cluster JSON (graphpass profile writes one)" in err, err
+
+
+def test_strategy_prices_the_given_strategy_and_dp_takes_the_rest(factories, capsys):
+    assert _plan_tiny(factories, "--strategy", "pp=2,microbatches=2,zero=1", cluster="h100-80g:1x4") == 0
+    out = capsys.readouterr().out
+    assert "strategy: Strategy(dp=2, tp=1, pp=2, zero=1, split=1, microbatches=2" in out
+    assert "why: uniform strategy priced as given" in out
+
+
+def test_parameter_counts_read_as_people_write_them(factories, capsys):
+    assert [_count(n) for n in (512, 867_000, 8_384, 12_345_678, 1.3e9, 174.6e9)] == [
+        "512", "867K", "8.38K", "12.3M", "1.3B", "175B"]
+    assert _plan_tiny(factories) == 0
+    assert ": 8.38K parameters, bf16, batch 4x8 on" in capsys.readouterr().out
+
+
+def test_the_plan_page_names_stages_by_layer_and_collapses_equal_blocks(factories, tmp_path, capsys):
+    page = tmp_path / "plan.html"
+    assert _plan_tiny(factories, "--strategy", "pp=2,microbatches=2", "--html", str(page)) == 0
+    text = page.read_text()
+    # stage 1 starts at the third block (layer 2), named as the breakdown names it
+    assert "stage 1 (pp rank 1) starts at <b>layer 2</b> (node <code>" in text
+    # pre, 4 layers, post on 2 stages: two rows of equal blocks, each block's own row folded below
+    assert text.count("<tr data-run=") == 2 and "pre .. layer 1 (3)" in text and "layer 2 .. post (3)" in text
+    assert text.count("<tr data-block=") == 6 and "<details><summary>every block (6)</summary>" in text
+    assert '<p id="rendered" hidden></p>' in text  # the browser test's marker shows nothing
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plan_shows_its_capture_and_search_phases_on_a_terminal(factories, capsys, monkeypatch):
+    import graphpass.progress
+
+    monkeypatch.delenv("GRAPHPASS_QUIET", raising=False)
+    monkeypatch.setattr(graphpass.progress, "PHASE_DELAY_S", 0.0)  # every phase draws at once
+    monkeypatch.setattr(Progress, "MIN_INTERVAL_S", 0.0)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert _plan_tiny(factories) == 0
+    drawn = terminal.getvalue()
+    for phase in ("building ", "capturing Tiny and pricing its ops", "searching meshes for Tiny on 2 devices",
+                  "solving mesh 1/"):
+        assert phase in drawn, drawn
