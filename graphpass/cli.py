@@ -2,6 +2,7 @@
 
     graphpass plan configs:build --arg gpt3-175b --cluster h100-80g:128x8 --batch 1536x2048
                                       # plan a model built on the meta device; print the plan
+                                      # (--strategy dp=8,tp=8,zero=1: price that one instead)
     graphpass run -n 4 train.py ARGS  # run a script on 4 local ranks through torchrun
     graphpass explain plan.json [--html plan.html]   # Plan.explain() of a saved plan (and its page)
     graphpass dumps DIR               # summary.txt and the collectives in each rank's final graph
@@ -188,7 +189,8 @@ def _strategy(text: str, world_size: int) -> Strategy:
             raise _Usage(f"--strategy: {key} is given twice in {text!r}")
         default = fields[key]
         if isinstance(default, bool):
-            truth = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+            truth = {word: True for word in ("true", "yes", "on", "1")} | {
+                word: False for word in ("false", "no", "off", "0")}
             if value.lower() not in truth:
                 raise _Usage(f"--strategy: {key}={value!r} must be true or false")
             kwargs[key] = truth[value.lower()]
@@ -218,7 +220,8 @@ def _output_path(text: str | None, flag: str) -> pathlib.Path | None:
         return None
     path = pathlib.Path(text).expanduser().absolute()
     if path.is_dir():
-        raise _Usage(f"{flag} {text} is a directory; give a file path, e.g. {path / ('plan' + flag.replace('--', '.'))}")
+        example = path / ("plan" + flag.replace("--", "."))
+        raise _Usage(f"{flag} {text} is a directory; give a file path, e.g. {example}")
     existing = path.parent
     while not existing.exists():
         existing = existing.parent

@@ -2,11 +2,12 @@
 script, nothing fetched.
 
 Sections: the headline figures; the mesh with every rank on its node (coloured by pipeline stage,
-its ``pp/dp/tp`` coordinates on hover); the predicted step split into compute, tensor-parallel
-communication, exposed data-parallel communication, optimizer and pipeline bubble; memory per
-pipeline rank against the budget; the blocks' choices and figures (``Plan.breakdown``), consecutive
-blocks with the same stage and choice in one row as ``Plan.explain`` groups them (every block's own
-row folded below); each pipeline stage named by its first block (``layer 48``); the runner-up meshes and why they lost; the planner's reasons. Every figure carries a ``data-*``
+its ``pp/dp/tp`` coordinates on hover); each pipeline stage, named by its first block (``layer
+48``); the predicted step split into compute, tensor-parallel communication, exposed
+data-parallel communication, optimizer and pipeline bubble; memory per pipeline rank against the
+budget; the blocks' choices and figures (``Plan.breakdown``), consecutive blocks with the same
+stage and choice in one row as ``Plan.explain`` groups them (every block's own row folded below);
+the runner-up meshes and why they lost; the planner's reasons. Every figure carries a ``data-*``
 attribute with the exact value it shows, so a test (or a user's script) can read the page back.
 """
 
