@@ -129,16 +129,6 @@ def _rank_state(gm: fx.GraphModule, stages: Sequence[fx.GraphModule]) -> fx.Grap
     return fx.GraphModule(gm, graph, class_name="RankStages")
 
 
-def _check_plan_nodes(plan: Plan, gm: fx.GraphModule) -> None:
-    names = {n.name for n in gm.graph.nodes}
-    unknown = [name for name in plan.placements if name not in names]
-    if unknown:
-        raise ValueError(
-            f"the Plan places nodes {unknown[:5]} that are not in the captured graph of this model "
-            "(was the plan made for another model or batch shape?)"
-        )
-
-
 #: Default collective timeout of a compiled program (``compile(timeout_s=None)``): long enough for
 #: the slowest legitimate collective (a first NCCL connection, a large gather on loaded gloo
 #: ranks), short enough that a dead peer ends the job in minutes, not torch's 30 (gloo) / 10 (NCCL).
@@ -338,7 +328,7 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Te
     local_inputs = tuple(t.narrow(0, 0, t.shape[0] // (dp * k)) if dp * k > 1 else t for t in inputs)
     captured = capture(model, local_inputs)
     plan = given_plan if given_plan is not None else plan_from_strategy(captured.gm, chosen, reasons)  # type: ignore[arg-type]
-    _check_plan_nodes(plan, captured.gm)
+    plan.check_graph(captured.gm)  # the plan's placements against this model's graph
     input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
     return captured, plan, local_inputs

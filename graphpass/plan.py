@@ -13,15 +13,19 @@ Placements use torch's words (``torch.distributed.tensor``): ``Shard(dim)``, ``R
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
+import torch
+import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from graphpass.mesh import Mesh
+from graphpass import meta
+from graphpass.mesh import ORDER, Mesh
 
 #: The only schedule names ``Strategy.schedule`` accepts (they map onto torch.distributed.pipelining).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -81,7 +85,8 @@ class Strategy:
         tp: tensor-parallel degree (Megatron column/row splits).
         pp: pipeline-parallel degree (ranks along the pipeline; stages ``pp * virtual_stages``).
         zero: ZeRO stage inside the dp axis: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters.
-        split: OSDP operator-splitting factor for large linears.
+        split: OSDP operator-splitting factor for large linears; needs ``zero=3`` (each slice's
+            weight is gathered right before it) and ``tp=1``.
         microbatches: microbatches per step (pipeline / gradient accumulation).
         schedule: pipeline schedule, one of :data:`SCHEDULES`.
         virtual_stages: stages per pipeline rank (``"interleaved_1f1b"``: at least 2,
@@ -126,6 +131,14 @@ class Strategy:
             raise ValueError(f"Strategy.ep={self.ep} must divide Strategy.dp={self.dp}: experts are sharded over "
                              f"groups of ep data-parallel ranks (e.g. Strategy(dp={self.ep * max(1, self.dp // self.ep)}, "
                              f"ep={self.ep}))")
+        if self.split > 1 and self.zero != 3:
+            # The slices' only gain is that ZeRO-3 gathers each right before its linear and frees it
+            # after (split_operators' contract); at stages 0-2 every weight is whole during the step,
+            # so the slices would only add collectives. The planner offers split with ZeRO-3 alone.
+            raise ValueError(
+                f"Strategy.split={self.split} needs Strategy.zero=3 (got zero={self.zero}): operator splitting "
+                "lowers the peak of gathered weights because ZeRO-3 gathers each slice right before its linear; "
+                f"use Strategy(zero=3, split={self.split}) with dp > 1, or split=1")
 
     @property
     def degree(self) -> int:
@@ -158,6 +171,10 @@ class Strategy:
         if self.pp > 1 or self.virtual_stages > 1:
             check_pipeline("Strategy", self.pp, self.schedule, self.microbatches, self.virtual_stages, self.dp,
                            self.sequence_parallel)
+        if self.split > 1 and self.tp > 1:
+            raise NotImplementedError(
+                f"Strategy.split={self.split} with Strategy.tp={self.tp} is not implemented yet: operator splitting "
+                "and tensor parallelism do not combine (a tp-sharded linear is not split); use split=1 or tp=1")
 
 
 #: The pipeline schedules graphpass runs today (the others of :data:`SCHEDULES` raise).
@@ -257,6 +274,42 @@ def placement_to_str(placement: Placement) -> str:
     raise TypeError(f"unsupported placement {placement!r}")
 
 
+#: The mesh axes graphpass builds and passes read (:data:`graphpass.mesh.ORDER`).
+MESH_AXES = ORDER
+#: The reductions a ``Partial`` placement may pend: the loss is ``Partial(avg)`` over dp, tp's
+#: partial products are sums.
+PARTIAL_OPS = ("sum", "avg")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _parse_placement(field: str, text: Any) -> Placement:
+    """``text`` parsed for ``field`` (``Plan.placements['x']['dp']``), refusing what graphpass
+    cannot mean: a dim counted from the end, a reduction other than :data:`PARTIAL_OPS`."""
+    if not isinstance(text, str):
+        raise ValueError(f"{field} must be a placement string ('Shard(d)', 'Replicate()' or 'Partial(avg)'), "
+                         f"got {text!r}")
+    try:
+        placement = placement_from_str(text)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+    if isinstance(placement, Shard) and placement.dim < 0:
+        raise ValueError(f"{field}: {text} counts the dim from the end; write it counted from 0 "
+                         "(Shard(1) for the last dim of a 2-D tensor)")
+    if isinstance(placement, Partial) and placement.reduce_op not in PARTIAL_OPS:
+        raise ValueError(f"{field}: {text} is not a reduction graphpass pends; use Partial() (a sum) or "
+                         "Partial(avg)")
+    return placement
+
+
+#: Plan fields a plan's JSON must give (the rest have defaults).
+REQUIRED = ("mesh", "placements")
 #: Plan fields that are the planner's predictions and account, not the program: ``Plan.diff``
 #: and golden program texts leave them out.
 PREDICTIONS = ("predicted_step_time_s", "predicted_peak_memory_bytes", "predicted_stage_peaks_bytes", "breakdown",
@@ -349,47 +402,115 @@ class Plan:
                 object.__setattr__(self, "mesh", Mesh(self.mesh))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"Plan.mesh: {exc}") from None
+        unknown = [axis for axis in self.mesh if axis not in MESH_AXES]
+        if unknown:
+            raise ValueError(f"Plan.mesh has axis {unknown[0]!r}, which graphpass does not know; its axes are "
+                             "'pp' (pipeline), 'dp' (data), 'ep' (experts, inside dp) and 'tp' (tensor)")
+        self._check_placements()
+        self._check_stages()
+        if self.strategy is not None:
+            if not isinstance(self.strategy, Strategy):
+                raise ValueError(f"Plan.strategy must be a graphpass.Strategy or None, got {self.strategy!r}")
+            if self.strategy.mesh != self.mesh:
+                raise ValueError(
+                    f"Plan.strategy ({self.strategy.mesh}) disagrees with Plan.mesh ({self.mesh}): compile runs the "
+                    "plan's own fields and checks the strategy it was made from; make the two agree, or set "
+                    "Plan.strategy to None (null in JSON)")
+        for node, stage in self.zero.items():
+            if not _is_int(stage) or stage not in (0, 1, 2, 3):
+                raise ValueError(f"Plan.zero[{node!r}] must be 0, 1, 2 or 3, got {stage!r}")
+            if stage and "dp" not in self.mesh:
+                raise ValueError(f"Plan.zero[{node!r}] = {stage} needs a 'dp' mesh axis; mesh is {dict(self.mesh)}")
+            if stage and self.mesh.dp == 1:
+                raise ValueError(f"Plan.zero[{node!r}] = {stage} shards over the data-parallel ranks, but Plan.mesh has "
+                                 f"dp=1 ({dict(self.mesh)}): there is nothing to shard over; drop the entry (stage 0) "
+                                 "or use a mesh with dp > 1")
+        for node, spec in self.split.items():
+            if not isinstance(spec, Mapping) or set(spec) != {"dim", "parts"} or spec["dim"] not in ("out", "in") or not (
+                _is_int(spec["parts"]) and spec["parts"] >= 1
+            ):
+                raise ValueError(
+                    f"Plan.split[{node!r}] must be {{'dim': 'out' | 'in', 'parts': k >= 1}}, got {spec!r}"
+                )
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"Plan.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.mesh.size("tp") == 1:
+            raise ValueError(f"Plan.sequence_parallel=True shards activations over the 'tp' axis, but Plan.mesh has "
+                             f"tp=1 ({dict(self.mesh)}); set it to false or use a mesh with tp > 1")
+        if not _is_int(self.bucket_cap_bytes) or self.bucket_cap_bytes < 1:
+            raise ValueError(f"Plan.bucket_cap_bytes must be a positive number of bytes, got {self.bucket_cap_bytes!r} "
+                             f"(DDP's default is {DEFAULT_BUCKET_CAP_BYTES}, 25 MiB)")
+        if not _is_int(self.microbatches) or self.microbatches < 1:
+            raise ValueError(f"Plan.microbatches must be a positive int, got {self.microbatches!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.ep_all_to_all not in ("flat", "hierarchical"):
+            raise ValueError(f"Plan.ep_all_to_all must be 'flat' or 'hierarchical', got {self.ep_all_to_all!r}")
+        if self.ep_all_to_all == "hierarchical" and self.mesh.ep == 1:
+            raise ValueError(f"Plan.ep_all_to_all='hierarchical' says how experts' all-to-alls run, but Plan.mesh has "
+                             f"no 'ep' axis ({dict(self.mesh)}); use 'flat'")
+        cf = self.capacity_factor
+        if not (cf is None or cf == "model" or (_is_number(cf) and cf > 0)):
+            raise ValueError(f"Plan.capacity_factor must be a positive number, None (dropless) or 'model', got {cf!r}")
+        for node, parts in self.tp_parts.items():
+            if not parts or not all(_is_int(n) and n > 0 for n in parts):
+                raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")
+            if not isinstance(self.placement(node, "tp"), Shard):
+                raise ValueError(f"Plan.tp_parts names {node!r}, which is not Shard(d) on a 'tp' axis; "
+                                 "fused parts apply to column-parallel weights")
+        for layer in self.recompute:
+            if not _is_int(layer) or layer < 0:
+                raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
+        self._check_predictions()
+
+    def _check_placements(self) -> None:
+        if not isinstance(self.placements, Mapping):
+            raise ValueError(f"Plan.placements must map node names to {{axis: placement}}, got {self.placements!r}")
         for node, by_axis in self.placements.items():
+            if not isinstance(by_axis, Mapping):
+                raise ValueError(f"Plan.placements[{node!r}] must map mesh axes to placements, e.g. "
+                                 f"{{'dp': 'Shard(0)'}}, got {by_axis!r}")
             for axis, text in by_axis.items():
                 if axis not in self.mesh:
                     raise ValueError(
                         f"Plan.placements[{node!r}] uses mesh axis {axis!r}, which is not in "
                         f"Plan.mesh {dict(self.mesh)}"
                     )
-                placement_from_str(text)
-        for node, stage in self.zero.items():
-            if stage not in (0, 1, 2, 3):
-                raise ValueError(f"Plan.zero[{node!r}] must be 0, 1, 2 or 3, got {stage!r}")
-            if stage and "dp" not in self.mesh:
-                raise ValueError(f"Plan.zero[{node!r}] = {stage} needs a 'dp' mesh axis; mesh is {dict(self.mesh)}")
-        for node, spec in self.split.items():
-            if set(spec) != {"dim", "parts"} or spec["dim"] not in ("out", "in") or not (
-                isinstance(spec["parts"], int) and spec["parts"] >= 1
-            ):
-                raise ValueError(
-                    f"Plan.split[{node!r}] must be {{'dim': 'out' | 'in', 'parts': k >= 1}}, got {spec!r}"
-                )
-        if not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool) or self.microbatches < 1:
-            raise ValueError(f"Plan.microbatches must be a positive int, got {self.microbatches!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.ep_all_to_all not in ("flat", "hierarchical"):
-            raise ValueError(f"Plan.ep_all_to_all must be 'flat' or 'hierarchical', got {self.ep_all_to_all!r}")
-        cf = self.capacity_factor
-        if not (cf is None or cf == "model" or (isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf > 0)):
-            raise ValueError(f"Plan.capacity_factor must be a positive number, None (dropless) or 'model', got {cf!r}")
-        for node, parts in self.tp_parts.items():
-            if not parts or not all(isinstance(n, int) and n > 0 for n in parts):
-                raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")
-            if not isinstance(self.placement(node, "tp"), Shard):
-                raise ValueError(f"Plan.tp_parts names {node!r}, which is not Shard(d) on a 'tp' axis; "
-                                 "fused parts apply to column-parallel weights")
-        if self.mesh.pp > 1 and len(self.stages) % self.mesh.pp:
-            raise ValueError(f"Plan.stages has {len(self.stages)} stages, which pp={self.mesh.pp} ranks cannot share "
+                _parse_placement(f"Plan.placements[{node!r}][{axis!r}]", text)
+
+    def _check_stages(self) -> None:
+        stages = self.stages
+        if not stages or not all(isinstance(s, str) and s for s in stages):
+            raise ValueError(f"Plan.stages must be a list of node names (one stage: ['*']), got {list(stages)!r}")
+        if stages[0] != "*" or "*" in stages[1:] or len(set(stages)) != len(stages):
+            raise ValueError(f"Plan.stages must be '*' (the graph's start) followed by the first op of each later "
+                             f"stage, each named once, got {list(stages)!r}")
+        if self.mesh.pp == 1 and len(stages) > 1:
+            raise ValueError(f"Plan.stages has {len(stages)} stages, but Plan.mesh has no 'pp' axis ({dict(self.mesh)}), "
+                             "so no pipeline would run them; use stages ['*'] or a mesh with pp > 1")
+        if self.mesh.pp > 1 and len(stages) % self.mesh.pp:
+            raise ValueError(f"Plan.stages has {len(stages)} stages, which pp={self.mesh.pp} ranks cannot share "
                              "equally; give pp x virtual stages per rank")
-        for layer in self.recompute:
-            if not isinstance(layer, int) or layer < 0:
-                raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
+
+    def _check_predictions(self) -> None:
+        """The planner's figures: numbers where numbers go (``explain`` and the page print them)."""
+        for name in ("predicted_step_time_s", "predicted_peak_memory_bytes", "memory_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and not (_is_number(value) and value >= 0):
+                raise ValueError(f"Plan.{name} must be a number >= 0 or None, got {value!r}")
+        if self.devices_per_node is not None and not (_is_int(self.devices_per_node) and self.devices_per_node > 0):
+            raise ValueError(f"Plan.devices_per_node must be a positive int or None, got {self.devices_per_node!r}")
+        if not all(_is_number(p) and p >= 0 for p in self.predicted_stage_peaks_bytes):
+            raise ValueError(f"Plan.predicted_stage_peaks_bytes must be numbers >= 0, got "
+                             f"{list(self.predicted_stage_peaks_bytes)!r}")
+        if not isinstance(self.time_split_s, Mapping) or not all(
+                isinstance(k, str) and _is_number(v) for k, v in self.time_split_s.items()):
+            raise ValueError(f"Plan.time_split_s must map parts of the step to seconds, got {self.time_split_s!r}")
+        for name in ("breakdown", "alternatives"):
+            if not all(isinstance(row, Mapping) for row in getattr(self, name)):
+                raise ValueError(f"Plan.{name} must be a list of objects (one per row), got {list(getattr(self, name))!r}")
+        if not all(isinstance(r, str) for r in self.reasons):
+            raise ValueError(f"Plan.reasons must be a list of strings, got {list(self.reasons)!r}")
 
     @property
     def world_size(self) -> int:
@@ -431,27 +552,84 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
-        """Inverse of :meth:`to_dict`; unknown keys are an error naming them."""
+        """Inverse of :meth:`to_dict`: unknown keys, a missing ``mesh`` or ``placements``, and
+        values of the wrong kind are errors naming the field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a Plan's JSON must be an object of its fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown Plan fields {sorted(unknown)}; known fields: {sorted(known)}")
+        missing = [name for name in REQUIRED if name not in data]
+        if missing:
+            raise ValueError(
+                f"the Plan lacks {' and '.join(repr(m) for m in missing)}: a plan gives its 'mesh' ({{\"dp\": 2}}) and "
+                "'placements' (every input, parameter and the loss: node name -> {axis: placement}); start "
+                "from one that graphpass wrote (gp.plan(...).to_json(), GRAPHPASS_DUMP_DIR's plan.json)")
         kwargs = dict(data)
-        if kwargs.get("strategy") is not None:
-            kwargs["strategy"] = Strategy(**kwargs["strategy"])
-        kwargs["stages"] = tuple(kwargs.get("stages", ("*",)))
-        kwargs["reasons"] = tuple(kwargs.get("reasons", ()))
-        kwargs["recompute"] = tuple(kwargs.get("recompute", ()))
-        kwargs["predicted_stage_peaks_bytes"] = tuple(kwargs.get("predicted_stage_peaks_bytes", ()))
-        kwargs["breakdown"] = tuple(dict(row) for row in kwargs.get("breakdown", ()))
-        kwargs["alternatives"] = tuple(dict(row) for row in kwargs.get("alternatives", ()))
-        kwargs["tp_parts"] = {k: tuple(v) for k, v in kwargs.get("tp_parts", {}).items()}
+        if isinstance(kwargs.get("strategy"), Mapping):
+            try:
+                kwargs["strategy"] = Strategy(**kwargs["strategy"])
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"Plan.strategy: {exc}") from None
+        for name in ("stages", "reasons", "recompute", "predicted_stage_peaks_bytes", "breakdown", "alternatives"):
+            if name in kwargs:
+                if not isinstance(kwargs[name], (list, tuple)):
+                    raise ValueError(f"Plan.{name} must be a list, got {kwargs[name]!r}")
+                kwargs[name] = tuple(kwargs[name])
+        for name in ("zero", "split", "tp_parts", "time_split_s"):
+            if name in kwargs and not isinstance(kwargs[name], Mapping):
+                raise ValueError(f"Plan.{name} must be an object (a mapping), got {kwargs[name]!r}")
+        kwargs["tp_parts"] = {k: tuple(v) if isinstance(v, (list, tuple)) else v
+                              for k, v in kwargs.get("tp_parts", {}).items()}
         return cls(**kwargs)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         """Parse a plan written by :meth:`to_json`."""
         return cls.from_dict(json.loads(text))
+
+    def check_graph(self, gm: fx.GraphModule) -> None:
+        """Raise unless this plan fits ``gm``, the graph captured from the model it is compiled
+        for: every placement names a node of the graph and means something there (a dim within the
+        tensor's rank; inputs split along their batch dim over ``dp``, all alike, as the capture at
+        a rank's share of the batch assumes; parameters and buffers whole or sharded on ``tp`` and
+        ``ep``, never by placement on ``dp``, where ZeRO shards them through :attr:`zero`; the loss
+        ``Partial(avg)`` on ``dp``). ``compile`` and ``verify`` call it before any pass runs; the
+        passes check the rest (``Plan.stages``, ``Plan.zero``, ``Plan.split``, ``Plan.recompute``
+        against the nodes they name).
+
+        Raises:
+            ValueError: naming each misplaced entry (``Plan.placements['fc1_weight']['dp']: Shard(5)
+                on a 2-D tensor ...``) and what to change.
+        """
+        nodes = {n.name: n for n in gm.graph.nodes}
+        unknown = [name for name in self.placements if name not in nodes]
+        if unknown:
+            raise ValueError(
+                f"the Plan places nodes {unknown[:5]} that are not in the captured graph of this model "
+                "(was the plan made for another model or batch shape?)"
+            )
+        problems = _input_problems(self, [n for n in gm.graph.nodes if n.op == "placeholder"])
+        output = gm.graph.find_nodes(op="output")[0]
+        role = meta.get(output, meta.ROLE, {})
+        loss = output.args[0][role["loss"]] if "loss" in role else None
+        for name, by_axis in self.placements.items():
+            node = nodes[name]
+            if node.op == "placeholder":
+                continue
+            if node.op == "get_attr":
+                problems += _stored_problems(self, node, by_axis)
+            elif node is loss:
+                problems += _loss_problems(self, node, by_axis)
+            elif by_axis:
+                problems.append(
+                    f"Plan.placements[{name!r}]: {_describe(node)} is neither an input, a parameter or buffer, nor "
+                    "the loss, and graphpass derives every other value's placement from those: the entry would "
+                    "be ignored; leave it out")
+        if problems:
+            raise ValueError(problems[0] if len(problems) == 1 else (
+                f"the Plan does not fit this model's graph ({len(problems)} problems):\n  " + "\n  ".join(problems)))
 
     # ------------------------------------------------------------------ reading
 
@@ -548,3 +726,103 @@ class Plan:
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
         return out
+
+
+# ---------------------------------------------------------------------- the plan against its graph
+
+
+def _describe(node: fx.Node) -> str:
+    """``parameter 'h.0.attn.q.weight' of shape [64, 64]``, ``input 'idx'``, ``op 'gelu' (aten.gelu)``."""
+    val = node.meta.get(meta.VAL)
+    shape = f" of shape {list(val.shape)}" if isinstance(val, torch.Tensor) else ""
+    if node.op == "placeholder":  # captured at a rank's share of the batch: its shape would mislead
+        return f"input {node.name!r}"
+    if node.op == "get_attr":
+        return f"{meta.get(node, meta.ATTR_KIND, None) or 'attribute'} {node.target!r}{shape}"
+    return f"op {node.name!r} ({node.target})"
+
+
+def _input_problems(plan: Plan, inputs: list[fx.Node]) -> list[str]:
+    """Inputs split the way compile captures them: all along dim 0 over ``dp`` when the batch is
+    split (``dp * microbatches > 1``; capture takes one microbatch of a rank's share of every
+    input), replicated on the other axes."""
+    problems = []
+    for node in inputs:
+        for axis, text in plan.placements.get(node.name, {}).items():
+            if axis != "dp" and placement_from_str(text) != Replicate():
+                problems.append(
+                    f"Plan.placements[{node.name!r}][{axis!r}]: {text} on {_describe(node)}; graphpass splits inputs "
+                    f"only along their batch dim over dp, and every {axis} rank reads its dp share whole: use "
+                    "Replicate()")
+    dp, k = plan.mesh.dp, plan.microbatches
+    on_dp = {n.name: plan.placement(n.name, "dp") for n in inputs}
+    if dp * k == 1:
+        problems += [f"Plan.placements[{name!r}]['dp']: {placement_to_str(p)} on an input; inputs are split along "
+                     "their batch dim (Shard(0)) or not at all (Replicate())"
+                     for name, p in on_dp.items() if p not in (Shard(0), Replicate())]
+        return problems
+    split = [name for name, p in on_dp.items() if p == Shard(0)]
+    why = "the batch is split " + " and ".join(
+        ([f"over dp={dp}"] if dp > 1 else []) + ([f"into Plan.microbatches={k}"] if k > 1 else []))
+    alike = f" (as {', '.join(repr(n) for n in split)} {'is' if len(split) == 1 else 'are'})" if split else ""
+    axis = "" if "dp" in plan.mesh else " (and give Plan.mesh a 'dp' axis, of size 1 if need be)"
+    for node in inputs:
+        p = on_dp[node.name]
+        if p == Shard(0):
+            continue
+        given = (f"Plan.placements[{node.name!r}] has no 'dp' entry, so {_describe(node)} is Replicate()"
+                 if "dp" not in plan.placements.get(node.name, {})
+                 else f"Plan.placements[{node.name!r}]['dp']: {placement_to_str(p)} on {_describe(node)}")
+        problems.append(
+            f"{given}, but {why}: compile captures every "
+            f"input at its share of the batch, so every input is Shard(0) on dp{alike}; use "
+            f"{node.name!r}: {{'dp': 'Shard(0)'}}{axis}")
+    return problems
+
+
+def _stored_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, str]) -> list[str]:
+    """A parameter or buffer is whole (``Replicate()``) or sharded along one of its dims on
+    ``tp`` (tensor parallelism) or along dim 0 on ``ep`` (experts); on ``dp`` ZeRO shards it
+    (:attr:`Plan.zero`), not its placement, and pipeline stages hold whole tensors."""
+    val = node.meta.get(meta.VAL)
+    ndim = val.dim() if isinstance(val, torch.Tensor) else None
+    problems = []
+    for axis, text in by_axis.items():
+        field, p = f"Plan.placements[{node.name!r}][{axis!r}]", placement_from_str(text)
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, Partial):
+            problems.append(f"{field}: {text} on {_describe(node)}: a stored tensor is whole or sharded, never a "
+                            "pending sum; use Replicate() or Shard(d)")
+        elif ndim is not None and p.dim >= ndim:
+            problems.append(f"{field}: {text} on a {ndim}-D tensor ({_describe(node)}); " + (
+                "use Replicate()" if ndim == 0 else f"use Shard(d) with 0 <= d < {ndim}, or Replicate()"))
+        elif axis == "dp":
+            problems.append(
+                f"{field}: {text} on {_describe(node)}, but placements do not shard parameters or buffers over dp (a "
+                "parameter's gradient would skip the data-parallel all-reduce); use Replicate(), and "
+                f"Plan.zero[{node.name!r}] = 1, 2 or 3 to shard it over dp with ZeRO")
+        elif axis == "pp":
+            problems.append(f"{field}: {text} on {_describe(node)}: pipeline stages hold whole tensors (Plan.stages "
+                            "cuts the model between them); use Replicate()")
+        elif axis == "ep" and p.dim != 0:
+            problems.append(f"{field}: {text} on {_describe(node)}: experts are sharded along dim 0 (the expert "
+                            "dim) on ep; use Shard(0)")
+    return problems
+
+
+def _loss_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, str]) -> list[str]:
+    """The loss is each rank's mean over its share of the batch, averaged over ``dp``
+    (``Partial(avg)``); tensor parallelism leaves every rank the whole loss."""
+    problems = []
+    for axis, text in by_axis.items():
+        p = placement_from_str(text)
+        if axis == "dp":
+            if p != Partial("avg") and not (p == Replicate() and plan.mesh["dp"] == 1):
+                problems.append(
+                    f"Plan.placements[{node.name!r}]['dp']: {text} on the loss, but each rank's loss is the mean over "
+                    "its share of the batch, which graphpass averages over dp: use Partial(avg)")
+        elif p != Replicate():
+            problems.append(f"Plan.placements[{node.name!r}][{axis!r}]: {text} on the loss, but every {axis} rank "
+                            "ends the step with the whole loss: use Replicate() or leave it out")
+    return problems

@@ -87,6 +87,16 @@ def _save_over_user_data(tmp_path):
     gp.save(dmodel, None, tmp_path / "ck")
 
 
+def _verify_edited_plan(**placements):
+    """The GPT's dp=2 plan with some placements edited by hand, through compile's checks (verify)."""
+    from graphpass.capture import capture
+    from graphpass.plan_builder import plan_from_strategy
+
+    plan = plan_from_strategy(capture(_gpt(), _batch(4)).gm, gp.Strategy(dp=2), []).to_dict()
+    plan = gp.Plan.from_dict({**plan, "placements": {**plan["placements"], **placements}})
+    gp.verify(_gpt(), H100x2, example_inputs=_batch(), strategy=plan)
+
+
 def _unpicklable_on_ranks(_):
     launch(lambda: 1, 2)
 
@@ -122,6 +132,20 @@ CASES = {
                                       r"_NoLoss.forward must return the scalar loss .* returned a tensor of shape \(2, 4\)"),
     "a Plan of another model": (lambda _: _compile(strategy=gp.Plan(mesh={"dp": 1}, placements={"no_such_node": {}})),
                                 ValueError, r"the Plan places nodes \['no_such_node'\] that are not in the captured graph"),
+    "split without ZeRO-3": (lambda _: _compile(strategy=gp.Strategy(zero=1, split=2)), ValueError,
+                             r"Strategy.split=2 needs Strategy.zero=3 \(got zero=1\)"),
+    # ---- a saved plan edited by hand
+    "a Plan JSON without placements": (lambda _: gp.Plan.from_json('{"mesh": {"dp": 2}}'), ValueError,
+                                       r"the Plan lacks 'placements'"),
+    "a Plan with a negative bucket cap": (
+        lambda _: gp.Plan.from_json('{"mesh": {"dp": 2}, "placements": {}, "bucket_cap_bytes": -1}'), ValueError,
+        r"Plan.bucket_cap_bytes must be a positive number of bytes, got -1"),
+    "a Plan sharding a weight on a dim it lacks": (
+        lambda _: _verify_edited_plan(h_0_attn_q_weight={"dp": "Shard(5)"}), ValueError,
+        r"Plan.placements\['h_0_attn_q_weight'\]\['dp'\]: Shard\(5\) on a 2-D tensor"),
+    "a Plan whose inputs split the batch differently": (
+        lambda _: _verify_edited_plan(idx={"dp": "Replicate()"}, targets={"dp": "Shard(0)"}), ValueError,
+        r"Plan.placements\['idx'\]\['dp'\]: Replicate\(\) on input 'idx', but the batch is split over dp=2"),
     # ---- verify (every rank of a cluster simulated here)
     "batch not divisible by dp": (lambda _: gp.verify(_gpt(), H100x2, example_inputs=_batch(3), strategy=gp.Strategy(dp=2)),
                                   ValueError, r"input 'example_inputs\[0\]' has batch size 3, which does not divide by dp = 2"),

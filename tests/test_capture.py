@@ -207,9 +207,9 @@ def test_a_model_or_batch_that_could_capture_differently_is_captured_again(other
 
 def test_compile_reuses_a_capture_across_strategies_and_trains_like_a_fresh_one():
     data = zoo.batches("gpt", 2, 8)
-    fresh = zoo.train_compiled(gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(split=2)), data)
+    fresh = zoo.train_compiled(gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(zero=3, split=2)), data)
     with gp.reusing_captures():
         gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(recompute=True))
-        dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(split=2))
+        dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(zero=3, split=2))
     assert dmodel.capture_route == "export"
     torch.testing.assert_close(zoo.train_compiled(dmodel, data), fresh, rtol=0, atol=0)

@@ -156,10 +156,11 @@ def fuzz_cases(draw, world_size: int, mesh: tuple[int, int, int] | None = None) 
     sequence_parallel = tp > 1 and schedule != "zero_bubble" and draw(pick("sequence_parallel", (True, False)))
     config = draw(configs(tp, pp * virtual_stages, sequence_parallel))
     microbatches = draw(pick("microbatches", microbatch_counts(pp, schedule)))
+    zero = draw(pick("zero", range(4))) if dp > 1 else 0  # ZeRO shards inside dp: nothing to do without it
+    split = draw(pick("split", (1, 2, 3))) if tp == 1 else 1  # tp-sharded linears: NotImplementedError
     strategy = gp.Strategy(
-        dp=dp, tp=tp, pp=pp,
-        zero=draw(pick("zero", range(4))) if dp > 1 else 0,  # ZeRO shards inside dp: nothing to do without it
-        split=draw(pick("split", (1, 2, 3))) if tp == 1 else 1,  # tp-sharded linears: NotImplementedError
+        dp=dp, tp=tp, pp=pp, zero=zero,
+        split=split if zero == 3 else 1,  # split is defined with ZeRO-3 (drawn anyway: the same examples as before)
         microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
         recompute=draw(pick("recompute", (True, False))), sequence_parallel=sequence_parallel,
     )

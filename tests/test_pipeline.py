@@ -41,7 +41,7 @@ CASES = {
         ("gpt", dict(dp=2, zero=3, microbatches=2)), ("hf_llama", dict(dp=2, zero=1, microbatches=2, schedule="gpipe")),
         ("gpt", dict(tp=2, microbatches=2)), ("hf_llama", dict(tp=2, sequence_parallel=True, microbatches=2)),
         ("hf_gpt2", dict(tp=2, microbatches=2, schedule="gpipe")),
-        ("gpt", dict(dp=2, zero=2, split=2, microbatches=2, recompute=True)),
+        ("gpt", dict(dp=2, zero=3, split=2, microbatches=2, recompute=True)),  # split is defined with ZeRO-3
         ("gpt_deep", dict(dp=2, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)),
         ("hf_gpt2", dict(tp=2, microbatches=4, schedule="zero_bubble"))],
 }

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import graphpass as gp
+import zoo
 from graphpass.plan import placement_from_str, placement_to_str
 
 
@@ -92,3 +95,166 @@ def test_mesh_lays_ranks_out_as_device_mesh_does():
     assert gp.Plan.from_json(gp.Plan(mesh=Mesh.of(dp=2, tp=2)).to_json()).mesh == Mesh.of(dp=2, tp=2)
     with pytest.raises(ValueError, match=r"Plan.mesh: mesh\['dp'\] must be a positive int"):
         gp.Plan(mesh={"dp": 0})
+
+
+# --------------------------------------------------------------------------- validation (issue 37, point 10)
+
+
+def test_strategy_split_needs_zero_3_and_no_tp():
+    """OSDP splitting lowers the peak of gathered weights because ZeRO-3 gathers each slice right
+    before its linear (split_operators' contract; the planner offers split with ZeRO-3 only)."""
+    for zero in (0, 1, 2):
+        with pytest.raises(ValueError, match=rf"Strategy.split=2 needs Strategy.zero=3 \(got zero={zero}\).*"
+                                             r"use Strategy\(zero=3, split=2\)"):
+            gp.Strategy(dp=2, zero=zero, split=2)
+    gp.Strategy(dp=2, zero=3, split=2).check(2)
+    with pytest.raises(NotImplementedError, match=r"Strategy.split=2 with Strategy.tp=2 is not implemented yet"):
+        gp.Strategy(dp=2, tp=2, zero=3, split=2).check(4)
+
+
+def _plan_json(**fields) -> str:
+    data = {"mesh": {"dp": 2}, "placements": {"idx": {"dp": "Shard(0)"}, "w": {"dp": "Replicate()"}}}
+    data.update(fields)
+    return json.dumps({k: v for k, v in data.items() if v is not _DROP})
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"bucket_cap_bytes": -1}, r"Plan.bucket_cap_bytes must be a positive number of bytes, got -1"),
+    ({"bucket_cap_bytes": 2.5}, r"Plan.bucket_cap_bytes must be a positive number of bytes, got 2.5"),
+    ({"placements": _DROP}, r"the Plan lacks 'placements': a plan gives its 'mesh' .* and 'placements'"),
+    ({"mesh": _DROP}, r"the Plan lacks 'mesh'"),
+    ({"mesh": {"data": 2}, "placements": {}}, r"Plan.mesh has axis 'data', which graphpass does not know"),
+    ({"placements": {"w": {"dp": "Shard(-1)"}}}, r"Plan.placements\['w'\]\['dp'\]: Shard\(-1\) counts the dim from "
+                                                 r"the end; write it counted from 0"),
+    ({"placements": {"w": {"dp": "Partial(max)"}}}, r"Plan.placements\['w'\]\['dp'\]: Partial\(max\) is not a "
+                                                    r"reduction graphpass pends; use Partial\(\) \(a sum\) or Partial\(avg\)"),
+    ({"placements": {"w": {"dp": 0}}}, r"Plan.placements\['w'\]\['dp'\] must be a placement string"),
+    ({"placements": {"w": "Shard(0)"}}, r"Plan.placements\['w'\] must map mesh axes to placements"),
+    ({"placements": ["w"]}, r"Plan.placements must map node names to \{axis: placement\}"),
+    ({"stages": ["linear"]}, r"Plan.stages must be '\*' \(the graph's start\) followed by the first op"),
+    ({"stages": "*"}, r"Plan.stages must be a list, got '\*'"),
+    ({"stages": ["*", "linear"]}, r"Plan.stages has 2 stages, but Plan.mesh has no 'pp' axis"),
+    ({"strategy": {"dp": 4}}, r"Plan.strategy \(dp=4\) disagrees with Plan.mesh \(dp=2\).*set Plan.strategy to None"),
+    ({"strategy": {"dp": 2, "fsdp": True}}, r"Plan.strategy: .*unexpected keyword argument 'fsdp'"),
+    ({"strategy": {"dp": 2, "split": 2}}, r"Plan.strategy: Strategy.split=2 needs Strategy.zero=3"),
+    ({"zero": {"w": True}}, r"Plan.zero\['w'\] must be 0, 1, 2 or 3, got True"),
+    ({"mesh": {"dp": 1}, "zero": {"w": 3}}, r"Plan.zero\['w'\] = 3 shards over the data-parallel ranks, but "
+                                            r"Plan.mesh has dp=1.*nothing to shard over"),
+    ({"split": {"lin": {"dim": "out", "parts": True}}}, r"Plan.split\['lin'\] must be"),
+    ({"sequence_parallel": True}, r"Plan.sequence_parallel=True shards activations over the 'tp' axis, but "
+                                  r"Plan.mesh has tp=1"),
+    ({"mesh": {"dp": 2, "tp": 2}, "sequence_parallel": "yes"}, r"Plan.sequence_parallel must be true or false"),
+    ({"ep_all_to_all": "hierarchical"}, r"Plan.ep_all_to_all='hierarchical' .* no 'ep' axis"),
+    ({"recompute": 3}, r"Plan.recompute must be a list, got 3"),
+    ({"recompute": [True]}, r"Plan.recompute entries must be layer indices >= 0, got True"),
+    ({"predicted_step_time_s": "fast"}, r"Plan.predicted_step_time_s must be a number >= 0 or None, got 'fast'"),
+    ({"devices_per_node": 0}, r"Plan.devices_per_node must be a positive int or None, got 0"),
+    ({"time_split_s": {"compute": "1 ms"}}, r"Plan.time_split_s must map parts of the step to seconds"),
+    ({"reasons": [1]}, r"Plan.reasons must be a list of strings"),
+])
+def test_plan_json_is_validated_at_load_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        gp.Plan.from_json(_plan_json(**fields))
+
+
+def test_plan_json_must_be_an_object_of_fields():
+    with pytest.raises(ValueError, match=r"a Plan's JSON must be an object of its fields, got list"):
+        gp.Plan.from_json("[]")
+    assert gp.Plan.from_json(_plan_json()).placement("idx", "dp") == Shard(0)
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    """The zoo GPT captured at a dp=2 rank's share of an 8-row batch, and its dp=2 plan."""
+    from graphpass.capture import capture
+    from graphpass.plan_builder import plan_from_strategy
+
+    gm = capture(zoo.build("gpt"), zoo.batches("gpt", 1, 4)[0]).gm
+    return gm, plan_from_strategy(gm, gp.Strategy(dp=2), []).to_dict()
+
+
+def _edited(base: dict, mesh=None, **placements) -> gp.Plan:
+    edit = {**base, "placements": {**base["placements"], **placements}, "strategy": None}
+    if mesh is not None:
+        edit["mesh"] = mesh
+    return gp.Plan.from_dict({k: v for k, v in edit.items() if v is not _DROP})
+
+
+@pytest.mark.parametrize("mesh, placements, message", [
+    (None, {"h_0_attn_q_weight": {"dp": "Shard(5)"}},
+     r"^Plan.placements\['h_0_attn_q_weight'\]\['dp'\]: Shard\(5\) on a 2-D tensor \(parameter 'h.0.attn.q.weight' "
+     r"of shape \[64, 64\]\); use Shard\(d\) with 0 <= d < 2, or Replicate\(\)$"),
+    ({"dp": 1, "tp": 2}, {"h_0_mlp_up_weight": {"tp": "Shard(2)"}},
+     r"Plan.placements\['h_0_mlp_up_weight'\]\['tp'\]: Shard\(2\) on a 2-D tensor"),
+    (None, {"h_0_ln_1_weight": {"dp": "Shard(1)"}}, r"Shard\(1\) on a 1-D tensor"),
+    (None, {"h_0_attn_q_weight": {"dp": "Shard(0)"}},
+     r"Plan.placements\['h_0_attn_q_weight'\]\['dp'\]: Shard\(0\) on parameter 'h.0.attn.q.weight' .* placements do "
+     r"not shard parameters or buffers over dp .*use Replicate\(\), and Plan.zero\['h_0_attn_q_weight'\] = 1, 2 or 3"),
+    (None, {"wte_weight": {"dp": "Partial()"}},
+     r"Plan.placements\['wte_weight'\]\['dp'\]: Partial\(\) on parameter 'wte.weight' .* never a pending sum"),
+    ({"pp": 2, "dp": 1}, {"wte_weight": {"pp": "Shard(0)"}}, r"\['wte_weight'\]\['pp'\]: .*pipeline stages hold whole"),
+    ({"dp": 2, "ep": 2}, {"h_0_mlp_up_weight": {"ep": "Shard(1)"}},
+     r"\['h_0_mlp_up_weight'\]\['ep'\]: Shard\(1\) .*experts are sharded along dim 0"),
+    # the issue's case: the inputs disagree on the batch split (it failed in train_step on a shape)
+    (None, {"idx": {"dp": "Replicate()"}},
+     r"^Plan.placements\['idx'\]\['dp'\]: Replicate\(\) on input 'idx', but the batch is split over dp=2: compile "
+     r"captures every input at its share of the batch, so every input is Shard\(0\) on dp \(as 'targets' is\); use "
+     r"'idx': \{'dp': 'Shard\(0\)'\}$"),
+    (None, {"idx": {}}, r"Plan.placements\['idx'\] has no 'dp' entry, so input 'idx' is Replicate\(\)"),
+    ({"dp": 2, "tp": 2}, {"targets": {"dp": "Shard(0)", "tp": "Shard(0)"}},
+     r"Plan.placements\['targets'\]\['tp'\]: Shard\(0\) on input 'targets'.*use Replicate\(\)"),
+    (None, {"cross_entropy_loss": {"dp": "Partial()"}},
+     r"Plan.placements\['cross_entropy_loss'\]\['dp'\]: Partial\(\) on the loss.*use Partial\(avg\)"),
+    ({"dp": 2, "tp": 2}, {"cross_entropy_loss": {"dp": "Partial(avg)", "tp": "Partial()"}},
+     r"\['cross_entropy_loss'\]\['tp'\]: Partial\(\) on the loss, but every tp rank ends the step with the whole loss"),
+    (None, {"gelu": {"dp": "Replicate()"}},
+     r"Plan.placements\['gelu'\]: op 'gelu' \(aten.gelu.default\) is neither an input, a parameter or buffer, nor "
+     r"the loss.*would be ignored; leave it out"),
+])
+def test_plan_placements_are_checked_against_the_captured_graph(gpt_graph, mesh, placements, message):
+    gm, base = gpt_graph
+    if mesh is not None and mesh.get("pp", 1) > 1:
+        base = {**base, "stages": ["*", "linear_6"]}
+    plan = _edited(base, mesh, **placements)
+    with pytest.raises(ValueError, match=message):
+        plan.check_graph(gm)
+
+
+def test_a_plan_without_input_placements_lists_every_input(gpt_graph):
+    gm, base = gpt_graph
+    plan = gp.Plan(mesh={"dp": 2}, placements={})
+    with pytest.raises(ValueError, match=r"the Plan does not fit this model's graph \(2 problems\):\n  "
+                                         r"Plan.placements\['idx'\] has no 'dp' entry.*\n  "
+                                         r"Plan.placements\['targets'\] has no 'dp' entry"):
+        plan.check_graph(gm)
+    # microbatches split the batch too, without dp
+    with pytest.raises(ValueError, match=r"but the batch is split into Plan.microbatches=2"):
+        gp.Plan(mesh={"dp": 1}, placements={"idx": {"dp": "Shard(0)"}}, microbatches=2).check_graph(gm)
+    gp.Plan(mesh={"dp": 1}, placements={}).check_graph(gm)  # one rank, one microbatch: nothing is split
+    with pytest.raises(ValueError, match=r"the Plan places nodes \['no_such_node'\] that are not in the captured"):
+        gp.Plan(mesh={"dp": 1}, placements={"no_such_node": {}}).check_graph(gm)
+
+
+@pytest.mark.parametrize("model, strategy", [
+    ("gpt", gp.Strategy(dp=2, zero=3, split=2)), ("gpt", gp.Strategy(dp=2, tp=2, sequence_parallel=True)),
+    ("gpt", gp.Strategy(pp=2, microbatches=2)), ("moe_topk", gp.Strategy(dp=2, ep=2, zero=1)),
+])
+def test_plans_graphpass_makes_pass_the_graph_check(model, strategy):
+    from graphpass.capture import capture
+    from graphpass.plan_builder import plan_from_strategy
+
+    gm = capture(zoo.build(model), zoo.batches(model, 1, 2)[0]).gm
+    plan = gp.Plan.from_json(plan_from_strategy(gm, strategy, []).to_json())
+    plan.check_graph(gm)
+
+
+def test_compile_refuses_a_plan_whose_inputs_split_differently(gpt_graph):
+    """Through gp.verify (compile's own capture and checks, every rank in this process)."""
+    _, base = gpt_graph
+    plan = _edited(base, idx={"dp": "Replicate()"})
+    cluster = gp.Cluster.preset("h100-80g", nodes=1, gpus_per_node=2)
+    with pytest.raises(ValueError, match=r"Plan.placements\['idx'\]\['dp'\]: Replicate\(\) on input 'idx'"):
+        gp.verify(zoo.build("gpt"), cluster, example_inputs=zoo.batches("gpt", 1, 8)[0], strategy=plan)

@@ -160,9 +160,9 @@ def test_zero3_split_gathers_each_slice_right_before_its_linear():
 def test_strategy_split_skips_tied_linears_and_logs_why(caplog):
     batch = zoo.batches("gpt", 1, 4)[0]
     gm = capture(zoo.build("gpt"), batch).gm
-    gp.Strategy(dp=1, split=2).check(1)  # no longer refused
+    gp.Strategy(dp=1, zero=3, split=2).check(1)  # one rank: ZeRO-3 has nothing to shard, the split still runs
     with caplog.at_level(logging.INFO, logger="graphpass.passes.split_operators"):
-        plan = plan_from_strategy(gm, gp.Strategy(split=4), [])
+        plan = plan_from_strategy(gm, gp.Strategy(zero=3, split=4), [])
     assert len(plan.split) == 12 and "linear_12" not in plan.split  # lm_head shares wte.weight
     assert "not splitting linear_12 (lm_head)" in caplog.text and "would untie the weights" in caplog.text
     assert "operator splitting: 12 linears into [4] slices" in plan.explain()
@@ -207,7 +207,7 @@ def test_compile_single_process_with_split_trains_and_rebuilds_the_state_dict():
     model = zoo.build("gpt")
     expected = model(*batch).item()
     reference = {k: v.clone() for k, v in model.state_dict().items()}
-    dmodel = gp.compile(model, example_inputs=batch, strategy=gp.Strategy(split=4))
+    dmodel = gp.compile(model, example_inputs=batch, strategy=gp.Strategy(zero=3, split=4))
     names = [k for k, _ in dmodel.named_parameters()]
     assert "h.0.mlp.up.weight.split3" in names and "h.0.mlp.up.weight" not in names
     # compile took ownership of the replaced full weight, as for ZeRO shards.
@@ -224,6 +224,10 @@ def test_compile_single_process_with_split_trains_and_rebuilds_the_state_dict():
 
 def _in_split(plan: gp.Plan) -> gp.Plan:
     return gp.Plan.from_dict({**plan.to_dict(), "split": {n: {"dim": "in", "parts": 2} for n in plan.split}})
+
+
+def _without_zero(plan: gp.Plan) -> gp.Plan:
+    return gp.Plan.from_dict({**plan.to_dict(), "zero": {}, "strategy": None})
 
 
 def _train(name: str, strategy_kwargs: dict, plan_edit=None, steps: int = 3, batch: int = 8):
@@ -251,9 +255,10 @@ def test_zero3_with_split_matches_one_process(rank_pool, world_size):
         _check(results, f"{name} zero=3 split={split} on {world_size}", ref)
     if world_size == 2:
         ref = zoo.train_reference("gpt", steps=3, batch=8)
-        # Split along input features (slices summed), and split without ZeRO (slices all-reduced).
+        # Split along input features (slices summed), and a Plan that splits without ZeRO (slices
+        # all-reduced; a Strategy refuses split without zero=3, a hand-written Plan runs as written).
         _check(pool.run(_train, "gpt", {"zero": 3, "split": 2}, _in_split, timeout_s=300), "gpt in-split", ref)
-        _check(pool.run(_train, "gpt", {"split": 2}, timeout_s=300), "gpt dp split", ref)
+        _check(pool.run(_train, "gpt", {"zero": 3, "split": 2}, _without_zero, timeout_s=300), "gpt dp split", ref)
 
 
 class WideMLP(nn.Module):
