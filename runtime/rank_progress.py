@@ -31,6 +31,7 @@ wall clocks for "last seen".
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import json
@@ -72,6 +73,7 @@ _in_step = False
 _last: tuple = (0, None, None, 0, False, time.time())
 _recent: collections.deque = collections.deque(maxlen=_RECENT_OPS)
 _publisher: list = [None, None]  # [thread, pid that started it]
+_stop = threading.Event()
 
 
 class HungRankError(RuntimeError):
@@ -162,7 +164,17 @@ def _start_publisher() -> None:
         return
     thread = threading.Thread(target=_publish_loop, name="graphpass-rank-progress", daemon=True)
     _publisher[:] = [thread, os.getpid()]
+    _stop.clear()
     thread.start()
+    atexit.register(_stop_publisher, thread)
+
+
+def _stop_publisher(thread: threading.Thread) -> None:
+    """Stop the thread at exit, while the interpreter is whole: a daemon thread caught inside a
+    store call when the interpreter finalizes is ended in C++ code, which aborts the process (the
+    failure :func:`graphpass.runtime.mesh.release_at_exit` describes)."""
+    _stop.set()
+    thread.join(timeout=5.0)
 
 
 def _key(kind: str, rank: int) -> str:
@@ -182,8 +194,7 @@ def _store() -> dist.Store:
 
 def _publish_loop() -> None:
     group, store, sent, answered = None, None, None, False
-    while True:
-        time.sleep(PUBLISH_PERIOD_S)
+    while not _stop.wait(PUBLISH_PERIOD_S):
         try:
             if not dist.is_initialized():
                 group = store = None
@@ -201,7 +212,7 @@ def _publish_loop() -> None:
         except Exception:  # the store went away (its host rank died, the group was destroyed)
             logger.debug("publishing this rank's progress failed", exc_info=True)
             group = store = None
-            time.sleep(5 * PUBLISH_PERIOD_S)
+            _stop.wait(5 * PUBLISH_PERIOD_S)
 
 
 def _main_stack() -> str:
