@@ -21,9 +21,10 @@ gradient inside the graph. graphpass adds what the engine does not know:
 - the split backward itself (:func:`split_backward_input`, :func:`split_backward_weight`): the
   engine's own (``torch.distributed.pipelining._backward``) leaves out a parameter whose every
   use reaches the stage's outputs without meeting a received activation (an encoder-decoder's
-  decoder embedding: a lookup of the weight by label ids, sent on as it is), and walks the
-  autograd graph twice where its parameter groups overlap (``Trying to backward through the
-  graph a second time``, or gradients counted twice).
+  decoder embedding: a lookup of the weight by label ids, sent on as it is); walks a group read
+  at several depths (T5's position bias) through nodes other groups' walks freed, and a
+  parameter in two merged groups twice (``Trying to backward through the graph a second
+  time``); and detaches in place stage outputs that an op saved for its weight gradient.
 """
 
 from __future__ import annotations

@@ -10,14 +10,15 @@ A cut is a choice of stage boundaries among the model's layer boundaries
   takes and returns depends on nothing else), so every layer range of every model covers every
   stage of every cut, at any stage count. torch's own split backward fails this on T5 (a shared
   embedding whose decoder lookup reaches the stage outputs without meeting a received
-  activation gets no gradient; overlapping parameter groups walk the graph twice) and on the
-  torchtitan-style MoE (a stage output detached in place that an op saved for its weight
-  gradient).
+  activation gets no gradient; the position bias's group, read at every layer, is walked
+  through nodes other groups' walks freed) and on the torchtitan-style MoE (a stage output
+  detached in place that an op saved for its weight gradient).
 * two ranks: GPipe, 1F1B and zero-bubble on every 2-stage cut; interleaved 1F1B and zero-bubble
   with 2 stages per rank on 4-stage cuts: every 4-stage cut where a model has at most
   ``MAX_CUTS`` of them, else cuts that put a boundary at every layer boundary. Loss of every
   step, every gradient after the first backward and the state after the last SGD-with-momentum
-  step against one process on the whole batch.
+  step against one process on the whole batch (for a batch-norm model, over the same
+  microbatches: :data:`PER_MICROBATCH`).
 
 Tolerances. One process: the split walks run the same kernels on the same values as the whole
 backward, but a weight read at several depths sums its parts in another order; ~1e-7 relative,
