@@ -35,7 +35,7 @@ import re
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graphpass import meta
+from graphpass.model_io import Batch, LossModule, NoLoss, adapt
 from graphpass.nn.grouped_experts import substituted
 
 log = logging.getLogger(__name__)
@@ -67,40 +68,21 @@ class CaptureResult:
     reused: bool = False
 
 
-def check_example_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
-    """Validate ``example_inputs``: a tuple/list of tensors, the model's positional arguments.
-
-    Raises:
-        TypeError: naming the offending position and its type.
-    """
-    if isinstance(example_inputs, torch.Tensor):
-        raise TypeError(
-            "example_inputs must be a tuple of tensors (the model's positional arguments), "
-            "got a single Tensor; write example_inputs=(x,)"
-        )
-    if not isinstance(example_inputs, (tuple, list)):
-        raise TypeError(
-            f"example_inputs must be a tuple of tensors, got {type(example_inputs).__name__}"
-        )
-    for i, value in enumerate(example_inputs):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"example_inputs[{i}] must be a torch.Tensor, got {type(value).__name__}; "
-                "graphpass captures tensor arguments only (bind other arguments in the module)"
-            )
-    return tuple(example_inputs)
-
-
 def capture(
-    model: nn.Module, example_inputs: Sequence[torch.Tensor], *, route: str = "auto"
+    model: nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *, route: str = "auto",
+    loss_fn: Callable | None = None,
 ) -> CaptureResult:
-    """Capture ``model(*example_inputs)`` into the graphpass IR.
+    """Capture ``model(*example_inputs)`` (or ``model(**example_inputs)``) into the graphpass IR.
 
     Args:
-        model: any module whose ``forward`` returns a scalar loss. Parameters may live on the meta
-            device (nothing is allocated: shapes flow as fake tensors).
-        example_inputs: positional arguments of one forward call (the per-rank batch).
+        model: any module whose ``forward`` returns the scalar loss, or a ``ModelOutput`` / dict
+            / tuple holding it, or its output when ``loss_fn`` is given (:mod:`graphpass.model_io`).
+            Parameters may live on the meta device (nothing is allocated: shapes flow as fake
+            tensors).
+        example_inputs: positional arguments of one forward call (the per-rank batch), or its
+            keyword arguments as a dict (the graph's inputs are then named by the keys).
         route: ``"auto"`` (export, then symbolic_trace), ``"export"`` or ``"symbolic_trace"``.
+        loss_fn: ``loss_fn(output, target) -> loss`` for a model that returns its output only.
 
     Raises:
         TypeError: bad ``example_inputs``.
@@ -109,7 +91,9 @@ def capture(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = check_example_inputs(example_inputs)
+    batch = Batch.of(example_inputs)
+    inputs = batch.tensors
+    model = adapt(model, batch, loss_fn)
     if route not in ("auto",) + ROUTES:
         raise ValueError(f"capture route must be 'auto', 'export' or 'symbolic_trace', got {route!r}")
     store = _REUSE[-1] if _REUSE else None
@@ -127,23 +111,25 @@ def capture(
             # expert loops over data-dependent counts run as grouped products (graphpass.nn.grouped_experts)
             with substituted(model):
                 gm = _export(model, inputs) if name == "export" else _symbolic_trace(model, inputs)
-        except _BadModel:
+        except (_BadModel, NoLoss):
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is reported per route below
             failures[name] = _describe_failure(exc)
             log.info("capture route %s failed: %s", name, failures[name])
             continue
+        if not isinstance(model, LossModule) and _several_outputs(gm):  # nanoGPT's (logits, loss)
+            return capture(LossModule(model, batch, None), inputs, route=route)
         _check_loss_output(gm, model)
         if store is not None:  # keep a copy no pass will touch; the caller gets the original
             store[key] = CaptureResult(_rebind(gm, None), name, 0.0, failures)
         seconds = time.perf_counter() - start
         log.info(
             "captured %s via %s in %.2f s: %d nodes",
-            type(model).__name__, name, seconds, len(gm.graph.nodes),
+            type(getattr(model, "wrapped", model)).__name__, name, seconds, len(gm.graph.nodes),
         )
         return CaptureResult(gm, name, seconds, failures)
     details = "\n".join(f"  - {name}: {why}" for name, why in failures.items())
-    raise CaptureError(f"could not capture {type(model).__name__}:\n{details}")
+    raise CaptureError(f"could not capture {type(getattr(model, 'wrapped', model)).__name__}:\n{details}")
 
 
 # --------------------------------------------------------------------------- reusing captures
@@ -195,6 +181,10 @@ def _fingerprint(model: nn.Module, inputs: Sequence[torch.Tensor], route: str) -
         (name, f"{type(m).__module__}.{type(m).__qualname__}", _plain_attributes(m))
         for name, m in model.named_modules(remove_duplicate=False)
     )
+    if isinstance(model, LossModule):  # a view: the model it views decides the rest
+        wrapped = model.wrapped
+        modules += (("<viewed>", f"{type(wrapped).__module__}.{type(wrapped).__qualname__}",
+                     _plain_attributes(wrapped)),)
     shapes = tuple((tuple(t.shape), t.dtype, t.device.type) for t in inputs)
     modes = (torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled())
     return route, modes, state, tuple(_canonical_names(tensors).items()), modules, shapes
@@ -625,6 +615,11 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _several_outputs(gm: fx.GraphModule) -> bool:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return len(out.args[0]) > 1
+
+
 def _check_loss_output(gm: fx.GraphModule, model: nn.Module) -> None:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = list(out.args[0])
@@ -642,7 +637,7 @@ def _check_loss_output(gm: fx.GraphModule, model: nn.Module) -> None:
             what = f"a {val.dtype} scalar"
     if what is not None:
         raise ValueError(
-            f"{type(model).__name__}.forward must return the scalar loss (a 0-dim floating tensor) "
-            f"but returned {what}; wrap the model so that forward returns e.g. "
-            "F.cross_entropy(logits, targets) or outputs.loss"
+            f"{type(getattr(model, 'wrapped', model)).__name__}.forward must return the scalar loss (a 0-dim "
+            f"floating tensor) but returned {what}; return e.g. F.cross_entropy(logits, targets), or give "
+            "compile(..., loss_fn=lambda output, target: ...) and example_inputs=(inputs..., target)"
         )

@@ -49,7 +49,8 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpass import meta
-from graphpass.capture import capture, check_example_inputs, propagate_fake
+from graphpass.capture import capture, propagate_fake
+from graphpass.model_io import Batch, adapt
 from graphpass.grads import grad_requiring_nodes
 from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
@@ -875,6 +876,7 @@ class Planner:
         expert_loads: Sequence[float] | None = None,
         capacity_factors: Sequence[float | None] | None = None,
         max_dropped: float = 0.0,
+        loss_fn: Callable | None = None,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -882,7 +884,8 @@ class Planner:
             _check_together(self.cluster, measure_ops)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        inputs = check_example_inputs(example_inputs)
+        batch = Batch.of(example_inputs)
+        inputs, model = batch.tensors, adapt(model, batch, loss_fn)
         if not inputs or inputs[0].dim() == 0:
             raise ValueError("example_inputs[0] must have a batch dimension (dim 0)")
         self.budget = (
@@ -1072,6 +1075,7 @@ def plan(
     expert_loads: Sequence[float] | None = None,
     capacity_factors: Sequence[float | None] | None = None,
     max_dropped: float = 0.0,
+    loss_fn: Callable | None = None,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -1094,6 +1098,7 @@ def plan(
             assignments). It changes what the model computes, so it is chosen only when asked;
             ``compile`` applies ``Plan.capacity_factor`` to the layers.
         max_dropped: the drop budget for ``capacity_factors`` (default 0: no drops predicted).
+        loss_fn: as for :func:`graphpass.compile` (``example_inputs`` may be a dict there too).
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -1110,7 +1115,7 @@ def plan(
         raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
     planner = Planner(model, cluster, example_inputs, memory_budget,
                       optimizer_states=optimizer_states, expert_loads=expert_loads,
-                      capacity_factors=capacity_factors, max_dropped=max_dropped)
+                      capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
 
 

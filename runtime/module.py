@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor.placement_types import Shard
 
 from graphpass import meta
+from graphpass.model_io import order_call
 from graphpass.plan import Plan
 from graphpass.runtime import grad_sync
 from graphpass.runtime import mesh as mesh_lib
@@ -94,6 +95,7 @@ class DistributedModule(nn.Module):
         input_names: Sequence[str] | None = None,
         roles: Mapping[str, int] | None = None,
         graph_keys: Sequence[tuple[str, ...]] | None = None,
+        input_keys: Sequence[str] | None = None,
     ):
         super().__init__()
         self.graph_module = graph_module
@@ -106,6 +108,8 @@ class DistributedModule(nn.Module):
         self._input_names = list(input_names) if input_names is not None else [
             n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._local_shapes = [torch.Size(s) for s in local_input_shapes]  # of one microbatch
+        # compiled from a dict batch: train_step(**batch) takes these keys, in this order
+        self._input_keys = tuple(input_keys) if input_keys is not None else None
         self._shards = batch_shards(plan, self._input_names)
         self._is_batch = batch_inputs(plan, self._input_names)
         output = graph_module.graph.find_nodes(op="output")[0]
@@ -296,27 +300,58 @@ class DistributedModule(nn.Module):
         pieces = [value.chunk(k) if cut else (value,) * k for value, cut in zip(local, self._is_batch)]
         return [tuple(p[i] for p in pieces) for i in range(k)]
 
-    def train_step(self, *global_batch: torch.Tensor) -> torch.Tensor:
+    def train_step(self, *global_batch: torch.Tensor, **keyword_batch: torch.Tensor) -> torch.Tensor:
         """Forward and backward on this rank's share; returns the global-batch loss (detached).
 
-        Gradients land in ``p.grad`` for ``p in self.parameters()``, already synchronised, so the
-        caller's optimizer can step right away. With ``plan.microbatches = k`` the share runs as
-        k microbatches whose gradients are accumulated and synchronised once.
+        Takes the global batch as ``compile``'s ``example_inputs`` was given: positional tensors,
+        or ``train_step(**batch)`` for a dict. Gradients land in ``p.grad`` for ``p in
+        self.parameters()``, already synchronised, so the caller's optimizer can step right away.
+        With ``plan.microbatches = k`` the share runs as k microbatches whose gradients are
+        accumulated and synchronised once.
         """
+        global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
         with mesh_lib.active(self._mesh):
             if self._pipeline is not None:  # the engine's schedule cuts the microbatches
                 return self._pipeline.run(self.local_batch(*global_batch))
             return self._program.run(self.microbatches(*global_batch))
 
-    def forward(self, *global_batch: torch.Tensor) -> torch.Tensor:
-        """The global-batch loss without a backward pass (for evaluation)."""
+    def forward(self, *global_batch: torch.Tensor, **keyword_batch: torch.Tensor) -> torch.Tensor:
+        """The global-batch loss without a backward pass (for evaluation).
+
+        Its result has no backward: calling ``.backward()`` on it raises, saying to call
+        :meth:`train_step` (which runs forward and backward of the distributed program)."""
+        global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
         if self._pipeline is not None:
             with mesh_lib.active(self._mesh):
-                return self._pipeline.run(self.local_batch(*global_batch), train=False)
-        microbatches = self.microbatches(*global_batch)
-        with mesh_lib.active(self._mesh), torch.no_grad():
-            losses = [self.graph_module(*mb)[self._report] for mb in microbatches]
-        return torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+                loss = self._pipeline.run(self.local_batch(*global_batch), train=False)
+        else:
+            microbatches = self.microbatches(*global_batch)
+            with mesh_lib.active(self._mesh), torch.no_grad():
+                losses = [self.graph_module(*mb)[self._report] for mb in microbatches]
+            loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
+        return _NoBackward.apply(loss) if torch.is_grad_enabled() else loss
+
+
+class _NoBackward(torch.autograd.Function):
+    """The evaluation loss with a backward that tells the user to call ``train_step``: a plain
+    detached loss would fail at ``.backward()`` with torch's "does not require grad"."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor) -> torch.Tensor:
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(
+            "dmodel(...) computes the loss only (evaluation); it has no backward. Train with "
+            "loss = dmodel.train_step(*batch) (forward and backward of the distributed program, "
+            "gradients synchronised), then optimizer.step()"
+        )
+
+    @classmethod
+    def apply(cls, loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # an input that requires grad, so that the result has a backward to refuse
+        return super().apply(loss.detach().requires_grad_(True))
 
 
 def state_keys_read(gm: fx.GraphModule) -> list[tuple[str, ...]]:

@@ -138,7 +138,10 @@ def test_forward_must_return_a_scalar_loss():
     "inputs, message",
     [
         (torch.randn(2, 4), "got a single Tensor"),
-        ({"x": torch.randn(2, 4)}, "must be a tuple of tensors, got dict"),
+        ({"x": torch.randn(2, 4)}, r"MLP.forward needs \['y'\], which the batch does not give"),
+        ([torch.randn(2, 4)], r"MLP.forward needs \['y'\], which the batch does not give"),
+        ({"x": torch.randn(2, 4), "y": [1.0]}, r"example_inputs\['y'\] must be a torch.Tensor, got list"),
+        ({1: torch.randn(2, 4)}, "example_inputs keys must be argument names, got 1"),
         ((torch.randn(2, 4), 3), r"example_inputs\[1\] must be a torch.Tensor, got int"),
     ],
 )
