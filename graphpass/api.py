@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -19,16 +19,18 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphpass import meta
-from graphpass.capture import capture, check_example_inputs
+from graphpass.capture import capture
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
 from graphpass.pass_manager import PassContext, run_passes
 from graphpass.passes import passes_for
 from graphpass.passes.partition_stages import cut_stages, shared_parameters
 from graphpass.mesh import pipeline_rank
+from graphpass.model_io import Batch, adapt
 from graphpass.plan import Plan, Strategy, check_pipeline
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import ownership
 from graphpass.runtime import verifier
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.module import (
@@ -139,11 +141,12 @@ def compile(  # noqa: A001 - the public name the contract uses
     model: nn.Module,
     cluster: Cluster | None = None,
     *,
-    example_inputs: Sequence[torch.Tensor],
+    example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     strategy: StrategyLike = "auto",
     dump_dir: str | os.PathLike | None = None,
     verify: bool = True,
     timeout_s: float | None = None,
+    loss_fn: Callable | None = None,
 ) -> DistributedModule:
     """Compile ``model`` into this rank's distributed training program.
 
@@ -151,9 +154,16 @@ def compile(  # noqa: A001 - the public name the contract uses
     batch; each rank captures the model at its own share of it.
 
     Args:
-        model: an ``nn.Module`` whose ``forward(*inputs)`` returns a scalar mean loss.
+        model: an ``nn.Module`` whose ``forward(*inputs)`` (or ``forward(**inputs)``) returns a
+            scalar mean loss, or a ``ModelOutput`` / dict / tuple holding it, or its output when
+            ``loss_fn`` is given (:mod:`graphpass.model_io`). The model's ``nn.Parameter``
+            objects become this rank's tensors (:mod:`graphpass.runtime.ownership`), so an
+            optimizer built on them before ``compile`` trains the program, or raises at its
+            first step where it cannot.
         cluster: the devices (default ``Cluster.local()``: the running process group).
-        example_inputs: a tuple of tensors, the model's positional arguments for one global batch.
+        example_inputs: one global batch: a tuple of tensors (the model's positional
+            arguments) or a dict of tensors (its keyword arguments, e.g. ``{"input_ids": x,
+            "labels": y}``; ``train_step(**batch)`` then takes the same keys).
         strategy: ``"auto"``, a :class:`Strategy`, or a saved :class:`Plan`.
         dump_dir: write the graph after every pass there (default: ``GRAPHPASS_DUMP_DIR``).
         verify: check every rank's program against the others' before returning
@@ -161,6 +171,9 @@ def compile(  # noqa: A001 - the public name the contract uses
         timeout_s: the collective timeout of every process group the program uses (the default
             group included), in seconds: a peer that died or hangs makes the others raise after
             it. Default 300 on CPU, 600 on GPU.
+        loss_fn: ``loss_fn(output, target) -> loss`` for a model that returns its output only:
+            the last example input is the target (with a dict batch, the entries
+            ``model.forward`` does not take go to ``loss_fn`` by keyword).
 
     Returns:
         the :class:`DistributedModule` for this rank.
@@ -175,7 +188,8 @@ def compile(  # noqa: A001 - the public name the contract uses
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = check_example_inputs(example_inputs)
+    batch = Batch.of(example_inputs)
+    inputs, program_model = batch.tensors, adapt(model, batch, loss_fn)
     rank, world_size = _process_group_size()
     if cluster is None:
         cluster = Cluster.local()
@@ -189,7 +203,7 @@ def compile(  # noqa: A001 - the public name the contract uses
         )
     device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
     timeout_s = _check_timeout(timeout_s, device_type)
-    captured, plan, local_inputs = _capture_and_plan(model, cluster, inputs, strategy, rank, world_size)
+    captured, plan, local_inputs = _capture_and_plan(program_model, cluster, inputs, strategy, rank, world_size)
     gm = captured.gm
 
     process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type, node_size=(
@@ -197,7 +211,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     process_mesh.set_timeout(timeout_s)
     # Every rank starts from rank 0's weights (as DDP does), before passes cut shards from them.
     broadcast_replicated_state(gm, process_mesh)
-    originals = {n.target: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    originals = {n.target: ownership.attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
 
     dumper = Dumper(resolve_dump_dir(dump_dir), rank)
     dumper.graph(0, "capture", gm, f"after 00 capture via {captured.route}{', reused' if captured.reused else ''} ({captured.seconds * 1e3:.1f} ms) | nodes {len(gm.graph.nodes)}")
@@ -216,16 +230,16 @@ def compile(  # noqa: A001 - the public name the contract uses
     if verify:
         verifier.check_across_ranks(recorder, verifier.local_problems(gm, plan, rank, cluster.device.memory_bytes))
 
-    _release_replaced(gm, originals)
+    ownership.adopt_replaced(gm, originals)
     if plan.mesh.pp == 1:
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
-                                 captured.route)
+                                 captured.route, input_keys=batch.keys)
     output = gm.graph.find_nodes(op="output")[0]
     mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
     # This rank keeps only its stages' tensors (the other stages' ranks hold theirs).
     held = {n.target for _, stage in mine for n in stage.graph.nodes if n.op == "get_attr"}
     for target in {n.target for n in gm.graph.nodes if n.op == "get_attr"} - held:
-        _release(_attr(gm, target))
+        ownership.release(ownership.attr(gm, target))
     for s, stage in mine:
         name = "partition_stages" if len(mine) == 1 else f"partition_stages_{s}"
         dumper.graph(len(records) + 1, name, stage,
@@ -234,15 +248,17 @@ def compile(  # noqa: A001 - the public name the contract uses
     return DistributedModule(_rank_state(gm, [stage for _, stage in mine]), plan, process_mesh, records,
                              [t.shape for t in local_inputs], model, captured.route, pipeline=program,
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
-                             roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm))
+                             roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm),
+                             input_keys=batch.keys)
 
 
 def verify(
     model: nn.Module,
     cluster: Cluster | str,
     *,
-    example_inputs: Sequence[torch.Tensor],
+    example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
     strategy: StrategyLike = "auto",
+    loss_fn: Callable | None = None,
 ) -> dict[int, dict[verifier.Group, tuple[verifier.Entry, ...]]]:
     """Compile every rank's program of ``cluster`` in this process, on meta copies of the
     weights (no process group, no devices: a 1024-GPU job from a laptop), and check them against
@@ -253,6 +269,7 @@ def verify(
         cluster: a :class:`Cluster` or a preset name / ``"h100-80g:16x8"`` string.
         example_inputs: one global batch.
         strategy: ``"auto"`` (planned for ``cluster``), a :class:`Strategy` or a :class:`Plan`.
+        loss_fn: as for :func:`compile`.
 
     Returns:
         each rank's program after the last pass: its collectives by process group and the
@@ -265,7 +282,8 @@ def verify(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = check_example_inputs(example_inputs)
+    batch = Batch.of(example_inputs)
+    inputs, model = batch.tensors, adapt(model, batch, loss_fn)
     if isinstance(cluster, str):
         from graphpass.planner import resolve_cluster
 
@@ -403,29 +421,6 @@ def _portable(exc: BaseException) -> BaseException:
     if type(copy) is type(exc) and str(copy) == str(exc):
         return copy
     return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
-    module_path, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(module_path), name)
-
-
-def _release_replaced(gm: fx.GraphModule, originals: dict[str, torch.Tensor]) -> None:
-    """Free the full tensors that passes replaced by shards (the user's module still names them).
-
-    Like FSDP2, compiling with sharding takes ownership of those parameters: their storage is
-    released so that the rank holds only its shards; ``full_state_dict()`` gathers them back.
-    """
-    for target, original in originals.items():
-        if _attr(gm, target) is not original:
-            _release(original)
-
-
-def _release(tensor: torch.Tensor | nn.Module) -> None:
-    """Free ``tensor``'s storage (it keeps its dtype and device, with no elements); a module
-    attribute (a recompute region) holds no tensors of its own."""
-    if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def _check_microbatches(inputs: Sequence[torch.Tensor], names: Sequence[str], dp: int, k: int, field: str) -> None:
