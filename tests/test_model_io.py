@@ -121,7 +121,7 @@ def test_calling_backward_on_the_evaluation_loss_says_to_call_train_step():
                               r"\(its entries: logits\); pass the labels in the batch"),
     ("unknown key", TypeError, r"NanoGPTStyle.forward takes no argument named \['labels'\]; drop these keys"),
     ("logits only", ValueError, r"Sequential.forward must return the scalar loss .* loss_fn="),
-    ("loss_fn, one input", ValueError, r"loss_fn takes the model's output and the last example input"),
+    ("loss_fn, one input", TypeError, r"Sequential.forward needs \['input'\].*the last input goes to loss_fn"),
     ("not a tensor", TypeError, r"example_inputs\['labels'\] must be a torch.Tensor, got list"),
 ])
 def test_a_forward_without_a_loss_says_how_to_give_one(kind, error, message):
