@@ -416,17 +416,16 @@ def test_a_save_that_dcp_cannot_write_is_named_and_keeps_the_previous_checkpoint
     assert _load(path)[0] == {"step": 1}
 
 
-def test_checksums_cost_little(tmp_path):
-    """The sums read every file once more at save and load: 100 MB in well under a second."""
-    import time
+def test_a_file_record_holds_the_files_size_and_crc32(tmp_path):
+    """The record a load checks against (its cost is measured in the closing note, not here:
+    tests never assert on wall time)."""
+    import zlib
 
     file = tmp_path / "big"
-    file.write_bytes(os.urandom(100 << 20))
-    start = time.perf_counter()
-    ckpt.file_record(file)
-    took_s = time.perf_counter() - start
-    # 27 ms measured on this 2-core machine, uncontended; a wide margin for a loaded one.
-    assert took_s < 1.0, took_s
+    data = os.urandom(3 << 20)
+    file.write_bytes(data)
+    record = ckpt.file_record(file)
+    assert record == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}, record
 
 
 # ------------------------------------------------------------------ 2 ranks: one launch, many cases
