@@ -29,6 +29,7 @@ from graphpass.mesh import pipeline_rank
 from graphpass.model_io import Batch, adapt
 from graphpass.plan import Plan, Strategy, check_pipeline
 from graphpass.plan_builder import plan_from_strategy
+from graphpass.progress import phase
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import ownership
 from graphpass.runtime import verifier
@@ -204,6 +205,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
     timeout_s = _check_timeout(timeout_s, device_type)
     captured, plan, local_inputs = _capture_and_plan(program_model, cluster, inputs, strategy, rank, world_size)
+    named = type(model).__name__
     gm = captured.gm
 
     process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type, node_size=(
@@ -223,19 +225,22 @@ def compile(  # noqa: A001 - the public name the contract uses
         if verify:
             recorder.after_pass(index, record, graph)
 
-    gm, records = run_passes(gm, plan, ctx, passes_for(plan), on_record=after_pass)
+    with phase(f"applying the plan to {named}"):
+        gm, records = run_passes(gm, plan, ctx, passes_for(plan), on_record=after_pass)
     dumper.finish(plan, captured.route, captured.seconds, records)
     if dumper.root is not None and rank == 0:
         log.info("graphpass dumps written to %s", dumper.root)
     if verify:
-        verifier.check_across_ranks(recorder, verifier.local_problems(gm, plan, rank, cluster.device.memory_bytes))
+        with phase(f"verifying {named} against the other ranks"):
+            verifier.check_across_ranks(recorder, verifier.local_problems(gm, plan, rank, cluster.device.memory_bytes))
 
     ownership.adopt_replaced(gm, originals)
     if plan.mesh.pp == 1:
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
                                  captured.route, input_keys=batch.keys)
     output = gm.graph.find_nodes(op="output")[0]
-    mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
+    with phase(f"building the pipeline stages of {named}"):
+        mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
     # This rank keeps only its stages' tensors (the other stages' ranks hold theirs).
     held = {n.target for _, stage in mine for n in stage.graph.nodes if n.op == "get_attr"}
     for target in {n.target for n in gm.graph.nodes if n.op == "get_attr"} - held:
@@ -331,8 +336,10 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Te
     the capture at one microbatch of a rank's share; (capture, plan, local inputs)."""
     world_size = ranks_present if world_size is None else world_size
     chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
+    name = type(getattr(model, "wrapped", model)).__name__
     if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
-        given_plan = _auto_plan(model, cluster, inputs, rank, ranks_present)
+        with phase(f"planning {name} on {world_size} device{'s' if world_size != 1 else ''}"):
+            given_plan = _auto_plan(model, cluster, inputs, rank, ranks_present)
     source = given_plan if given_plan is not None else chosen
     dp = source.mesh.dp  # type: ignore[union-attr]
     k = source.microbatches  # type: ignore[union-attr]
@@ -344,7 +351,8 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Te
     check_divisible(inputs, names, [["dp"] if dp > 1 else []] * len(inputs), Plan(mesh={"dp": dp}))
     _check_microbatches(inputs, names, dp, k, "Plan" if given_plan is not None else "Strategy")
     local_inputs = tuple(t.narrow(0, 0, t.shape[0] // (dp * k)) if dp * k > 1 else t for t in inputs)
-    captured = capture(model, local_inputs)
+    with phase(f"capturing {name}"):
+        captured = capture(model, local_inputs)
     plan = given_plan if given_plan is not None else plan_from_strategy(captured.gm, chosen, reasons)  # type: ignore[arg-type]
     plan.check_graph(captured.gm)  # the plan's placements against this model's graph
     input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]

@@ -98,3 +98,19 @@ def test_a_phase_ends_its_line_when_the_block_raises(monkeypatch):
             time.sleep(0.05)
             raise ValueError("boom")
     assert not [t for t in threading.enumerate() if t.name.startswith("graphpass phase")]
+
+
+def test_compile_names_each_phase_it_is_in_on_a_terminal(monkeypatch):
+    # A delay of 0 draws every phase however short, so the test sees them all on any machine.
+    monkeypatch.delenv("GRAPHPASS_QUIET", raising=False)
+    monkeypatch.setattr(progress, "PHASE_DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "PHASE_REFRESH_S", 0.01)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    model = zoo.build("gpt")
+    gp.compile(model, gp.Cluster.local(), example_inputs=zoo.batches("gpt", 1, 4)[0])
+    drawn = terminal.getvalue()
+    for named in ("planning GPT on 1 device", "capturing GPT", "applying the plan to GPT",
+                  "verifying GPT against the other ranks"):
+        assert named in drawn, drawn
+    assert not [t for t in threading.enumerate() if t.name.startswith("graphpass phase")]
