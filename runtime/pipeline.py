@@ -42,6 +42,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from graphpass import meta
 from graphpass.mesh import pipeline_rank
+from graphpass.runtime import rank_progress
 from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
 
@@ -333,6 +334,7 @@ class PipelineProgram:
         self.loss_index, self.report_index = loss_index, report_index
         self.stages = [self._stage(module, index, num_stages, group, device) for index, module in stages]
         self._reports: list[torch.Tensor] = []
+        self.steps_run = 0
         engine = SCHEDULES[schedule]
         self.schedule = engine(self.stages if issubclass(engine, PipelineScheduleMulti) else self.stages[0],
                                n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=False)
@@ -377,13 +379,16 @@ class PipelineProgram:
             with torch.no_grad():
                 self.schedule.eval(*args, target=target, return_outputs=False)
             return self._mean_report()
-        self.schedule.step(*args, target=target, return_outputs=False)
-        for target_name, group in self.shared:
-            p = self._parameter(target_name)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-        return self._mean_report()
+        self.steps_run += 1
+        # Stages differ per rank: a timeout names the ranks that have not started this step.
+        with rank_progress.watching(self.steps_run, by_ops=False):
+            self.schedule.step(*args, target=target, return_outputs=False)
+            for target_name, group in self.shared:
+                p = self._parameter(target_name)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+            return self._mean_report()
 
     def _mean_report(self) -> torch.Tensor:
         """The mean of the microbatches' reported losses (float32), sent from the last stage to

@@ -22,9 +22,13 @@ was last seen, so that torchrun's root cause is the hung rank
 
 Under ``gp.launch`` the :class:`~graphpass.runtime.launch.RankError` then names the hung rank.
 
+Pipeline stages run different programs on different ranks, so their op counts do not compare:
+a pipeline step is watched with ``by_ops=False`` and ranks are compared by step (a rank that has
+not started the step another waits in is named; two ranks inside the same step are not told
+apart, and the timeout then propagates with every rank's last record in a note).
+
 Limits: a rank whose main thread holds the GIL forever cannot answer (its last record still
-names it); progress is compared by count, which pipeline stages (different programs per rank,
-not run under :func:`watching`) do not share; NCCL's watchdog may end the process before Python
+names it); NCCL's watchdog may end the process before Python
 sees its timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). Ranks on different machines compare
 wall clocks for "last seen".
 """
@@ -71,6 +75,8 @@ _count = 0
 _step = 0
 _in_step = False
 _last: tuple = (0, None, None, 0, False, time.time())
+_by_ops = True  # whether the step running (or last run) compares ranks by ops entered
+_step_started_at = time.time()
 _recent: collections.deque = collections.deque(maxlen=_RECENT_OPS)
 _publisher: list = [None, None]  # [thread, pid that started it]
 _stop = threading.Event()
@@ -135,13 +141,17 @@ def enter(op: str, index: int | None = None) -> None:
 
 
 @contextlib.contextmanager
-def watching(step: int) -> Iterator[None]:
+def watching(step: int, by_ops: bool = True) -> Iterator[None]:
     """Run a training step as step number ``step``: its collectives are labelled with it, and a
     collective timeout inside it raises :class:`HungRankError` naming the ranks that did not
-    arrive (when some are behind; otherwise the timeout propagates unchanged)."""
-    global _step, _in_step, _last
-    _step, _in_step = step, True
-    _last = (_count, _STEP_STARTED, None, step, True, time.time())
+    arrive (when some are behind; otherwise the timeout propagates unchanged).
+
+    ``by_ops=False`` where ranks run different programs (pipeline stages): ranks are then
+    compared by step only."""
+    global _step, _in_step, _last, _by_ops, _step_started_at
+    _step, _in_step, _by_ops = step, True, by_ops
+    _step_started_at = time.time()
+    _last = (_count, _STEP_STARTED, None, step, True, _step_started_at)
     _start_publisher()
     try:
         yield
@@ -182,7 +192,13 @@ def _key(kind: str, rank: int) -> str:
 
 
 def _encode(record: tuple) -> str:
-    return json.dumps({"count": record[0], "label": label(record), "time": record[5]})
+    return json.dumps({"count": record[0], "label": label(record), "time": record[5],
+                       "position": _position(record)})
+
+
+def _position(record: tuple) -> tuple[int, int]:
+    """Where a record stands by steps alone: (step, 1) inside it, (step, 2) after it."""
+    return (record[3], 1 if record[4] else 2)
 
 
 def _store() -> dist.Store:
@@ -274,7 +290,11 @@ def _diagnose(exc: BaseException) -> HungRankError | None:
     for r in range(world):
         if r != me and store.check([_key("rank", r)]):
             records[r] = json.loads(store.get(_key("rank", r)))
-    behind = [r for r in range(world) if r != me and records.get(r, {"count": -1})["count"] < mine[0]]
+    if _by_ops:
+        behind = [r for r in range(world) if r != me and records.get(r, {"count": -1})["count"] < mine[0]]
+    else:  # pipeline stages: by step
+        behind = [r for r in range(world) if r != me and r in records
+                  and tuple(records[r]["position"]) < _position(mine)]
     if not behind:
         seen = "; ".join(f"rank {r}: {records[r]['label']}" for r in sorted(records))
         exc.add_note(f"every rank had reached {label(mine)} or beyond (last seen: {seen})")
@@ -282,9 +302,13 @@ def _diagnose(exc: BaseException) -> HungRankError | None:
     ops = {record[0]: record for record in _recent}
     missed, waited_s = {}, 0.0
     for r in behind:  # the op after its last one; a rank never seen missed (at least) this one's
-        op = ops.get(records[r]["count"] + 1, mine) if r in records else mine
-        missed[r] = label(op)
-        waited_s = max(waited_s, now - op[5])
+        if _by_ops:
+            op = ops.get(records[r]["count"] + 1, mine) if r in records else mine
+            missed[r] = label(op)
+            waited_s = max(waited_s, now - op[5])
+        else:  # the step this rank is in, which the other has not started
+            missed[r] = f"{_STEP_STARTED} {mine[3]} (a pipeline step)"
+            waited_s = max(waited_s, now - _step_started_at)
     last_seen = {r: ((records[r]["label"], now - records[r]["time"]) if r in records else ("nothing yet", 0.0))
                  for r in behind}
     for r in behind:
