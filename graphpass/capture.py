@@ -111,6 +111,7 @@ def capture(
             # expert loops over data-dependent counts run as grouped products (graphpass.nn.grouped_experts)
             with substituted(model):
                 gm = _export(model, inputs) if name == "export" else _symbolic_trace(model, inputs)
+            _name_inputs_as_their_nodes(gm)
         except (_BadModel, NoLoss):
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is reported per route below
@@ -281,6 +282,21 @@ def _describe_failure(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- export route
+
+
+def _name_inputs_as_their_nodes(gm: fx.GraphModule) -> None:
+    """Make every placeholder's argument name its node's name.
+
+    fx renames a node whose name shadows a builtin (``input`` becomes node ``input_1``) but keeps
+    the argument name, and its generated code then assigns ``input_1 = input`` before reading the
+    argument ``input_1``: a ``forward(self, input, input_1)`` would read its first argument twice.
+    Node names are unique and safe, so the arguments take them."""
+    renamed = False
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.target != node.name:
+            node.target, renamed = node.name, True
+    if renamed:
+        gm.recompile()
 
 
 def _export(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:

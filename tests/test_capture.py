@@ -216,3 +216,25 @@ def test_compile_reuses_a_capture_across_strategies_and_trains_like_a_fresh_one(
         dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Strategy(zero=3, split=2))
     assert dmodel.capture_route == "export"
     torch.testing.assert_close(zoo.train_compiled(dmodel, data), fresh, rtol=0, atol=0)
+
+
+class _ArgumentsNamedLikeBuiltins(nn.Module):
+    """``input`` shadows a builtin, so fx names its node ``input_1``: the name of the next argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, input, input_1, id):  # noqa: A002 - the names under test
+        return ((self.fc(input) - input_1) ** 2).mean() + id.mean()
+
+
+@pytest.mark.parametrize("route", ["export", "symbolic_trace"])
+def test_arguments_named_like_builtins_keep_their_order(route):
+    torch.manual_seed(0)
+    model = _ArgumentsNamedLikeBuiltins()
+    inputs = (torch.randn(8, 4), torch.randn(8, 4), torch.randn(8))
+    gm = capture(model, inputs, route=route).gm
+    torch.testing.assert_close(gm(*inputs)[0], model(*inputs), rtol=0, atol=0)
+    assert [n.target for n in gm.graph.find_nodes(op="placeholder")] == \
+        [n.name for n in gm.graph.find_nodes(op="placeholder")]
