@@ -202,8 +202,10 @@ def expert_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
         log.info("%s: no ep axis of size > 1; nothing to do", NAME)
         return gm
     index = plan.mesh.coordinate(ctx.rank, EP)
+    regions = expert_regions(gm)
+    _check_only_experts_sharded(gm, plan, {meta.plan_name(w) for region in regions for w in region.weights})
     sharded = 0
-    for region in expert_regions(gm):
+    for region in regions:
         placed = [isinstance(plan.placement(meta.plan_name(w), EP), Shard) for w in region.weights]
         if not any(placed):
             continue
@@ -228,6 +230,21 @@ def expert_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
     log.info("%s: %d Mixture-of-Experts layers' experts sharded over ep=%d", NAME, sharded, size)
     gm.recompile()
     return gm
+
+
+def _check_only_experts_sharded(gm: fx.GraphModule, plan: Plan, experts: set[str]) -> None:
+    """Refuse a placement that shards anything but an expert weight on ``ep``: this pass shards
+    expert weights only, and the gradient of any other tensor is averaged over ``ep`` like over
+    the rest of ``dp``, so such an entry would be ignored or, for a gradient, wrong."""
+    nodes = {meta.plan_name(n): n for n in gm.graph.nodes}
+    stray = [name for name in plan.placements if name not in experts and name in nodes
+             and nodes[name].op == "get_attr" and isinstance(plan.placement(name, EP), Shard)]
+    if stray:
+        raise ValueError(
+            f"Plan.placements shards {stray[:5]} on 'ep', which are not expert weights of a Mixture-of-Experts "
+            f"layer ({f'those are {sorted(experts)[:4]}' if experts else 'this model has none'}); only experts are "
+            "sharded on ep: "
+            "place these Replicate() on 'ep' (or leave 'ep' out), and shard them over dp with Plan.zero")
 
 
 def _layer_buffers(gm: fx.GraphModule, region: ExpertRegion, i: int) -> tuple[fx.Node, fx.Node]:

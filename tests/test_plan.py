@@ -251,6 +251,26 @@ def test_plans_graphpass_makes_pass_the_graph_check(model, strategy):
     plan.check_graph(gm)
 
 
+@pytest.mark.parametrize("model, sharded, experts", [
+    ("moe_topk", "wte_weight", r"those are \['h_0_moe_experts_w_in', "),
+    ("gpt", "h_0_mlp_up_weight", r"this model has none"),
+])
+def test_compile_refuses_a_plan_that_shards_other_than_experts_on_ep(model, sharded, experts):
+    """Through gp.verify (the expert pass at compile): its gradient would be averaged over ep."""
+    from graphpass.capture import capture
+    from graphpass.pass_manager import PassError
+    from graphpass.plan_builder import plan_from_strategy
+
+    batch = zoo.batches(model, 1, 4)[0]
+    gm = capture(zoo.build(model), tuple(t[:2] for t in batch)).gm
+    base = plan_from_strategy(gm, gp.Strategy(dp=2, ep=2) if model != "gpt" else gp.Strategy(dp=2), []).to_dict()
+    plan = _edited(base, {"dp": 2, "ep": 2}, **{sharded: {"dp": "Replicate()", "ep": "Shard(0)"}})
+    cluster = gp.Cluster.preset("h100-80g", nodes=1, gpus_per_node=2)
+    with pytest.raises(PassError, match=rf"Plan.placements shards \['{sharded}'\] on 'ep', which are not expert "
+                                         rf"weights .*{experts}.*place these Replicate\(\) on 'ep'"):
+        gp.verify(zoo.build(model), cluster, example_inputs=batch, strategy=plan)
+
+
 def test_compile_refuses_a_plan_whose_inputs_split_differently(gpt_graph):
     """Through gp.verify (compile's own capture and checks, every rank in this process)."""
     _, base = gpt_graph
