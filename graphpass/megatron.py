@@ -5,8 +5,9 @@ output flows — through elementwise, view/transpose and attention ops — into 
 the same layer is *column* parallel (weight ``Shard(0)``: q/k/v, MLP up/gate), and the linear it
 flows into is *row* parallel (weight ``Shard(1)``: attention output, MLP down). A token embedding
 (indexed by a graph input) is vocabulary parallel (``Shard(0)``), and so is a linear that produces
-the logits of a cross-entropy, which gives a vocabulary-sharded loss without gathering logits.
-Everything else stays replicated.
+the logits of a cross-entropy, which gives a vocabulary-sharded loss without gathering logits;
+a vocabulary that ``tp`` does not divide (a classifier's 3 labels, GPT-2's 50257 tokens) stays
+replicated instead, every rank computing whole logits. Everything else stays replicated.
 
 A linear is any :class:`Projection`: ``aten.linear`` and Hugging Face's ``Conv1D``
 (``addmm(bias, x, W)`` with ``W`` stored ``[in, out]``, so its column shard is ``Shard(1)`` and its
@@ -322,6 +323,7 @@ def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str
     out: dict[str, str] = {}
     parts: dict[str, tuple[int, ...]] = {}
     columns: dict[fx.Node, frozenset[fx.Node]] = {}  # column linear -> the row linears it feeds
+    vocab: dict[str, tuple[fx.Node, str]] = {}  # vocabulary-parallel weight or bias -> (its node, the weight)
     for node in gm.graph.nodes:
         proj = projection(node)
         if proj is None:
@@ -331,8 +333,10 @@ def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str
         if layer is None:
             if _feeds_cross_entropy(node):
                 out.setdefault(weight, proj.column)  # vocabulary-parallel logits
+                vocab[weight] = (proj.weight, weight)
                 if bias is not None:
                     out.setdefault(bias, "Shard(0)")
+                    vocab[bias] = (proj.bias, weight)
             continue
         if weight in out:
             continue
@@ -356,11 +360,29 @@ def megatron_layout(gm: fx.GraphModule, tp: int | None = None) -> tuple[dict[str
             weight, idx = node.args[0], node.args[1]
             if isinstance(weight, fx.Node) and weight.op == "get_attr" and isinstance(idx, fx.Node) and idx.op == "placeholder":
                 out.setdefault(weight.name, "Shard(0)")  # token embedding: vocabulary parallel
+                vocab[weight.name] = (weight, weight.name)
     if tp is not None and tp > 1:
         _replicate_kv_heads(columns, parts, out, tp)
+        _replicate_indivisible_vocabularies(vocab, out, tp)
     # A weight shared by several linears (tied) must get one placement; column wins over row only
     # when every use is column-compatible, which setdefault above already ensured.
     return out, parts
+
+
+def _replicate_indivisible_vocabularies(vocab: dict[str, tuple[fx.Node, str]], out: dict[str, str],
+                                       tp: int) -> None:
+    """Leave replicated a vocabulary (embedding rows, logits features) that ``tp`` does not
+    divide: a classifier's 3 labels, GPT-2's 50257 tokens. Every rank then computes the whole
+    logits and loss, as one process does; a logits bias goes with its weight, and a tied
+    embedding and head are one tensor."""
+    indivisible = set()
+    for name, (node, weight) in vocab.items():
+        val, placement = node.meta.get(meta.VAL), out.get(name)
+        if placement is not None and isinstance(val, torch.Tensor) and val.shape[int(placement[6:-1])] % tp:
+            indivisible.add(weight)
+    for name, (_, weight) in vocab.items():
+        if weight in indivisible:
+            out.pop(name, None)
 
 
 def _replicate_kv_heads(columns: dict[fx.Node, frozenset[fx.Node]], parts: dict[str, tuple[int, ...]],

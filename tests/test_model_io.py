@@ -50,6 +50,26 @@ def _case(name: str):
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(3)]
         return model, batches, F.mse_loss, lambda m, b: F.mse_loss(m(b[0]), b[1])
+    if name == "bert_3_labels":  # a classifier whose 3 labels tp=2 does not divide
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=zoo.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=zoo.SEQ, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.BertForSequenceClassification(config)
+        g = torch.Generator().manual_seed(1)
+        batches = [{"input_ids": torch.randint(0, zoo.VOCAB, (8, zoo.SEQ), generator=g),
+                    "attention_mask": torch.ones(8, zoo.SEQ, dtype=torch.long),
+                    "labels": torch.randint(0, 3, (8,), generator=g)} for _ in range(3)]
+        return model, batches, None, lambda m, b: m(**b).loss
+    if name == "gpt2_odd_vocab":  # GPT-2's 50257 tokens in small: a vocabulary tp=2 does not divide
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=zoo.VOCAB + 1, n_positions=zoo.SEQ, n_embd=32, n_layer=2,
+                                         n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+        batches = [{"input_ids": x, "labels": x} for x, _ in zoo.batches("gpt", 3)]
+        return model, batches, None, lambda m, b: m(**b).loss
     raise KeyError(name)
 
 
@@ -70,10 +90,10 @@ def _reference(name: str):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(name: str):
+def _train(name: str, strategy: gp.Strategy | None = None):
     model, batches, loss_fn, _ = _case(name)
     dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batches[0], loss_fn=loss_fn,
-                        strategy=gp.Strategy(dp=torch.distributed.get_world_size()))
+                        strategy=strategy or gp.Strategy(dp=torch.distributed.get_world_size()))
     opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
     losses = []
     for batch in batches:
@@ -90,6 +110,20 @@ def test_models_as_they_ship_train_as_one_process_on_two_ranks(rank_pool):
         ref_losses, ref_state = _reference(name)
         for rank, (losses, state) in enumerate(pool.run(_train, name, timeout_s=300)):
             zoo.assert_matches_reference(f"{name} rank {rank}/2", losses, state, ref_losses, ref_state,
+                                         rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.timeout(600)
+def test_a_vocabulary_or_label_count_tp_does_not_divide_stays_whole_under_tp(rank_pool):
+    # Megatron's layout shards the logits and the token embedding by vocabulary; 3 labels or an
+    # odd vocabulary do not divide by tp=2, so they stay replicated (every rank computes whole
+    # logits) instead of failing the Strategy. Tolerances: tp only reorders fp32 additions
+    # (tests/test_tensor_parallel.py's RTOL/ATOL).
+    pool = rank_pool(2)
+    for name in ("bert_3_labels", "gpt2_odd_vocab"):
+        ref_losses, ref_state = _reference(name)
+        for rank, (losses, state) in enumerate(pool.run(_train, name, gp.Strategy(tp=2), timeout_s=300)):
+            zoo.assert_matches_reference(f"{name} tp rank {rank}/2", losses, state, ref_losses, ref_state,
                                          rtol=RTOL, atol=ATOL)
 
 

@@ -90,11 +90,20 @@ def test_tp_not_dividing_query_heads_names_the_module():
         _plan_and_run(zoo.build("hf_llama"), zoo.batches("hf_llama", 1, 4)[0], gp.Strategy(tp=8), 8)
 
 
-def test_tp_not_dividing_vocab_names_the_parameter():
+def test_a_vocabulary_tp_does_not_divide_stays_whole_and_a_plan_sharding_it_names_the_parameter():
     model = GPT(GPTConfig(vocab_size=255, block_size=16, n_layer=1, n_head=2, n_embd=32))
     idx = torch.randint(0, 255, (2, 16))
+    # The Strategy's Megatron layout leaves the tied embedding and head whole: plain cross-entropy.
+    gm = _plan_and_run(model, (idx, idx), gp.Strategy(tp=2), 2)
+    assert tuple(gm.get_parameter("wte.weight").shape) == (255, 32)
+    assert "vocab_parallel_cross_entropy" not in _tp_sequence(gm)
+    assert tuple(gm.get_parameter("h.0.mlp.up.weight").shape)[0] * 2 == 4 * 32  # the blocks still sharded
+    # A plan that shards it anyway is refused naming the parameter.
+    gm = capture(model, (idx, idx)).gm
+    plan = plan_from_strategy(gm, gp.Strategy(tp=2), [])
+    plan.placements["wte_weight"]["tp"] = "Shard(0)"
     with pytest.raises(PassError, match=r"tp=2 does not divide dim 0 \(size 255\) of 'wte.weight'"):
-        _plan_and_run(model, (idx, idx), gp.Strategy(tp=2), 2)
+        run_passes(gm, plan, PassContext(0, 2, (idx, idx)), PIPELINE)
 
 
 class _CumsumMLP(nn.Module):
