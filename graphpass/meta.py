@@ -62,6 +62,11 @@ ROLE = "gp.role"
 #: runner's verification then expects no ``meta["val"]`` on it.
 OPAQUE = "gp.opaque"
 
+#: For the ``get_attr`` of a loss's global count (``global_loss_mean``): the
+#: :class:`graphpass.passes.global_loss_mean.LossCount` that counts one microbatch's targets; the
+#: runtime fills the buffer before each step (:mod:`graphpass.runtime.loss_count`).
+LOSS_COUNT = "gp.loss_count"
+
 _MISSING = object()
 
 

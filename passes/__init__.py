@@ -6,6 +6,7 @@ A pass never measures, solves or communicates. :data:`PIPELINE` is the order
 
 from graphpass.plan import Plan
 from graphpass.passes.expert_parallel import expert_parallel
+from graphpass.passes.global_loss_mean import global_loss_mean
 from graphpass.passes.insert_collectives import insert_collectives
 from graphpass.passes.partition_stages import partition_stages
 from graphpass.passes.recompute import recompute
@@ -14,7 +15,8 @@ from graphpass.passes.split_operators import split_operators
 from graphpass.passes.tensor_parallel import tensor_parallel
 
 #: The passes ``graphpass.compile`` runs, in order (a pipelined plan runs `passes_for`'s).
-#: split_operators comes first: its slices are the
+#: global_loss_mean comes first: it makes a mean loss a sum over this piece of the batch divided by
+#: the step's count, which tensor_parallel then computes vocabulary-parallel. split_operators next: its slices are the
 #: parameters that shard_parameters then shards and gathers one by one. tensor_parallel runs
 #: before shard_parameters (DESIGN.md lists them the other way round): it must see parameters
 #: as direct get_attr inputs of their ops, and ZeRO then shards each rank's tp chunk over dp,
@@ -23,7 +25,8 @@ from graphpass.passes.tensor_parallel import tensor_parallel
 #: shard_parameters (ZeRO then shards each rank's experts over edp). insert_collectives adds the
 #: data-parallel gradient sync last, over whatever parameters remain replicated. Later
 #: capabilities (offload) slot in as they land.
-PIPELINE = (split_operators, tensor_parallel, expert_parallel, shard_parameters, insert_collectives, recompute)
+PIPELINE = (global_loss_mean, split_operators, tensor_parallel, expert_parallel, shard_parameters, insert_collectives,
+            recompute)
 
 
 def passes_for(plan: Plan) -> tuple:
@@ -34,4 +37,4 @@ def passes_for(plan: Plan) -> tuple:
     return (partition_stages, *PIPELINE) if len(plan.stages) > 1 else PIPELINE
 
 
-__all__ = ["PIPELINE", "expert_parallel", "insert_collectives", "partition_stages", "passes_for", "recompute", "shard_parameters", "split_operators", "tensor_parallel"]
+__all__ = ["PIPELINE", "expert_parallel", "global_loss_mean", "insert_collectives", "partition_stages", "passes_for", "recompute", "shard_parameters", "split_operators", "tensor_parallel"]

@@ -305,11 +305,13 @@ def emit_tp_copy(gm: fx.GraphModule, value: fx.Node, axis: str, size: int, *, be
 
 def emit_vocab_parallel_cross_entropy(
     gm: fx.GraphModule, logits: fx.Node, target: fx.Node, axis: str, size: int, vocab_start: int,
-    ignore_index: int, *, created_by: str,
+    ignore_index: int, *, created_by: str, reduction: str = "mean",
 ) -> fx.Node:
-    """Cross-entropy of vocabulary-sharded logits (inserted at the current insertion point)."""
+    """Cross-entropy of vocabulary-sharded logits, its ``reduction`` ``"mean"`` or ``"sum"``
+    (inserted at the current insertion point)."""
+    kwargs = {"ignore_index": ignore_index, **({"reduction": reduction} if reduction != "mean" else {})}
     node = gm.graph.call_function(
-        _op(TABLE["tp vocabulary-parallel loss"]), (logits, target, axis, size, vocab_start), {"ignore_index": ignore_index}
+        _op(TABLE["tp vocabulary-parallel loss"]), (logits, target, axis, size, vocab_start), kwargs
     )
     node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: "Replicate()"}})
     return node

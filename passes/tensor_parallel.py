@@ -525,12 +525,13 @@ def _cross_entropy(w: _Walker, node: fx.Node) -> Placement:
     ignore_index = -100 if ignore_index is None else ignore_index
     lp = w.placement(logits)
     vocab_dim = w.ndim(logits) - 1
-    if lp == Shard(vocab_dim) and w.ndim(logits) == 2 and weight is None and reduction == 1 and not smoothing:
+    if lp == Shard(vocab_dim) and w.ndim(logits) == 2 and weight is None and reduction in (1, 2) and not smoothing:
         target = w.redistribute(target, R, node)
         rows = w.gshape[logits][1] // w.size
         with w.graph.inserting_before(node):
             new = collectives.emit_vocab_parallel_cross_entropy(
-                w.gm, logits, target, AXIS, w.size, w.rank * rows, ignore_index, created_by=NAME
+                w.gm, logits, target, AXIS, w.size, w.rank * rows, ignore_index, created_by=NAME,
+                reduction="mean" if reduction == 1 else "sum",  # a sum: global_loss_mean's
             )
         meta.copy_meta(node, new)
         node.replace_all_uses_with(new)

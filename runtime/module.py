@@ -10,6 +10,7 @@ gradients synchronised once) and returns the global-batch loss; any torch optimi
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Callable, Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ from graphpass.plan import Plan
 from graphpass.runtime import grad_sync
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.layout import Layout, layout_of
+from graphpass.runtime.loss_count import LossCounts
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.step import StepProgram, accumulation_schedule
 from graphpass.runtime.tensor_parallel import gather_tp_parameters
@@ -120,6 +122,7 @@ class DistributedModule(nn.Module):
         self._program = StepProgram(
             [graph_module], self._roles["loss"], self._report, accumulation_schedule(self.num_microbatches)
         ) if pipeline is None else None
+        self._loss_counts = LossCounts(graph_module, sorted({a for axes in self._shards for a in axes}), process_mesh)
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
         self._extra_state = {
@@ -310,10 +313,11 @@ class DistributedModule(nn.Module):
         accumulated and synchronised once.
         """
         global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
+        count = functools.partial(self._loss_counts.fill, self.microbatches(*global_batch)) if self._loss_counts else None
         with mesh_lib.active(self._mesh):
             if self._pipeline is not None:  # the engine's schedule cuts the microbatches
-                return self._pipeline.run(self.local_batch(*global_batch))
-            return self._program.run(self.microbatches(*global_batch))
+                return self._pipeline.run(self.local_batch(*global_batch), before=count)
+            return self._program.run(self.microbatches(*global_batch), before=count)
 
     def forward(self, *global_batch: torch.Tensor, **keyword_batch: torch.Tensor) -> torch.Tensor:
         """The global-batch loss without a backward pass (for evaluation).
@@ -323,10 +327,12 @@ class DistributedModule(nn.Module):
         global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
         if self._pipeline is not None:
             with mesh_lib.active(self._mesh):
-                loss = self._pipeline.run(self.local_batch(*global_batch), train=False)
+                loss = self._pipeline.run(self.local_batch(*global_batch), train=False, before=functools.partial(
+                    self._loss_counts.fill, self.microbatches(*global_batch)))
         else:
             microbatches = self.microbatches(*global_batch)
             with mesh_lib.active(self._mesh), torch.no_grad():
+                self._loss_counts.fill(microbatches)
                 losses = [self.graph_module(*mb)[self._report] for mb in microbatches]
             loss = torch.stack(losses).mean() if len(losses) > 1 else losses[0]
         return _NoBackward.apply(loss) if torch.is_grad_enabled() else loss

@@ -30,7 +30,7 @@ gradient inside the graph. graphpass adds what the engine does not know:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -366,10 +366,12 @@ class PipelineProgram:
         self._reports.append(outputs[self.report_index].detach())
         return outputs[self.loss_index] / self.num_microbatches
 
-    def run(self, local_inputs: Sequence[torch.Tensor], train: bool = True) -> torch.Tensor:
+    def run(self, local_inputs: Sequence[torch.Tensor], train: bool = True,
+            before: Callable[[], None] | None = None) -> torch.Tensor:
         """Train one step on this pipeline replica's share (given on every rank; only the first
         stage reads it), or with ``train=False`` only run its forwards (the engine's ``eval``,
-        without autograd); the mean reported loss, on every rank (detached)."""
+        without autograd); the mean reported loss, on every rank (detached). ``before()`` runs
+        first (inside the watched step when training)."""
         for stage in self.stages:
             stage.accumulation = Accumulation(self.num_microbatches)
         self._reports = []
@@ -377,11 +379,15 @@ class PipelineProgram:
         target = torch.zeros(self.num_microbatches) if self.is_last else None
         if not train:
             with torch.no_grad():
+                if before is not None:
+                    before()
                 self.schedule.eval(*args, target=target, return_outputs=False)
             return self._mean_report()
         self.steps_run += 1
         # Stages differ per rank: a timeout names the ranks that have not started this step.
         with rank_progress.watching(self.steps_run, by_ops=False):
+            if before is not None:
+                before()
             self.schedule.step(*args, target=target, return_outputs=False)
             for target_name, group in self.shared:
                 p = self._parameter(target_name)

@@ -108,8 +108,10 @@ class StepProgram:
                 raise ValueError(f"schedule runs the backward of microbatch {action.microbatch} on stage "
                                  f"{action.stage} before its forward")
 
-    def run(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    def run(self, microbatches: Sequence[Sequence[torch.Tensor]],
+            before: Callable[[], None] | None = None) -> torch.Tensor:
         """Train on ``microbatches`` (inputs of each); the mean reported loss (detached).
+        ``before()`` runs first, inside the step (its collectives are watched as the step's).
 
         Gradients end in ``.grad`` of every parameter, synchronised.
         """
@@ -121,6 +123,8 @@ class StepProgram:
         weight = 1.0 / self.num_microbatches
         self.steps_run += 1
         with rank_progress.watching(self.steps_run), _deferring_reports():
+            if before is not None:
+                before()
             self._run(accumulations, losses, reports, weight, microbatches)
         return torch.stack(reports).mean() if len(reports) > 1 else reports[0]
 

@@ -221,7 +221,7 @@ def tp_scatter(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_start, ignore_index):
+    def forward(ctx, logits, target, group, vocab_start, ignore_index, mean=True):
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         if group is not None:
@@ -240,7 +240,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             dist.all_reduce(both, group=group)
             target_logit, sum_exp = both[0], both[1]
         valid = target != ignore_index
-        count = valid.sum().clamp(min=1)
+        count = valid.sum().clamp(min=1) if mean else 1  # a sum: global_loss_mean divides by the step's count
         losses = torch.where(valid, sum_exp.log() - target_logit, torch.zeros_like(sum_exp))
         ctx.save_for_backward(exp, sum_exp, local_target, in_range, valid)
         ctx.count = count
@@ -258,7 +258,7 @@ def _vocab_parallel_cross_entropy_grad(ctx, grad: torch.Tensor, in_place: bool) 
     softmax = exp.div_(sum_exp.unsqueeze(-1)) if in_place else exp.div(sum_exp.unsqueeze(-1))
     hit = in_range.unsqueeze(-1).to(softmax.dtype)
     softmax.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
-    return softmax.mul_(((grad / ctx.count) * valid).unsqueeze(-1)), None, None, None, None
+    return softmax.mul_(((grad / ctx.count) * valid).unsqueeze(-1)), None, None, None, None, None
 
 
 class _VocabParallelCrossEntropyAlone(_VocabParallelCrossEntropy):
@@ -270,9 +270,11 @@ class _VocabParallelCrossEntropyAlone(_VocabParallelCrossEntropy):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, axis: str, size: int, vocab_start: int, ignore_index: int = -100
+    logits: torch.Tensor, target: torch.Tensor, axis: str, size: int, vocab_start: int, ignore_index: int = -100,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy over non-ignored targets from logits sharded on the last (vocab) dim.
+    """Cross-entropy over non-ignored targets from logits sharded on the last (vocab) dim: their
+    mean, or with ``reduction="sum"`` their sum.
 
     Args:
         logits: ``[tokens, vocab / size]``, this rank's vocabulary slice starting at ``vocab_start``.
@@ -280,7 +282,8 @@ def vocab_parallel_cross_entropy(
     """
     if is_fake(logits):
         return logits.new_empty((), dtype=torch.float32)
-    out = _VocabParallelCrossEntropy.apply(logits, target, _group(axis), vocab_start, ignore_index)
+    out = _VocabParallelCrossEntropy.apply(logits, target, _group(axis), vocab_start, ignore_index,
+                                           reduction == "mean")
     return out.to(logits.dtype)
 
 
@@ -312,9 +315,11 @@ def _alone_chunk(x: torch.Tensor, axis: str, size: int, dim: int) -> torch.Tenso
 
 
 def _alone_vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, axis: str, size: int, vocab_start: int, ignore_index: int = -100
+    logits: torch.Tensor, target: torch.Tensor, axis: str, size: int, vocab_start: int, ignore_index: int = -100,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    return _VocabParallelCrossEntropyAlone.apply(logits, target, None, vocab_start, ignore_index).to(logits.dtype)
+    return _VocabParallelCrossEntropyAlone.apply(logits, target, None, vocab_start, ignore_index,
+                                                 reduction == "mean").to(logits.dtype)
 
 
 #: ``{op: its stand-in}`` for every op of `TP_OPS`: same arguments, this rank's local work only.

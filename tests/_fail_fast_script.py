@@ -35,13 +35,15 @@ class StepFailed(RuntimeError):
     """Rank 0's collective raised: how long it waited, and what it raised."""
 
 
-def train_and_fail(mode: str, timeout_s: float, pid_dir: str, pipeline: bool = False) -> None:
+def train_and_fail(mode: str, timeout_s: float, pid_dir: str, where: str = "forward") -> None:
     """Never returns: rank 1 fails as ``mode`` says; another rank, if it is still alive when its
     collective raises (the ``hang`` mode), raises :class:`StepFailed` saying how long it waited.
 
-    ``pipeline``: one pipeline stage per rank, and rank 1 fails before it calls its second
-    ``train_step`` (a stalled data loader), while rank 0 waits inside the step for what rank 1
-    would send."""
+    ``where``: ``"forward"``, as the second step's forward starts (ZeRO-3 data parallelism: its
+    peers wait in the step's first all-gather); ``"before_step"``, before it calls its second
+    ``train_step`` (a stalled data loader: its peers wait in the step's first collective, the
+    count of the loss's targets); ``"pipeline"``, the same with one pipeline stage per rank (rank
+    0 waits inside the step for what rank 1 would send)."""
     import graphpass as gp
     import zoo
 
@@ -50,10 +52,10 @@ def train_and_fail(mode: str, timeout_s: float, pid_dir: str, pipeline: bool = F
         f.write(str(os.getpid()))
     data = zoo.batches("gpt", 2, 4)
     dmodel = gp.compile(zoo.build("gpt"), gp.Cluster.local(), example_inputs=data[0],
-                        strategy=gp.Strategy(pp=dist.get_world_size(), microbatches=2) if pipeline
+                        strategy=gp.Strategy(pp=dist.get_world_size(), microbatches=2) if where == "pipeline"
                         else gp.Strategy(dp=dist.get_world_size(), zero=3), timeout_s=timeout_s)
     dmodel.train_step(*data[0])
-    if rank == FAILED_RANK and pipeline:
+    if rank == FAILED_RANK and where != "forward":
         _fail(mode)
     if rank == FAILED_RANK:
         dmodel.graph_module.register_forward_pre_hook(lambda module, args: _fail(mode))

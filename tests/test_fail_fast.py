@@ -76,15 +76,19 @@ def test_a_hanging_rank_is_named_by_its_peers_after_compiles_timeout(tmp_path, w
 
 
 @pytest.mark.timeout(420)
-def test_a_rank_that_never_starts_a_pipeline_step_is_named_by_the_stage_waiting_for_it(tmp_path):
-    # Stages run different programs, so ranks are compared by step: rank 0 waits inside step 2
-    # for rank 1's stage, which never started it.
+@pytest.mark.parametrize("where, missed", [
+    # the step's first collective: the count of the loss's targets (graphpass.runtime.loss_count)
+    ("before_step", r"all_reduce of the loss's target count of step 2 \(last seen [\d.]+ s ago: the end of step 1\)"),
+    # stages run different programs, so ranks are compared by step
+    ("pipeline", r"the start of step 2 \(a pipeline step\) \(last seen [\d.]+ s ago: the end of step 1\)"),
+])
+def test_a_rank_that_never_starts_a_step_is_named_by_the_rank_waiting_for_it(tmp_path, where, missed):
+    # Rank 1 stalls before its second train_step (a data loader); rank 0 waits inside step 2.
     with pytest.raises(gp.RankError) as err:
-        gp.launch(train_and_fail, 2, ("hang", HANG_TIMEOUT_S, str(tmp_path), True), timeout_s=TIMEOUT_S + 60)
+        gp.launch(train_and_fail, 2, ("hang", HANG_TIMEOUT_S, str(tmp_path), where), timeout_s=TIMEOUT_S + 60)
     text = str(err.value)
     assert err.value.rank == FAILED_RANK and err.value.reported_by == 0, text
-    assert re.search(r"rank 1 did not reach the start of step 2 \(a pipeline step\) \(last seen [\d.]+ s ago: "
-                     r"the end of step 1\)", text), text
+    assert re.search(r"rank 1 did not reach " + missed, text), text
     assert "in train_and_fail\n    _fail(mode)" in text, text  # where rank 1 is
     assert_processes_end(_pids(tmp_path))
 

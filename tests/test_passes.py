@@ -21,7 +21,7 @@ from graphpass.capture import capture
 from graphpass.dump import Dumper
 from graphpass.pass_manager import PassContext, PassError, graph_pass, run_passes
 from graphpass.ops import op_name
-from graphpass.passes import PIPELINE
+from graphpass.passes import PIPELINE, split_operators
 from graphpass.passes.collectives import is_collective
 from graphpass.runtime import collectives as ops
 
@@ -220,13 +220,13 @@ def _does_nothing(gm, plan, ctx):
 def test_a_pass_that_changes_nothing_keeps_its_values_and_one_that_changes_a_tensor_is_verified():
     gm, batch, plan = _gpt_dp2()
     vals = {}
-    run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE[:1] + (_does_nothing,),
+    run_passes(gm, plan, PassContext(0, 2, batch), (split_operators, _does_nothing),
                on_record=lambda i, record, g: vals.setdefault(i, [n.meta.get(meta.VAL) for n in g.graph.nodes]))
     # The same value objects: the unchanged program was not propagated again.
     assert len(vals[2]) == len(vals[1]) and all(a is b for a, b in zip(vals[1], vals[2]))
     gm, batch, plan = _gpt_dp2()
     with pytest.raises(PassError, match="pass shrinks_a_weight failed after split_operators"):
-        run_passes(gm, plan, PassContext(0, 2, batch), PIPELINE[:1] + (_shrinks_a_weight,))
+        run_passes(gm, plan, PassContext(0, 2, batch), (split_operators, _shrinks_a_weight))
 
 
 def test_compile_single_process_matches_eager_and_records_history(tmp_path):
