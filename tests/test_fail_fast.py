@@ -36,7 +36,7 @@ TIMEOUT_S = 300.0  # the collective timeout of the raise and kill cases (compile
 # verifier's exchange waits for the slowest rank's passes), so it leaves a margin over the ranks'
 # skew on a loaded machine (about a second here).
 HANG_TIMEOUT_S = 10.0
-MISSED = "rank 1 did not reach all_gather_params group 0 of step 2"  # the hang case's first collective
+MISSED = "rank 1 did not reach all_gather_params group 0 of step 2"  # the first it misses (it ran the count)
 
 
 def _pids(pid_dir: pathlib.Path) -> list[int]:
@@ -65,7 +65,9 @@ def test_a_hanging_rank_is_named_by_its_peers_after_compiles_timeout(tmp_path, w
     # The hung rank is the one blamed; a peer whose all-gather timed out reports it.
     assert err.value.rank == FAILED_RANK and err.value.reported_by not in (None, FAILED_RANK), text
     assert text.startswith(f"rank 1 hung (reported by rank {err.value.reported_by}):"), text
-    assert re.search(MISSED + r" \(last seen [\d.]+ s ago: the start of step 2\)", text), text
+    # last seen in the step's first collective, the count of the loss's targets, which rank 1 ran
+    assert re.search(MISSED + r" \(last seen [\d.]+ s ago: all_reduce of the loss's target count of step 2\)",
+                     text), text
     assert "HungRankError" in text and "in _fail\n    time.sleep(10_000)" in text, text  # where rank 1 is
     waited = float(re.search(r"rank \d waited ([\d.]+) s in step 2", text).group(1))
     # At least the given timeout (gloo's own clock), and far below compile's default of 300 s

@@ -1,7 +1,8 @@
 """A mean loss over padded targets trains as one process when the batch is split
 (graphpass.passes.global_loss_mean): Hugging Face labels padded with -100 unevenly across the
 ranks' shares and the microbatches, under data parallelism, accumulation, ZeRO-3, pipelines and
-vocabulary-parallel tensor parallelism, on 2 and 4 gloo ranks; and the losses it cannot make
+vocabulary-parallel tensor parallelism, on 2 and 4 gloo ranks; a mean masked by hand
+(``(loss * mask).sum() / mask.sum()``, clamped or not) likewise; and the losses it cannot make
 exact are refused.
 
 Before the pass, each share's mean weighted its tokens by the share's own count: the loss of
@@ -89,6 +90,78 @@ def test_padded_labels_train_as_one_process_however_the_batch_is_split(rank_pool
             where = f"{name} {strategy} rank {rank}/{world_size}"
             zoo.assert_matches_reference(where, losses, state, ref_losses, ref_state, rtol=RTOL, atol=ATOL)
             assert evaluated == pytest.approx(ref_eval, rel=RTOL), where
+
+
+class _HandMasked(nn.Module):
+    """Per-token losses masked by the batch's attention mask and averaged by hand, the
+    denominator clamped or not."""
+
+    def __init__(self, clamp: bool):
+        super().__init__()
+        self.wte = nn.Embedding(zoo.VOCAB, 32)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, zoo.VOCAB)
+        self.clamp = clamp
+
+    def forward(self, idx, targets, mask):
+        logits = self.head(torch.relu(self.fc(self.wte(idx))))
+        per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        m = mask.flatten().float()
+        return (per_token * m).sum() / (m.sum().clamp(min=1) if self.clamp else m.sum())
+
+
+def _hand_masked_batches(steps: int = 3):
+    out = []
+    for ids, targets in zoo.batches("gpt", steps):
+        mask = torch.ones_like(ids)
+        mask[: len(ids) // 2, zoo.SEQ // 3:] = 0
+        mask[2] = 0
+        out.append((ids, targets, mask))
+    return out
+
+
+def _train_hand_masked(strategies):
+    out = []
+    for clamp, strategy in strategies:
+        torch.manual_seed(0)
+        out.append(_train_positional(_HandMasked(clamp), strategy))
+    return out
+
+
+def _train_positional(model, strategy):
+    batches = _hand_masked_batches()
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batches[0], strategy=strategy)
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for batch in batches:
+        losses.append(dmodel.train_step(*batch).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, dmodel.full_state_dict()
+
+
+@pytest.mark.timeout(600)
+def test_a_mean_masked_by_hand_trains_as_one_process(rank_pool):
+    strategies = [(False, gp.Strategy(dp=2)), (True, gp.Strategy(dp=2, microbatches=2, zero=3)),
+                  (True, gp.Strategy(tp=2, microbatches=2))]
+    runs = rank_pool(2).run(_train_hand_masked, strategies, timeout_s=300)
+    for clamp in (False, True):
+        torch.manual_seed(0)
+        model = _HandMasked(clamp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        ref_losses = []
+        for batch in _hand_masked_batches():
+            loss = model(*batch)
+            ref_losses.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for rank, results in enumerate(runs):
+            for (was_clamped, strategy), (losses, state) in zip(strategies, results):
+                if was_clamped == clamp:
+                    zoo.assert_matches_reference(f"clamp={clamp} {strategy} rank {rank}", losses, state, ref_losses,
+                                                 ref_state, rtol=RTOL, atol=ATOL)
 
 
 def test_the_pass_leaves_an_unsplit_batch_and_class_probabilities_alone():
