@@ -496,6 +496,7 @@ def _two_rank_cases(root: str) -> dict[str, str]:
     rank_1_file = os.path.join(path, "__1_0.distcp")
     said["rank 1 wrote"] = str(os.path.getsize(rank_1_file))
     original = open(rank_1_file, "rb").read()
+    dist.barrier()  # both ranks have read the file before rank 0 rewrites it (opening it truncates)
 
     def flip() -> None:
         raw = bytearray(original)
