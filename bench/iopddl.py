@@ -9,7 +9,7 @@ rules (``iopddl.cc``'s ``Evaluate``), not by the solver's own accounting:
 * usage: at every time t, the summed usage of the nodes whose interval ``[start, end)`` holds t
   must not exceed ``usage_limit``.
 
-The conversion onto ``cost/solver.py``'s ``Problem`` is exact: interval ``[s, e)`` -> live ``(s,
+The conversion onto ``cost/solver/``'s ``Problem`` is exact: interval ``[s, e)`` -> live ``(s,
 e - 1)``; an empty interval (``s == e``) holds no memory (its usages become 0); an edge's flat cost
 list is its ``[strategies of u][strategies of v]`` matrix, row-major. Costs at or above
 ``--forbidden`` (default 1e17; the instances price a forbidden combination 1e18) are counted in
@@ -51,7 +51,7 @@ def read_instance(path: pathlib.Path) -> dict:
 
 
 def to_problem(raw: dict, forbidden: float = FORBIDDEN) -> S.Problem:
-    """The exact ``cost/solver.py`` form of an IOPDDL instance (module docstring); costs at or
+    """The exact ``cost/solver/`` form of an IOPDDL instance (module docstring); costs at or
     above ``forbidden`` are the solver's forbidden ones."""
     nodes = raw["nodes"]
     out_nodes = []

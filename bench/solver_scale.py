@@ -31,16 +31,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from op_problem import LAYER, transformer_op_problem  # noqa: E402  (examples/ is not a package)
 
 from graphpass.cost import solver as S  # noqa: E402
+from graphpass.cost.solver import driver, milp, reductions  # noqa: E402
 
 
 def whole_milp(problem: S.Problem, time_limit_s: float) -> S.Solution:
     """``solve`` forced down its one-MILP path (the reduced problem in one HiGHS model, however big)."""
-    saved = S._FULL_MODEL_SIZE
-    S._FULL_MODEL_SIZE = float("inf")
+    saved = driver._FULL_MODEL_SIZE
+    driver._FULL_MODEL_SIZE = float("inf")
     try:
         return S.solve(problem, time_limit_s=time_limit_s)
     finally:
-        S._FULL_MODEL_SIZE = saved
+        driver._FULL_MODEL_SIZE = saved
 
 
 def _plain_milp(problem: S.Problem, time_limit_s: float) -> str:
@@ -63,12 +64,12 @@ def main() -> None:
     plain_done = False
     for size in args.sizes:
         problem = transformer_op_problem(num_layers=max(1, size // len(LAYER)))
-        red = S._reduce(problem)
+        red = reductions._reduce(problem)
         greedy = S.heuristic(problem)
         start = time.perf_counter()
         sol = S.solve(problem, time_limit_s=args.time_limit)
         seconds = time.perf_counter() - start
-        print(f"{len(problem.nodes):>7} {len(problem.edges):>7} {S._model_size(red):>9} {sol.solver:>14} "
+        print(f"{len(problem.nodes):>7} {len(problem.edges):>7} {milp._model_size(red):>9} {sol.solver:>14} "
               f"{seconds:>8.1f} {sol.cost_s:>10.6g} {greedy.cost_s:>10.6g} {sol.cost_s / greedy.cost_s:>9.3f} "
               f"{sol.gap:>7.2%} {sol.peak_memory_bytes / problem.memory_limit_bytes:>10.4f}", flush=True)
         if not plain_done and size >= args.milp_upto:

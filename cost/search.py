@@ -4,7 +4,7 @@ The unit of decision is a *block*: one repeated layer (``h.3``), or the segment 
 layer (embeddings: ``"pre"``) or after the last one (final norm, head, loss: ``"post"``). The
 graph side (:mod:`graphpass.planner`) measures every block once per tensor-parallel layout
 ``(tp, sequence_parallel, tp_layout)`` (:attr:`Layout.key`; ``tp_layout`` is Megatron's pattern or
-one of the op-level solver's, :mod:`graphpass.op_placement`): compute time per local batch, activations saved for backward,
+one of the op-level solver's, :mod:`graphpass.planner.op_placement`): compute time per local batch, activations saved for backward,
 parameter bytes per tp rank, and the tensor-parallel collectives the pass would emit
 (:class:`BlockCost`). Everything below prices and searches with those numbers and the
 :class:`~graphpass.cluster.Cluster`'s links.
@@ -250,7 +250,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     #: Which projections tensor parallelism shards: Megatron's pattern, or a layout of the
-    #: op-level solver (`graphpass.op_placement`).
+    #: op-level solver (`graphpass.planner.op_placement`).
     tp_layout: str = "megatron"
 
     @property

@@ -142,7 +142,7 @@ class MLPConfig:
     ``inputs`` features, then a linear to ``classes`` logits and a cross-entropy loss. The
     linears are a list, not repeated layers of several ops, so Megatron's pattern (which pairs
     the linears within a layer) shards only the logits; the op-level planner places the rest
-    (``graphpass/op_placement.py``)."""
+    (``graphpass/planner/op_placement.py``)."""
 
     inputs: int = 4096
     width: int = 16384

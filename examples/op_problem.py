@@ -1,4 +1,4 @@
-"""An op-level strategy problem shaped like a transformer's, built by hand for `cost/solver.py`.
+"""An op-level strategy problem shaped like a transformer's, built by hand for `cost/solver/`.
 
 The solver is torch-free: it takes nodes (one cost and one memory figure per strategy, and the
 steps their memory is held), edges (a resharding cost per pair of strategies) and a memory limit.

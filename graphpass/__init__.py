@@ -7,20 +7,57 @@
 See README.md for the concepts, the API and how to read the dumps.
 """
 
-from graphpass.api import compile, verify
+import importlib
+from typing import Any
+
+# The names below load on first use (PEP 562), so that importing one module of the package
+# (``graphpass.runtime.zero`` on a rank, ``graphpass.plan`` in a tool) does not load the planner,
+# the solver and OR-Tools. Two names are also modules of the package (``graphpass.plan`` the data
+# types, ``graphpass.capture`` the capture): those modules are imported here, before the names are
+# bound to the functions, so that the package attribute is the function, as users expect, and no
+# later import rebinds it.
 from graphpass.capture import CaptureError, capture, reusing_captures
-from graphpass.cluster import Cluster, DeviceSpec, LinkSpec, presets
-from graphpass.pass_manager import PassError, PassRecord
 from graphpass.plan import Plan, Strategy
-from graphpass.cost.profiler import profile
-from graphpass.planner import plan
-from graphpass.runtime.checkpoint import CheckpointError, SavedDataclass, load, load_into, save
-from graphpass.runtime.expert_placement import ExpertPlacement
-from graphpass.runtime.launch import RankError, launch
-from graphpass.runtime.module import DistributedModule
-from graphpass.runtime.rank_progress import HungRankError
-from graphpass.runtime.verifier import VerificationError
-from graphpass import nn
+
+
+def plan(*args: Any, **kwargs: Any):
+    """Plan a model on a cluster: :func:`graphpass.planner.plan` (loads the planner on first use)."""
+    from graphpass.planner import plan as plan_
+
+    return plan_(*args, **kwargs)
+
+
+_LAZY = {
+    "compile": "graphpass.api", "verify": "graphpass.api",
+    "Cluster": "graphpass.cluster", "DeviceSpec": "graphpass.cluster", "LinkSpec": "graphpass.cluster",
+    "presets": "graphpass.cluster",
+    "PassError": "graphpass.pass_manager", "PassRecord": "graphpass.pass_manager",
+    "profile": "graphpass.cost.profiler",
+    "CheckpointError": "graphpass.runtime.checkpoint", "SavedDataclass": "graphpass.runtime.checkpoint",
+    "load": "graphpass.runtime.checkpoint", "load_into": "graphpass.runtime.checkpoint",
+    "save": "graphpass.runtime.checkpoint",
+    "ExpertPlacement": "graphpass.runtime.expert_placement",
+    "RankError": "graphpass.runtime.launch", "launch": "graphpass.runtime.launch",
+    "DistributedModule": "graphpass.runtime.module",
+    "HungRankError": "graphpass.runtime.rank_progress",
+    "VerificationError": "graphpass.runtime.verifier",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "nn":
+        return importlib.import_module("graphpass.nn")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'graphpass' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "CaptureError",

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from graphpass.layout import Slice, TensorLayout
+
 #: FakeTensor (or tuple of them) describing the node's output; torch's own key.
 VAL = "val"
 #: Fully qualified module path that produced the node, e.g. ``"h.3.attn.q"``; ``""`` for the root.
@@ -28,20 +30,13 @@ ATTR_KIND = "gp.attr_kind"
 SOURCE = "gp.source"
 #: Name of the pass that created the node (absent on captured nodes).
 CREATED_BY = "gp.created_by"
-#: Placement of the node's output on each mesh axis, e.g. ``{"dp": "Shard(0)"}``.
+#: Placement of a collective's output on the axis it communicates over, e.g. ``{"dp": "Replicate()"}``
+#: (a parameter's or buffer's placements are in its :data:`LAYOUT`).
 PLACEMENT = "gp.placement"
-#: For a ZeRO-sharded parameter's ``get_attr``: ``{"axis": "dp", "dim": 0, "shape": full shape,
-#: "stage": 1|2|3}``; the attribute holds this rank's padded dim-0 shard.
-SHARD = "gp.shard"
-#: For a tensor-parallel parameter's ``get_attr``: ``{"axis": "tp", "dim": d, "shape": full
-#: shape}``; the attribute holds this rank's chunk of dim ``d`` (before any ZeRO sharding, which
-#: then shards that chunk over ``dp`` and records ``gp.shard`` with the chunk's shape).
-TP_SHARD = "gp.tp_shard"
-#: For a slice parameter's ``get_attr`` made by ``split_operators``: ``{"node": original get_attr
-#: node name, "target": original attribute, "state_keys": its state_dict keys, "shape": its full
-#: shape, "dim": tensor dim it was cut along, "index": i, "parts": k, "start": where slice i begins
-#: along dim}``; the attribute holds slice i.
-SPLIT = "gp.split"
+#: For a sharded parameter's or buffer's ``get_attr``: its :class:`graphpass.layout.TensorLayout`,
+#: where the attribute's tensor sits in the full tensor (tensor-parallel chunk, expert shard,
+#: operator-split slice, ZeRO shard, in the one order the layout composes them). Absent: whole.
+LAYOUT = "gp.layout"
 #: For a parameter ``get_attr``: the mesh axis over which its gradient is a partial sum (a
 #: replicated weight applied to sequence-sharded activations); insert_collectives sums it there.
 GRAD_PARTIAL = "gp.grad_partial"
@@ -67,6 +62,10 @@ OPAQUE = "gp.opaque"
 #: runtime fills the buffer before each step (:mod:`graphpass.runtime.loss_count`).
 LOSS_COUNT = "gp.loss_count"
 
+#: The keys that describe one tensor of a ``get_attr`` (its value, what it stands for and how it
+#: is laid out), never copied to a node made from it (:func:`copy_meta`'s ``exclude``).
+TENSOR_KEYS = (VAL, STATE_KEYS, ATTR_KIND, LAYOUT, PLACEMENT)
+
 _MISSING = object()
 
 
@@ -84,6 +83,18 @@ def get(node: fx.Node, key: str, default: Any = _MISSING) -> Any:
         f"node {node.name!r} ({node.op} {node.target}) has no meta[{key!r}]; "
         "it was created without copy_meta or before the analysis that sets it"
     )
+
+
+def layout(node: fx.Node) -> TensorLayout | None:
+    """The :class:`~graphpass.layout.TensorLayout` of a sharded ``get_attr`` node; None when the
+    node's tensor is whole on every rank."""
+    return node.meta.get(LAYOUT)
+
+
+def slice_of(node: fx.Node) -> Slice | None:
+    """The operator-split slice a ``get_attr`` node holds (None: not a slice)."""
+    layout = node.meta.get(LAYOUT)
+    return None if layout is None else layout.slice
 
 
 def plan_name(node: fx.Node) -> str:

@@ -8,6 +8,8 @@ model keys its formulas on, the same for both capture routes (``aten.linear.defa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
@@ -39,3 +41,20 @@ def packet(node: fx.Node):
     they are."""
     target = node.target
     return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+
+
+#: Targets that are a linear: the export route's aten op, the symbolic_trace route's F.linear.
+LINEAR_TARGETS = (torch.ops.aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def is_linear(node: fx.Node) -> bool:
+    """True for a ``call_function`` node that computes ``x @ W.T + b``."""
+    return node.op == "call_function" and node.target in LINEAR_TARGETS
+
+
+def linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
+    """(input, weight, bias or None) of a linear node, whether passed by position or keyword."""
+    names = ("input", "weight", "bias")
+    values = dict(zip(names, node.args))
+    values.update({k: v for k, v in node.kwargs.items() if k in names})
+    return values.get("input"), values.get("weight"), values.get("bias")

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import pathlib
-import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
@@ -25,6 +24,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
+from graphpass.layout import placement_from_str, placement_to_str
 from graphpass.mesh import ORDER, Mesh
 
 #: The only schedule names ``Strategy.schedule`` accepts (they map onto torch.distributed.pipelining).
@@ -246,32 +246,6 @@ def check_pipeline(owner: str, pp: int, schedule: str, microbatches: int, virtua
             f"{owner}.virtual_stages={virtual_stages} needs a schedule that runs several stages per rank "
             f"({', '.join(ROUNDS)}); {owner}.schedule={schedule!r} runs one stage per rank"
         )
-
-
-def placement_from_str(text: str) -> Placement:
-    """Parse ``"Shard(0)"``, ``"Replicate()"`` or ``"Partial()"`` (also ``"Partial(avg)"``)."""
-    text = text.strip()
-    if text == "Replicate()":
-        return Replicate()
-    match = re.fullmatch(r"Shard\((?:dim=)?(-?\d+)\)", text)
-    if match:
-        return Shard(int(match.group(1)))
-    match = re.fullmatch(r"Partial\((\w*)\)", text)
-    if match:
-        return Partial(match.group(1) or "sum")
-    raise ValueError(f"unknown placement {text!r}; expected Shard(dim), Replicate() or Partial()")
-
-
-def placement_to_str(placement: Placement) -> str:
-    """The JSON spelling of a torch placement."""
-    if isinstance(placement, Shard):
-        return f"Shard({placement.dim})"
-    if isinstance(placement, Replicate):
-        return "Replicate()"
-    if isinstance(placement, Partial):
-        op = placement.reduce_op
-        return "Partial()" if op == "sum" else f"Partial({op})"
-    raise TypeError(f"unsupported placement {placement!r}")
 
 
 #: The mesh axes graphpass builds and passes read (:data:`graphpass.mesh.ORDER`).

@@ -14,11 +14,11 @@ import torch.fx as fx
 
 from graphpass import meta
 from graphpass.megatron import megatron_layout
+from graphpass.experts import expert_weights
 from graphpass.mesh import Mesh
-from graphpass.passes.expert_parallel import expert_weights
-from graphpass.passes.partition_stages import stage_starts
-from graphpass.passes.split_operators import default_split
 from graphpass.plan import Choice, Plan, Strategy
+from graphpass.splittable import default_split
+from graphpass.stages import stage_starts
 
 
 def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
@@ -38,7 +38,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
     and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). With ``tp``,
     ``tp_layout`` (``(placements, parts)`` of the weights tensor parallelism shards, as the op-level
-    planner's :class:`graphpass.op_placement.OpLayout` holds them), by default the Megatron layout
+    planner's :class:`graphpass.planner.op_placement.OpLayout` holds them), by default the Megatron layout
     (:func:`graphpass.megatron.megatron_layout`). A parameter node's ``zero=k``
     gives it ZeRO stage k when it is trainable and not a scalar (ZeRO shards along dim 0); a
     layer recomputes when its nodes choose ``recompute``; ``split=k`` on a linear splits it k ways

@@ -16,6 +16,7 @@ token counts", "ep dispatch" and "ep combine".
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Callable, Sequence
 
@@ -126,7 +127,7 @@ def _insert_group(
         )
         for i, p in enumerate(params):
             item = graph.call_function(operator.getitem, (node, i))
-            meta.copy_meta(p, item, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD, meta.PLACEMENT))
+            meta.copy_meta(p, item, exclude=meta.TENSOR_KEYS)
             item.meta[meta.CREATED_BY] = created_by
             item.meta[meta.PLACEMENT] = {axis: "Replicate()"}
             for user in users[p]:
@@ -173,7 +174,7 @@ def gather_groups(
 
     A group never spans two repeated layers (a transformer block gathers as a unit, as FSDP
     wraps blocks) and stays under ``bucket_cap_bytes`` of full parameters. A slice of a split
-    operator (``gp.split``, from ``split_operators``) gathers only with the other parameters of
+    operator (a ``gp.layout`` with a slice, from ``split_operators``) gathers only with the other parameters of
     its own slice op (weight and bias of one slice linear): that each slice is gathered, and at
     stage 3 freed, on its own is the point of splitting.
     """
@@ -183,7 +184,7 @@ def gather_groups(
     for p in in_use_order:
         first_user = min(p.users, key=lambda u: order[u], default=None)
         p_layer = first_user.meta.get(meta.LAYER) if first_user is not None else None
-        p_slice_op = first_user if meta.SPLIT in p.meta else None
+        p_slice_op = first_user if meta.slice_of(p) is not None else None
         nbytes = _full_bytes(p)
         if not groups or p_layer != layer or p_slice_op is not slice_op or size + nbytes > bucket_cap_bytes:
             groups.append([])
@@ -193,15 +194,16 @@ def gather_groups(
     return groups
 
 
+def _gathered_shape(node: fx.Node) -> tuple[int, ...]:
+    """The shape ZeRO's gather rebuilds for parameter ``node`` (its own shape when not ZeRO-sharded)."""
+    layout = meta.layout(node)
+    if layout is None or not layout.zero:
+        return tuple(node.meta[meta.VAL].shape)
+    return layout.shape_on(layout.zero_axis)
+
+
 def _full_bytes(node: fx.Node) -> int:
-    shard = node.meta.get(meta.SHARD)
-    val = node.meta[meta.VAL]
-    if shard is None:
-        return val.numel() * val.element_size()
-    numel = 1
-    for d in shard["shape"]:
-        numel *= d
-    return numel * val.element_size()
+    return math.prod(_gathered_shape(node)) * node.meta[meta.VAL].element_size()
 
 
 def emit_param_all_gather(
@@ -226,7 +228,7 @@ def emit_param_all_gather(
     begin = ensure_grad_sync(gm, axis, created_by)
     nodes = []
     for index, group in enumerate(gather_groups(params, bucket_cap_bytes, order)):
-        shapes = tuple(tuple(p.meta[meta.SHARD]["shape"]) for p in group)
+        shapes = tuple(_gathered_shape(p) for p in group)
         kwargs = {"axis": axis, "shapes": shapes, "stage": stage, "group": index}
         partial = tuple(p.meta.get(meta.GRAD_PARTIAL) for p in group)
         if any(partial):  # e.g. norm weights under sequence parallelism: summed over tp first
@@ -254,7 +256,7 @@ def _tp_node(gm: fx.GraphModule, target, args: tuple, kwargs: dict, source: fx.N
              axis: str, placement: str, created_by: str) -> fx.Node:
     with gm.graph.inserting_before(before):
         node = gm.graph.call_function(target, args, kwargs)
-    meta.copy_meta(source, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD, meta.PLACEMENT))
+    meta.copy_meta(source, node, exclude=meta.TENSOR_KEYS)
     node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: placement}})
     if meta.STAGE in before.meta:  # it runs where it is inserted: in its user's pipeline stage
         node.meta[meta.STAGE] = before.meta[meta.STAGE]
@@ -347,8 +349,7 @@ def emit_expert_exchange(
                                        {"placement": placement, "algorithm": algorithm})
     last.replace_all_uses_with(combined, delete_user_cb=lambda user: user is not combined)
     for node, source in ((splits, offs), (dispatch, rows), (local_rows, rows), (local_offs, offs), (combined, last)):
-        meta.copy_meta(source, node, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD,
-                                             meta.PLACEMENT))
+        meta.copy_meta(source, node, exclude=meta.TENSOR_KEYS)
         node.meta[meta.CREATED_BY] = created_by
     for node in (splits, dispatch, combined):
         node.meta[meta.AXIS] = axis

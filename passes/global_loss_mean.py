@@ -221,8 +221,7 @@ def _count_buffer(gm: fx.GraphModule, node: fx.Node, index: int, count: LossCoun
     gm.register_buffer(name, tensor)
     with gm.graph.inserting_before(node):
         total = gm.graph.get_attr(name)
-    meta.copy_meta(node, total, exclude=(meta.VAL, meta.STATE_KEYS, meta.ATTR_KIND, meta.SHARD, meta.TP_SHARD,
-                                         meta.PLACEMENT))
+    meta.copy_meta(node, total, exclude=meta.TENSOR_KEYS)
     total.meta.update({meta.ATTR_KIND: "buffer", meta.STATE_KEYS: (), meta.CREATED_BY: NAME, meta.VAL: tensor,
                        meta.LOSS_COUNT: count})
     return total

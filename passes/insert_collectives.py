@@ -27,7 +27,7 @@ from graphpass import meta
 from graphpass.mesh import EDP, EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
-from graphpass.passes.partition_stages import stage_index
+from graphpass.stages import stage_index
 from graphpass.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
             continue
         if not gm.get_parameter(n.target).requires_grad:
             continue
-        zero_sharded = n.meta.get(meta.SHARD, {}).get("axis") in (batch, EDP) and batch is not None
+        zero_sharded = getattr(meta.layout(n), "zero_axis", None) in (batch, EDP) and batch is not None
         partial = n.meta.get(meta.GRAD_PARTIAL)
         if zero_sharded:
             continue  # shard_parameters reduces its gradient (summing partial axes first)

@@ -2,7 +2,7 @@
 
 Contract: for every parameter the plan gives ZeRO stage 1, 2 or 3 (``plan.zero``), the pass
 replaces the parameter attribute by this rank's padded dim-0 shard (``runtime.zero.make_shard``),
-records ``gp.shard`` on its ``get_attr``, and routes every use through an ``all_gather_params``
+adds ZeRO's ``Shard(0)`` to its ``get_attr``'s ``gp.layout``, and routes every use through an ``all_gather_params``
 node that rebuilds the full tensors right before the group's first use. Gradients are
 reduce-scattered (stage 2/3) or all-reduced (stage 1) in that node's backward; stage 3 also
 frees the gathered weights after forward and re-gathers them in backward. Parameters are grouped
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from torch.distributed.tensor.placement_types import Shard
 
 from graphpass import meta
+from graphpass.layout import TensorLayout
 from graphpass.mesh import EDP, EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
@@ -47,8 +47,9 @@ def _check_zero_entries(gm: fx.GraphModule, plan: Plan) -> dict[str, tuple[fx.No
     # split_operators replaced some parameters by slices: each slice inherits the original's stage.
     slices: dict[str, list[fx.Node]] = {}
     for n in nodes.values():
-        if n.op == "get_attr" and meta.SPLIT in n.meta:
-            slices.setdefault(meta.get(n, meta.SPLIT)["node"], []).append(n)
+        slice_ = meta.slice_of(n) if n.op == "get_attr" else None
+        if slice_ is not None:
+            slices.setdefault(slice_.source, []).append(n)
     out = {}
     for name, stage in plan.zero.items():
         if not stage:
@@ -86,17 +87,16 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         log.info("%s: no ZeRO-sharded parameters on a dp axis of size > 1; nothing to do", NAME)
         return gm
     by_stage: dict[tuple[str, int], list[fx.Node]] = {}
-    full_of: dict[str, torch.Tensor] = {}  # target -> its full tensor, sharded once per target
+    layout_of: dict[str, TensorLayout] = {}  # target -> its layout, sharded once per target
     for name, (node, stage) in targets.items():
         axis = _axis(node, plan)
         module_path, _, attr = node.target.rpartition(".")
         owner = gm.get_submodule(module_path)
-        if node.target in full_of:  # another stage's node of a parameter sharded already
-            node.meta[meta.SHARD] = {"axis": axis, "dim": 0, "shape": list(full_of[node.target].shape), "stage": stage}
-            node.meta[meta.PLACEMENT] = {axis: "Shard(0)"}
+        if node.target in layout_of:  # another stage's node of a parameter sharded already
+            node.meta[meta.LAYOUT] = layout_of[node.target]
             by_stage.setdefault((axis, stage), []).append(node)
             continue
-        full = full_of[node.target] = getattr(owner, attr)
+        full = getattr(owner, attr)
         if full.dim() == 0:
             raise ValueError(
                 f"ZeRO shards parameters along dim 0, but {node.target!r} (node {name!r}) is 0-dim; "
@@ -107,8 +107,9 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         shard = nn.Parameter(make_shard(full.detach(), plan.mesh.size(axis), plan.mesh.coordinate(ctx.rank, axis)),
                              requires_grad=True)
         setattr(owner, attr, shard)
-        node.meta[meta.SHARD] = {"axis": axis, "dim": 0, "shape": list(full.shape), "stage": stage}
-        node.meta[meta.PLACEMENT] = {axis: "Shard(0)"}
+        before = meta.layout(node) or TensorLayout.whole(full.shape)
+        assert before.local_shape == tuple(full.shape), (node.name, before, tuple(full.shape))
+        node.meta[meta.LAYOUT] = layout_of[node.target] = before.with_zero(axis, plan.mesh.size(axis), stage)
         by_stage.setdefault((axis, stage), []).append(node)
     for (axis, stage), nodes in sorted(by_stage.items(), key=lambda item: (item[0][0] != AXIS, item[0])):
         # Expert weights' gradients hold their whole ep group's share: divided by all of dp.

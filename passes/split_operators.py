@@ -18,7 +18,7 @@ to fp32 summation order.
 - The slice of parameter ``h.0.mlp.up.weight`` is registered as ``h.0.mlp.up.weight.split{i}``
   (the old path becomes a holder module, so the full tensor is gone from the graph module and
   ``compile`` releases the user's copy, as it does for ZeRO shards). Its ``get_attr`` has no
-  ``gp.state_keys`` but carries ``gp.split`` (original node, target, keys, shape, dim, index, parts):
+  ``gp.state_keys`` but its ``gp.layout`` carries a ``Slice`` (original node, target, keys, dim, start, size, index, parts):
   ``shard_parameters`` gives it the original's ZeRO stage and ``full_state_dict`` concatenates the
   slices back under the original key.
 - A weight or bias used by any other node (tied weights, e.g. GPT's ``lm_head``/``wte``) cannot be
@@ -44,85 +44,16 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphpass import meta
+from graphpass.layout import Slice, TensorLayout
+from graphpass.ops import is_linear, linear_operands
+from graphpass.splittable import unsplittable_reason
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.plan import Plan
 
 log = logging.getLogger(__name__)
+_aten = torch.ops.aten
 
 NAME = "split_operators"
-_aten = torch.ops.aten
-#: Targets that are a linear: the export route's aten op, the symbolic_trace route's F.linear.
-LINEAR_TARGETS = (_aten.linear.default, torch._C._nn.linear, torch.nn.functional.linear)
-
-
-def is_linear(node: fx.Node) -> bool:
-    """True for a ``call_function`` node that computes ``x @ W.T + b``."""
-    return node.op == "call_function" and node.target in LINEAR_TARGETS
-
-
-def _linear_operands(node: fx.Node) -> tuple[Any, Any, Any]:
-    """(input, weight, bias or None) of a linear node, whether passed by position or keyword."""
-    names = ("input", "weight", "bias")
-    values = dict(zip(names, node.args))
-    values.update({k: v for k, v in node.kwargs.items() if k in names})
-    return values.get("input"), values.get("weight"), values.get("bias")
-
-
-def _param_operand(gm: fx.GraphModule, operand: Any) -> nn.Parameter | None:
-    if not (isinstance(operand, fx.Node) and operand.op == "get_attr"):
-        return None
-    if meta.get(operand, meta.ATTR_KIND, None) != "parameter":
-        return None
-    return gm.get_parameter(operand.target)
-
-
-def _unsplittable_reason(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """Why ``node`` cannot be split (None when it can): operands that are not this op's own params."""
-    _, weight, bias = _linear_operands(node)
-    if _param_operand(gm, weight) is None:
-        return "its weight is not a parameter get_attr"
-    for what, operand in (("weight", weight), ("bias", bias)):
-        if operand is None:
-            continue
-        if _param_operand(gm, operand) is None:
-            return f"its {what} is not a parameter get_attr"
-        # Every node reading the same attribute (pipeline stages each read a tied weight through
-        # their own get_attr node).
-        readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == operand.target]
-        others = [u.name for reader in readers for u in reader.users if u is not node]
-        if others:
-            keys = ", ".join(meta.get(operand, meta.STATE_KEYS, ())) or operand.target
-            return (
-                f"its {what} {operand.target!r} ({keys}) is also used by {others}; splitting it "
-                "would untie the weights"
-            )
-    return None
-
-
-def default_split(gm: fx.GraphModule, parts: int) -> dict[str, dict[str, Any]]:
-    """The ``Plan.split`` a uniform ``Strategy(split=parts)`` implies.
-
-    Every linear whose weight is a parameter used by that linear alone and has at least ``parts``
-    rows is split ``parts`` ways along its output features; the others are skipped (logged).
-    """
-    out: dict[str, dict[str, Any]] = {}
-    if parts <= 1:
-        return out
-    for node in gm.graph.nodes:
-        if not is_linear(node):
-            continue
-        why = _unsplittable_reason(gm, node)
-        if why is None:
-            rows = gm.get_parameter(_linear_operands(node)[1].target).shape[0]
-            if rows < parts:
-                why = f"its weight has {rows} rows, fewer than split={parts}"
-        if why is not None:
-            log.info("%s: not splitting %s (%s): %s", NAME, node.name, meta.get(node, meta.MODULE_PATH, ""), why)
-            continue
-        out[node.name] = {"dim": "out", "parts": parts}
-    return out
-
-
 def _bounds(size: int, parts: int) -> list[tuple[int, int]]:
     """``[start, stop)`` of each slice, ``torch.tensor_split``'s sizes (first ``size % parts`` get +1)."""
     base, extra = divmod(size, parts)
@@ -146,14 +77,6 @@ def _register_slices(
     delattr(owner, leaf)
     holder = nn.Module()
     owner.add_module(leaf, holder)
-    info = {
-        "node": param_node.name,
-        "target": param_node.target,
-        "state_keys": tuple(meta.get(param_node, meta.STATE_KEYS, ())),
-        "shape": list(full.shape),
-        "dim": dim,
-        "parts": len(bounds),
-    }
     nodes = []
     for index, (start, stop) in enumerate(bounds):
         with torch.no_grad():
@@ -164,7 +87,9 @@ def _register_slices(
         meta.copy_meta(param_node, new, exclude=(meta.VAL, meta.STATE_KEYS))
         new.meta[meta.STATE_KEYS] = ()
         new.meta[meta.CREATED_BY] = NAME
-        new.meta[meta.SPLIT] = {**info, "index": index, "start": start}
+        new.meta[meta.LAYOUT] = TensorLayout.whole(full.shape).with_slice(
+            Slice(dim, start, stop - start, index, len(bounds), param_node.name, param_node.target,
+                  tuple(meta.get(param_node, meta.STATE_KEYS, ()))))
         nodes.append(new)
     return nodes
 
@@ -188,10 +113,10 @@ def _check_entry(
             "aten.linear nodes (use their names from the captured graph)"
         )
     where = meta.get(node, meta.MODULE_PATH, "") or "<root>"
-    why = _unsplittable_reason(gm, node)
+    why = unsplittable_reason(gm, node)
     if why is not None:
         raise ValueError(f"Plan.split cannot split linear {name!r} (module {where}): {why}; leave it out of Plan.split")
-    weight = _linear_operands(node)[1]
+    weight = linear_operands(node)[1]
     placed = {axis: text for axis, text in plan.placements.get(meta.plan_name(weight), {}).items() if text != "Replicate()"}
     if placed:
         raise NotImplementedError(
@@ -211,7 +136,7 @@ def _check_entry(
 
 
 def _split_one(gm: fx.GraphModule, node: fx.Node, spec: Mapping[str, Any]) -> None:
-    x, weight, bias = _linear_operands(node)
+    x, weight, bias = linear_operands(node)
     parts, along = spec["parts"], spec["dim"]
     dim = 0 if along == "out" else 1
     bounds = _bounds(gm.get_parameter(weight.target).shape[dim], parts)
@@ -268,4 +193,4 @@ def split_operators(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
     return gm
 
 
-__all__ = ["LINEAR_TARGETS", "default_split", "is_linear", "split_operators"]
+__all__ = ["split_operators"]

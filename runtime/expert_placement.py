@@ -137,15 +137,15 @@ class ExpertPlacement:
         """(placement buffer, load buffer, expert weight targets) of each sharded layer."""
         weights: dict[str, list[str]] = {}
         for node in gm.graph.nodes:
-            shard = node.meta.get(meta.TP_SHARD) if node.op == "get_attr" else None
-            if shard and shard.get("placement"):
-                if meta.SHARD in node.meta:
+            layout = meta.layout(node) if node.op == "get_attr" else None
+            if layout is not None and layout.experts is not None:
+                if layout.zero:
                     raise NotImplementedError(
                         f"ExpertPlacement with experts ZeRO-sharded over edp ({node.target!r}) is not implemented "
                         "yet; use zero=0 for the experts (or ep = dp)")
-                weights.setdefault(shard["placement"], [])
-                if node.target not in weights[shard["placement"]]:
-                    weights[shard["placement"]].append(node.target)
+                weights.setdefault(layout.experts, [])
+                if node.target not in weights[layout.experts]:
+                    weights[layout.experts].append(node.target)
         layer = lambda name: int(name[len(PLACEMENT_PREFIX):])  # noqa: E731
         return [(name, LOAD_PREFIX + name[len(PLACEMENT_PREFIX):], targets)
                 for name, targets in sorted(weights.items(), key=lambda item: layer(item[0]))]

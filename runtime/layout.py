@@ -1,33 +1,38 @@
-"""Where each of a rank's tensors sits in the original model's tensors.
+"""Where each of a rank's tensors sits in the original model's tensors, and the full tensors back.
 
 A compiled rank holds, for each ``model.state_dict()`` key its graph reads, zero or more
-rectangular pieces of the full tensor, each a view of one local tensor:
+rectangular pieces of the full tensor, each a view of one local tensor. Which pieces follows from
+the tensor's :class:`graphpass.layout.TensorLayout` (``gp.layout``), its cuts undone from the
+rank's tensor outwards (:meth:`~graphpass.layout.TensorLayout.cuts` in reverse):
 
-- a ZeRO shard (``gp.shard``) is a run of dim-0 rows of the tensor it shards; its padding rows
-  belong to nothing, and a rank whose rows are all padding holds no piece;
-- a tensor-parallel shard (``gp.tp_shard``) is chunk r of one dim, or chunk r of each fused part
-  along it (``parts``: q, k and v of a fused projection), which is one piece per part; experts
-  sharded over ``ep`` are chunk r of dim 0 while in order, and one piece per expert once
-  dynamic placement has moved them (the expert a slot holds);
-- a split operator's slice (``gp.split``) sits at its ``start`` along its dim.
+- ZeRO's ``Shard(0)`` is a run of dim-0 rows of the tensor it shards; its padding rows belong to
+  nothing, and a rank whose rows are all padding holds no piece;
+- a tensor-parallel ``Shard(d)`` is chunk r of dim d, or chunk r of each fused part along it (q, k
+  and v of a fused projection), which is one piece per part; experts sharded over ``ep`` are
+  chunk r of dim 0 while in order, and one piece per expert once dynamic placement has moved
+  them (the expert a slot holds);
+- a split operator's slice sits at its ``start`` along its dim.
 
-They compose in that order from the local tensor outwards (ZeRO shards the tensor-parallel chunk or
-the slice). A :class:`Layout` describes the pieces by index, not by tensor, so it applies to any
-tensor of the local shape: the parameter and each of its optimizer states alike. Checkpoints
+A :class:`Layout` describes the pieces by index, not by tensor, so it applies to any tensor of the
+local shape: the parameter and each of its optimizer states alike. Checkpoints
 (:mod:`graphpass.runtime.checkpoint`) write and read these pieces under the original keys, which is
-what lets a checkpoint made under one plan load under another.
+what lets a checkpoint made under one plan load under another. :func:`gather_full` undoes the same
+cuts with collectives (``full_state_dict``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.fx as fx
 
 from graphpass import meta
+from graphpass.layout import Cut, Slice, TensorLayout
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime.tensor_parallel import gather_tp_parameters
+from graphpass.runtime.zero import gather_full_parameters
 
 
 @dataclass(frozen=True)
@@ -67,30 +72,29 @@ def _whole(shape: tuple[int, ...]) -> list[Piece]:
     return [Piece(tuple(0 for _ in shape), tuple(slice(0, n) for n in shape))]
 
 
-def _zero(pieces: list[Piece], shard: Mapping, rank: int) -> tuple[list[Piece], tuple[int, ...]]:
+def _zero(pieces: list[Piece], cut: Cut, rank: int) -> list[Piece]:
     """Rows ``[rank * c, rank * c + valid)`` of the tensor the shard cuts (padding dropped)."""
-    shape = tuple(shard["shape"])
     out = []
     for piece in pieces:
         rows = piece.index[0].stop - piece.index[0].start
         first = rank * rows
-        valid = max(0, min(rows, shape[0] - first))
+        valid = max(0, min(rows, cut.shape[0] - first))
         if valid:
             index = (slice(piece.index[0].start, piece.index[0].start + valid), *piece.index[1:])
             out.append(Piece((first, *piece.offsets[1:]), index))
-    return out, shape
+    return out
 
 
-def _tensor_parallel(pieces: list[Piece], shard: Mapping, rank: int, size: int) -> tuple[list[Piece], tuple[int, ...]]:
+def _chunk(pieces: list[Piece], cut: Cut, rank: int) -> list[Piece]:
     """Chunk ``rank`` of dim ``d`` of each fused part (one part: the whole dim)."""
-    shape, d = tuple(shard["shape"]), shard["dim"]
-    parts = list(shard.get("parts") or [shape[d]])
+    d = cut.dim
+    parts = list(cut.parts or [cut.shape[d]])
     out = []
     for piece in pieces:
         start, stop = piece.offsets[d], piece.offsets[d] + piece.sizes[d]
         local_start = full_start = 0
         for n in parts:
-            width = n // size
+            width = n // cut.size
             lo, hi = max(start, local_start), min(stop, local_start + width)
             if lo < hi:
                 offsets = list(piece.offsets)
@@ -101,17 +105,16 @@ def _tensor_parallel(pieces: list[Piece], shard: Mapping, rank: int, size: int) 
                 out.append(Piece(tuple(offsets), tuple(index)))
             local_start += width
             full_start += n
-    return out, shape
+    return out
 
 
-def _split(pieces: list[Piece], split: Mapping) -> tuple[list[Piece], tuple[int, ...]]:
-    d = split["dim"]
+def _sliced(pieces: list[Piece], slice_: Slice) -> list[Piece]:
     moved = []
     for piece in pieces:
         offsets = list(piece.offsets)
-        offsets[d] += split["start"]
+        offsets[slice_.dim] += slice_.start
         moved.append(Piece(tuple(offsets), piece.index))
-    return moved, tuple(split["shape"])
+    return moved
 
 
 def _placed(pieces: list[Piece], placement: torch.Tensor) -> list[Piece]:
@@ -134,20 +137,68 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
     original key it stands for (tied weights are saved once); None for a node standing for no key
     (a module a pass created). ``placement``: for experts sharded over ``ep``, the expert in
     each slot (:mod:`graphpass.runtime.expert_placement`); None: in order."""
-    split = node.meta.get(meta.SPLIT)
-    keys = split["state_keys"] if split is not None else node.meta.get(meta.STATE_KEYS, ())
+    tensor_layout = meta.layout(node)
+    slice_ = None if tensor_layout is None else tensor_layout.slice
+    keys = slice_.state_keys if slice_ is not None else node.meta.get(meta.STATE_KEYS, ())
     if not keys:
         return None
     pieces, shape = _whole(tuple(local.shape)), tuple(local.shape)
-    if meta.SHARD in node.meta:
-        shard = node.meta[meta.SHARD]
-        pieces, shape = _zero(pieces, shard, mesh.axis_rank(shard["axis"]))
-    if meta.TP_SHARD in node.meta:
-        shard = node.meta[meta.TP_SHARD]
-        pieces, shape = _tensor_parallel(pieces, shard, mesh.axis_rank(shard["axis"]), mesh.axis_size(shard["axis"]))
-        if placement is not None and shard["dim"] == 0:
-            pieces = _placed(pieces, placement)
-    if split is not None:
-        pieces, shape = _split(pieces, split)
+    if tensor_layout is not None:
+        # from the rank's tensor outwards: the cuts in reverse order
+        for cut in reversed(list(tensor_layout.cuts())):
+            rank = mesh.axis_rank(cut.axis)
+            if cut.zero:
+                pieces = _zero(pieces, cut, rank)
+            else:
+                pieces = _chunk(pieces, cut, rank)
+                if placement is not None and cut.dim == 0:
+                    pieces = _placed(pieces, placement)
+            shape = cut.shape
+        if slice_ is not None:
+            pieces, shape = _sliced(pieces, slice_), tensor_layout.shape
     pieces = [p for p in pieces if all(n > 0 for n in p.sizes)]
     return Layout(keys[0], shape, tuple(local.shape), tuple(pieces))
+
+
+def gather_full(tensors: Mapping[str, tuple[torch.Tensor, TensorLayout]],
+                experts: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors of sharded ones, by attribute target: each tensor's cuts undone from the
+    innermost out (ZeRO's rows gathered first, then tensor- or expert-parallel chunks, experts back
+    in expert order), then a split operator's slices concatenated under the original target.
+
+    A collective over each axis a tensor is cut on: every rank of those axes calls it with the
+    same tensors (one pipeline stage's). ``tensors``: ``{target: (local tensor, layout)}``;
+    ``experts(buffer)``: the tensor naming each slot's expert.
+    """
+    out: dict[str, torch.Tensor] = {}
+    pending = {target: (local, list(layout.cuts())) for target, (local, layout) in tensors.items()}
+    with torch.no_grad():
+        while any(cuts for _, cuts in pending.values()):
+            # every tensor's innermost remaining cut, one batched collective per (axis, kind)
+            groups: dict[tuple[str, bool], list[str]] = {}
+            for target, (_, cuts) in pending.items():
+                if cuts:
+                    groups.setdefault((cuts[-1].axis, bool(cuts[-1].zero)), []).append(target)
+            for (axis, zero), targets in sorted(groups.items()):
+                local = [pending[t][0] for t in targets]
+                cuts = [pending[t][1].pop() for t in targets]
+                if zero:
+                    fulls = gather_full_parameters(local, [c.shape for c in cuts], axis)
+                else:
+                    fulls = gather_tp_parameters(local, [c.dim for c in cuts], axis, [c.parts or None for c in cuts])
+                for target, cut, full in zip(targets, cuts, fulls):
+                    buffer = tensors[target][1].experts
+                    if buffer is not None and not cut.zero:  # slots back to expert order
+                        full = full[experts(buffer).argsort()]
+                    pending[target] = (full, pending[target][1])
+        slices: dict[str, list[tuple[Slice, torch.Tensor]]] = {}
+        for target, (full, _) in pending.items():
+            slice_ = tensors[target][1].slice
+            if slice_ is None:
+                out[target] = full
+            else:
+                slices.setdefault(slice_.target, []).append((slice_, full))
+        for target, parts in slices.items():
+            parts.sort(key=lambda item: item[0].index)
+            out[target] = torch.cat([full for _, full in parts], dim=parts[0][0].dim)
+    return out

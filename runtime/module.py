@@ -26,12 +26,11 @@ from graphpass.model_io import order_call
 from graphpass.plan import Plan
 from graphpass.runtime import grad_sync
 from graphpass.runtime import mesh as mesh_lib
-from graphpass.runtime.layout import Layout, layout_of
+from graphpass.layout import TensorLayout
+from graphpass.runtime.layout import Layout, gather_full, layout_of
 from graphpass.runtime.loss_count import LossCounts
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.step import StepProgram, accumulation_schedule
-from graphpass.runtime.tensor_parallel import gather_tp_parameters
-from graphpass.runtime.zero import gather_full_parameters
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +128,7 @@ class DistributedModule(nn.Module):
             k: v for k, v in state_dict_source.state_dict(keep_vars=True).items()
         }
         self._attr_of_key: dict[str, str] = {}
-        self._sharded: dict[str, dict] = {}  # get_attr target -> gp.shard meta (ZeRO over dp)
-        self._tp_sharded: dict[str, dict] = {}  # get_attr target -> gp.tp_shard meta
-        self._split: dict[str, list[tuple[int, int, str]]] = {}  # original target -> (index, dim, slice target)
+        self._layouts: dict[str, TensorLayout] = {}  # get_attr target -> its gp.layout (sharded tensors)
         # The state keys of every tensor the whole program reads, by tensor (tied weights: several),
         # also those other pipeline stages hold.
         self._graph_keys = [tuple(k) for k in graph_keys] if graph_keys is not None else state_keys_read(graph_module)
@@ -139,15 +136,12 @@ class DistributedModule(nn.Module):
             if node.op == "get_attr":
                 for key in node.meta.get(meta.STATE_KEYS, ()):
                     self._attr_of_key[key] = node.target
-                if meta.SHARD in node.meta:
-                    self._sharded[node.target] = node.meta[meta.SHARD]
-                if meta.TP_SHARD in node.meta:
-                    self._tp_sharded[node.target] = node.meta[meta.TP_SHARD]
-                split = node.meta.get(meta.SPLIT)
-                if split is not None:  # a slice of a split operator's parameter
-                    for key in split["state_keys"]:
-                        self._attr_of_key[key] = split["target"]
-                    self._split.setdefault(split["target"], []).append((split["index"], split["dim"], node.target))
+                layout = meta.layout(node)
+                if layout is not None:
+                    self._layouts[node.target] = layout
+                    if layout.slice is not None:  # a slice of a split operator's parameter
+                        for key in layout.slice.state_keys:
+                            self._attr_of_key[key] = layout.slice.target
 
     # ------------------------------------------------------------------ parameters
 
@@ -170,7 +164,8 @@ class DistributedModule(nn.Module):
         Sharded parameters are gathered, so every rank must call this (it is a collective); the
         slices of a split operator's parameter are concatenated back into the original tensor.
         """
-        gathered = self._gather_sharded()
+        with mesh_lib.active(self._mesh):
+            gathered = gather_full({t: (self._attr(t), layout) for t, layout in self._layouts.items()}, self._attr)
         out = {}
         for key in self._state_keys:
             attr = self._attr_of_key.get(key)
@@ -201,7 +196,9 @@ class DistributedModule(nn.Module):
                 continue
             seen.add(node.target)
             tensor = self._attr(node.target)
-            layout = (layout_of(node, tensor, self._mesh, self._placement(self._tp_sharded.get(node.target)))
+            sharded = self._layouts.get(node.target)
+            experts = self._attr(sharded.experts) if sharded is not None and sharded.experts is not None else None
+            layout = (layout_of(node, tensor, self._mesh, experts)
                       if isinstance(tensor, torch.Tensor) else None)
             if layout is not None:
                 entries.append((layout, tensor))
@@ -209,39 +206,6 @@ class DistributedModule(nn.Module):
         aliases = {k for keys in self._graph_keys for k in keys[1:]}
         unplaced = {k: self._extra_state[k] for k in self._state_keys if k not in read}
         return entries, unplaced, [k for k in self._state_keys if k not in aliases]
-
-    def _gather_sharded(self) -> dict[str, torch.Tensor]:
-        """Full tensors of sharded parameters: ZeRO shards first (giving each rank's tp chunk,
-        or the full tensor), then tensor-parallel chunks, then split slices concatenated."""
-        out: dict[str, torch.Tensor] = {}
-        with mesh_lib.active(self._mesh), torch.no_grad():
-            by_axis: dict[str, list[str]] = {}
-            for target, shard in self._sharded.items():
-                by_axis.setdefault(shard["axis"], []).append(target)
-            for axis, targets in by_axis.items():
-                shards = [self._attr(t) for t in targets]
-                shapes = [self._sharded[t]["shape"] for t in targets]
-                out.update(zip(targets, gather_full_parameters(shards, shapes, axis)))
-            by_axis = {}
-            for target, shard in self._tp_sharded.items():
-                by_axis.setdefault(shard["axis"], []).append(target)
-            for axis, targets in by_axis.items():
-                local = [out.get(t, self._attr(t)) for t in targets]
-                dims = [self._tp_sharded[t]["dim"] for t in targets]
-                parts = [self._tp_sharded[t].get("parts") for t in targets]
-                for target, full in zip(targets, gather_tp_parameters(local, dims, axis, parts)):
-                    placement = self._placement(self._tp_sharded[target])
-                    # experts moved by dynamic placement: slot order back to expert order
-                    out[target] = full if placement is None else full[placement.argsort()]
-            for target, slices in self._split.items():
-                parts = [out[t] if t in out else self._attr(t) for _, _, t in sorted(slices)]
-                out[target] = torch.cat(parts, dim=slices[0][1])
-        return out
-
-    def _placement(self, shard: dict | None) -> torch.Tensor | None:
-        """The expert in each slot of a tensor sharded over ``ep`` (None for other tensors)."""
-        name = (shard or {}).get("placement")
-        return self._attr(name) if name is not None else None
 
     def _attr(self, target: str) -> torch.Tensor:
         module_path, _, name = target.rpartition(".")
@@ -365,8 +329,8 @@ def state_keys_read(gm: fx.GraphModule) -> list[tuple[str, ...]]:
     out = []
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            split = node.meta.get(meta.SPLIT)
-            keys = tuple(split["state_keys"] if split is not None else node.meta.get(meta.STATE_KEYS, ()))
+            slice_ = meta.slice_of(node)
+            keys = tuple(slice_.state_keys if slice_ is not None else node.meta.get(meta.STATE_KEYS, ()))
             if keys:
                 out.append(keys)
     return out

@@ -91,7 +91,7 @@ def _retire(param: nn.Parameter, target: str, gm: fx.GraphModule) -> None:
     from graphpass import meta
 
     slices = [n.target for n in gm.graph.nodes
-              if n.op == "get_attr" and (n.meta.get(meta.SPLIT) or {}).get("target") == target]
+              if n.op == "get_attr" and getattr(meta.slice_of(n), "target", None) == target]
     if not slices:  # not replaced on this rank (it is no longer read here): harmless
         return
     _RETIRED[param] = f"{target!r} (now {len(slices)} slices: {', '.join(slices[:4])})"

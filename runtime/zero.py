@@ -32,7 +32,6 @@ group. The optimizer only ever sees shards.
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 from typing import Any, Sequence
 
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from torch.utils.weak import WeakIdKeyDictionary
 
+from graphpass.layout import shard_rows
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import rank_progress
 from graphpass.runtime import regather
@@ -51,11 +51,6 @@ from graphpass.runtime.grad_sync import GradSync
 # torch 2.13 renamed the flat collectives; older torch (>= 2.6, which users may run) has the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def shard_rows(rows: int, num_shards: int) -> int:
-    """Rows per shard: ``ceil(rows / num_shards)`` (at least 1)."""
-    return max(1, math.ceil(rows / num_shards))
 
 
 def shard_shape(full_shape: Sequence[int], num_shards: int) -> tuple[int, ...]:

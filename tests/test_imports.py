@@ -4,8 +4,9 @@
 Layers, lowest first: *core* (the IR, plan, cluster, capture, pass runner, dumps) imports only
 core; *runtime* imports core and runtime; *passes* import core, runtime (the ops they insert)
 and passes, never cost; *cost* imports core, cost and runtime (the launcher that profiles),
-never passes; the *front* (compile, the planner and its op-level placement, the CLI) may import anything, and nothing
-below it imports the front. No two modules import each other, directly or through others.
+never passes; the *front* (compile, the planner and its op-level placement, the CLI, the testing
+helpers) may import anything, and nothing below it imports the front. Subpackages belong to the
+layer of their package. No two modules import each other, directly or through others.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import networkx as nx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"graphpass": "graphpass", "passes": "graphpass.passes", "cost": "graphpass.cost", "runtime": "graphpass.runtime"}
-FRONT = {"graphpass", "graphpass.api", "graphpass.planner", "graphpass.op_placement", "graphpass.plan_builder", "graphpass.cli"}
+FRONT = {"graphpass", "graphpass.api", "graphpass.planner", "graphpass.cli", "graphpass.testing"}
 ALLOWED = {
     "core": {"core"},
     "runtime": {"core", "runtime"},
@@ -30,13 +31,18 @@ ALLOWED = {
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            out[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if folder == "graphpass" and parts[0] in PACKAGES:  # graphpass/passes etc. are not there
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((package, *parts))] = path
     return out
 
 
 def _layer(module: str) -> str:
-    if module in FRONT:
+    if any(module == front or module.startswith(front + ".") for front in FRONT - {"graphpass"}) or module == "graphpass":
         return "front"
     for layer in ("passes", "cost", "runtime"):
         if module == f"graphpass.{layer}" or module.startswith(f"graphpass.{layer}."):
@@ -97,3 +103,21 @@ def test_the_checker_sees_a_planted_cycle_and_a_layer_breach(tmp_path, monkeypat
     assert _imports(modules["graphpass.a"], modules) == {"graphpass.runtime.b"}
     assert _imports(modules["graphpass.runtime.b"], modules) == {"graphpass.a"}
     assert _layer("graphpass.a") == "core" and "core" in ALLOWED["runtime"] and "runtime" not in ALLOWED["core"]
+
+
+def test_a_rank_module_loads_neither_the_planner_nor_the_solver():
+    """Importing one runtime module runs the package's __init__, which loads its front door lazily:
+    a rank (or a tool) that needs ZeRO's gather does not pay for the planner, the solver and
+    OR-Tools, and the front door's names still resolve."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import graphpass.runtime.zero; "
+            "print(sorted(m for m in sys.modules if m in ('graphpass.planner', 'graphpass.cost.solver', "
+            "'graphpass.api', 'ortools') or m.startswith('ortools.')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]", loaded
+    code = ("import graphpass as gp, graphpass.plan, graphpass.capture; "
+            "print(gp.plan.__module__, gp.capture.__module__, gp.compile.__module__, gp.save.__module__)")
+    names = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert names == ["graphpass", "graphpass.capture", "graphpass.api", "graphpass.runtime.checkpoint"], names

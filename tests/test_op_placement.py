@@ -1,6 +1,6 @@
-"""Op-level tensor-parallel placement (graphpass/op_placement.py): the problem it builds from the
-graph, the layouts the solver picks, the planner keeping them only where they are faster, and
-their numerics on 2 and 4 gloo ranks against one process.
+"""Op-level tensor-parallel placement (graphpass/planner/op_placement.py): the problem it builds
+from the graph, the layouts the solver picks, the planner keeping them only where they are
+faster, and their numerics on 2 and 4 gloo ranks against one process.
 
 Numerics tolerances as in test_tensor_parallel.py: tensor parallelism changes only the order of
 fp32 additions (a row projection's all-reduce sums partial matmuls, a gather into a column
@@ -24,7 +24,7 @@ from graphpass import meta
 from graphpass.capture import capture
 from graphpass.cost.solver import evaluate
 from graphpass.megatron import projection
-from graphpass.op_placement import COLUMN, OP_LEVEL, OP_LEVEL_LEAN, REPLICATED, ROW, Prices, build_problem, \
+from graphpass.planner.op_placement import COLUMN, OP_LEVEL, OP_LEVEL_LEAN, REPLICATED, ROW, Prices, build_problem, \
     megatron_at, op_layouts, placeable, placements_of
 from graphpass.ops import op_name
 from graphpass.pass_manager import PassContext, run_passes

@@ -16,7 +16,8 @@ import torch.fx as fx
 
 from graphpass import meta
 from graphpass.capture import capture
-from graphpass.passes.partition_stages import cut_stages, layer_starts, shared_parameters, stage_starts
+from graphpass.passes.partition_stages import cut_stages, shared_parameters
+from graphpass.stages import layer_starts, stage_starts
 
 import zoo
 

@@ -1,7 +1,7 @@
 """Every pipeline schedule on every cut of the zoo models that pipeline matches one process.
 
 A cut is a choice of stage boundaries among the model's layer boundaries
-(``passes.partition_stages.layer_starts``: the first op of each repeated layer; the planner and
+(``graphpass.stages.layer_starts``: the first op of each repeated layer; the planner and
 ``stage_starts`` cut only there, every stage taking at least one layer). Two tests:
 
 * one process: the split backward of zero-bubble (``runtime.pipeline.split_backward_input``
@@ -42,7 +42,8 @@ import graphpass as gp
 import zoo
 from graphpass import meta
 from graphpass.capture import capture
-from graphpass.passes.partition_stages import cut_stages, layer_starts
+from graphpass.passes.partition_stages import cut_stages
+from graphpass.stages import layer_starts
 from graphpass.testing.parity import Trace, compare, full_grads, train_reference
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -9,7 +9,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import graphpass as gp
 import zoo
-from graphpass.plan import placement_from_str, placement_to_str
+from graphpass.layout import placement_from_str, placement_to_str
 
 
 def test_strategy_degrees_must_multiply_to_world_size():

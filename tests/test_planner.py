@@ -165,7 +165,7 @@ def test_per_operator_choices_price_each_part_at_its_own_stage(small_planner):
 def test_no_mesh_is_faster_than_its_step_floor(small_planner):
     """The search skips a mesh whose floor is slower than a plan found: the floor must never be
     above what the mesh's own plan costs, pipelines and accumulation included."""
-    from graphpass.planner import _TP_DEGREES
+    from graphpass.planner.driver import _TP_DEGREES
 
     costing = small_planner.costing
     layouts = S.meshes(small_planner.cluster, small_planner.batch, _TP_DEGREES, len(small_planner.profile.blocks))
@@ -264,9 +264,9 @@ def test_on_gloo_ample_memory_is_unsharded_and_the_budget_walks_the_known_strate
     why. Four ranks share two cores here, so a pipeline's ramps, where few stages are busy, leave
     cores to the busy ones: pp 2 x dp 2 and dp 4 price within a few per cent of each other (and
     measured alike: 476 and 479 ms in bench/results/cpu-fidelity-pipeline.txt)."""
-    from graphpass import planner as planner_module
+    from graphpass.planner import remeasure
 
-    monkeypatch.setattr(planner_module.os, "cpu_count", lambda: 2)  # GLOO_4's host
+    monkeypatch.setattr(remeasure.os, "cpu_count", lambda: 2)  # GLOO_4's host
     with torch.device("meta"):
         model = build(SMALL)
     planner = Planner(model, GLOO_4, example_inputs(SMALL, batch=16, device="meta"), measure_ops=False)
@@ -490,19 +490,19 @@ def test_compile_auto_on_a_cnn_picks_data_parallel(rank_pool):
 def test_cpu_op_times_are_scaled_by_the_profiled_contention_else_by_oversubscription(monkeypatch):
     """Op times measured by one process are what one rank takes while every rank computes:
     the profile's measured contention when there is one, else cores oversubscribed."""
-    from graphpass import planner as planner_module
+    from graphpass.planner import remeasure
 
-    monkeypatch.setattr(planner_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(remeasure.os, "cpu_count", lambda: 2)
     unmeasured = dataclasses.replace(GLOO_4, device=dataclasses.replace(GLOO_4.device, contention=None,
                                                                         memory_contention=None))
     measured = dataclasses.replace(unmeasured, device=dataclasses.replace(unmeasured.device, contention=2.6))
-    assert planner_module._contention(measured) == 2.6
-    assert planner_module._contention(measured, memory_bound=True) == 2.6  # stands in when unmeasured
+    assert remeasure._contention(measured) == 2.6
+    assert remeasure._contention(measured, memory_bound=True) == 2.6  # stands in when unmeasured
     both = dataclasses.replace(GLOO_4, device=dataclasses.replace(GLOO_4.device, contention=2.6, memory_contention=3.1))
-    assert (planner_module._contention(both), planner_module._contention(both, memory_bound=True)) == (2.6, 3.1)
-    assert planner_module._contention(unmeasured) == 2.0  # 4 ranks x 1 thread on 2 cores
-    assert planner_module._contention(dataclasses.replace(unmeasured, devices_per_node=2)) == 1.0
-    assert planner_module._contention(gp.Cluster.preset("h200")) == 1.0  # GPUs do not share
+    assert (remeasure._contention(both), remeasure._contention(both, memory_bound=True)) == (2.6, 3.1)
+    assert remeasure._contention(unmeasured) == 2.0  # 4 ranks x 1 thread on 2 cores
+    assert remeasure._contention(dataclasses.replace(unmeasured, devices_per_node=2)) == 1.0
+    assert remeasure._contention(gp.Cluster.preset("h200")) == 1.0  # GPUs do not share
 
 
 def test_a_pipeline_on_a_shared_host_runs_its_ramps_with_the_cores_the_idle_stages_leave():
@@ -531,7 +531,7 @@ def test_a_pipeline_on_a_shared_host_runs_its_ramps_with_the_cores_the_idle_stag
 def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatch):
     """An op's time is not linear in its batch (a fixed cost per call): with measure_ops the
     planner measures the graph again at each local batch instead of scaling the global one."""
-    from graphpass import planner as planner_module
+    from graphpass.planner import driver, remeasure
 
     def fake_times(gm, cluster, measure, inputs):
         batch = int(inputs[0].shape[0])
@@ -539,8 +539,9 @@ def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatc
         return {n.name: (1e-3 + 1e-4 * batch, 2e-3 + 2e-4 * batch)
                 for n in gm.graph.nodes if n.op == "call_function"}
 
-    monkeypatch.setattr(planner_module, "_op_times", lambda gm, cluster, measure, inputs, together=False: (
-        fake_times(gm, cluster, measure, inputs), 1.0))
+    for module in (driver, remeasure):  # the captured batch's times (Planner), each other batch's (_Remeasure)
+        monkeypatch.setattr(module, "_op_times", lambda gm, cluster, measure, inputs, together=False: (
+            fake_times(gm, cluster, measure, inputs), 1.0))
     batch = zoo.batches("mlp", 1, 16)[0]
     planner = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch, measure_ops=True)
     ops = {n.name for n in planner.profile.gm.graph.nodes if n.op == "call_function"}
@@ -585,7 +586,7 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
     from graphpass.cost import profiler
     from graphpass.passes.collectives import is_collective
     from graphpass.passes.tensor_parallel import layout as tp_layout
-    from graphpass import planner as planner_module
+    from graphpass.planner import GraphProfile, driver, remeasure
 
     def one_ms_each(gm, device, *, measure=False, cache_path=None, skip=None, together=False):
         return {n.name: (1e-3, 2e-3) for n in gm.graph.nodes
@@ -607,13 +608,14 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
 
     monkeypatch.setattr(profiler, "node_times", one_ms_each)
     monkeypatch.setattr(profiler, "isolation_factor", factor)
-    monkeypatch.setattr(planner_module, "_contention", lambda cluster, memory_bound=False, together=False: 1.0)
+    for module in (driver, remeasure):  # the costing's optimizer step (driver), the op times (remeasure)
+        monkeypatch.setattr(module, "_contention", lambda cluster, memory_bound=False, together=False: 1.0)
     # 1 ms per op makes attention's many small ops outweigh the linears: not what is tested here
-    monkeypatch.setattr(planner_module.GraphProfile, "_check_tp_shares_compute", lambda *args: None)
+    monkeypatch.setattr(GraphProfile, "_check_tp_shares_compute", lambda *args: None)
     batch = zoo.batches(name, 1, 8)[0]
     planner = Planner(zoo.build(name), gp.Cluster.local(2), batch, measure_ops=True)
     gm = planner.profile.gm
-    program = tp_layout(gm, planner_module._tp_plan(gm, 2, False)).program
+    program = tp_layout(gm, remeasure._tp_plan(gm, 2, False)).program
     original = {n.name for n in gm.graph.nodes}
     kept = [n for n in program.graph.nodes if n.op == "call_function" and n.name in original and not is_collective(n)]
     added = [n for n in program.graph.nodes if n.op == "call_function" and n.name not in original and not is_collective(n)]
@@ -631,8 +633,8 @@ def test_memory_bound_ops_take_the_memory_bound_contention():
     """CPU ranks share DRAM more than they share cores: an op whose bytes outlast its FLOPs on
     the device (an elementwise add) is slowed by the profiled memory-bound contention, a matmul
     by the compute one; both by the whole-graph factor."""
-    from graphpass import planner as planner_module
     from graphpass.capture import capture
+    from graphpass.planner.remeasure import _contended
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -647,11 +649,11 @@ def test_memory_bound_ops_take_the_memory_bound_contention():
     nodes = {op_name: n.name for n in gm.graph.nodes if n.op == "call_function"
              for op_name in [str(n.target).split(".")[-2]] if op_name in ("linear", "add")}
     times = {name: (1e-3, 2e-3) for name in nodes.values()}
-    scaled = planner_module._contended(gm, cluster, times, 2.0)
+    scaled = _contended(gm, cluster, times, 2.0)
     assert scaled[nodes["linear"]] == pytest.approx((2.2e-3, 4.4e-3))
     assert scaled[nodes["add"]] == pytest.approx((3.0e-3, 6.0e-3))
     # A factor timed on every rank at once holds the contention: the probes' figures stay out.
-    together = planner_module._contended(gm, cluster, times, 2.0, together=True)
+    together = _contended(gm, cluster, times, 2.0, together=True)
     assert together[nodes["linear"]] == together[nodes["add"]] == pytest.approx((2e-3, 4e-3))
 
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 
 import zoo
-from graphpass import planner as planner_module
-from graphpass.planner import Planner
+from graphpass.planner import Planner, measure
 from graphpass.repeats import condense
 
 CLUSTER = "h100-80g:1x8"
@@ -50,7 +49,7 @@ def test_cut_graph_gives_the_whole_graphs_figures(name, data, monkeypatch):
     assert len(kept) < len([n for n in profile.gm.graph.nodes if n.op == "call_function"])
     cut = _figures(profile)
 
-    monkeypatch.setattr(planner_module, "condense", lambda *args: None)
+    monkeypatch.setattr(measure, "condense", lambda *args: None)  # where GraphProfile looks it up
     whole = Planner(model, CLUSTER, batch).profile
     assert whole.condensed is None
     assert cut == _figures(whole)

@@ -12,6 +12,9 @@ import pytest
 
 from graphpass.cost import solver as S
 from graphpass.cost.solver import Edge, InfeasibleError, Node, Problem, evaluate, heuristic, solve
+# The internals under test, and the settings patched, are reached in the module that looks them up.
+from graphpass.cost.solver import driver, lagrangian, local_search, message_passing, milp, reductions, windows
+from graphpass.cost.solver.problem import _steps, _validate
 
 
 def brute_force(problem: Problem):
@@ -146,14 +149,14 @@ def test_dominated_strategies_are_dropped_only_when_edges_agree():
     a = Node("a", [2, 1], [10, 5])
     b = Node("b", [0, 0], [0, 0])
     edge = Edge("a", "b", [[0, 0], [5, 5]])
-    red = S._reduce(Problem([a, b], [edge]), eliminate=False)
+    red = reductions._reduce(Problem([a, b], [edge]), eliminate=False)
     assert red.keep[0] == [0, 1]
     assert solve(Problem([a, b], [edge])).choice["a"] == 0
     # Without the edge, strategy 0 is dominated and dropped.
-    red = S._reduce(Problem([a, b], []), eliminate=False)
+    red = reductions._reduce(Problem([a, b], []), eliminate=False)
     assert red.keep[0] == [1]
     # Identical strategies: exactly one survives.
-    red = S._reduce(Problem([Node("c", [1, 1, 1], [2, 2, 2])], []))
+    red = reductions._reduce(Problem([Node("c", [1, 1, 1], [2, 2, 2])], []))
     assert red.keep[0] == [0]
 
 
@@ -164,7 +167,7 @@ def test_parallel_and_reversed_edges_are_merged():
         Edge("a", "b", [[0, 4, 0], [1, 1, 1]]),
         Edge("b", "a", [[0, 0], [0, 9], [5, 0]]),
     ]
-    merged = S._unreduced(S._validate(Problem([a, b], edges)))
+    merged = reductions._unreduced(_validate(Problem([a, b], edges)))
     assert list(merged.edges())[0][:2] == (0, 1) and len(list(merged.edges())) == 1
     assert merged.adj[0][1].tolist() == [[1, 4, 8], [3, 12, 3]] and merged.adj[1][0].tolist() == [[1, 3], [4, 12], [8, 3]]
     p = Problem([a, b], edges)
@@ -174,8 +177,8 @@ def test_parallel_and_reversed_edges_are_merged():
 def test_marginal_constraints_make_edge_variables_integral():
     rng = random.Random(3)
     p = random_problem(rng, num_nodes=8, num_strategies=4, limit_frac=0.3, extra_edges=4)
-    red = S._reduce(p, eliminate=False)
-    model, x, y = S._pywraplp_model(red)
+    red = reductions._reduce(p, eliminate=False)
+    model, x, y = milp._pywraplp_model(red)
     assert model.Solve() == model.OPTIMAL
     assert y, "the instance should keep some edge variables"
     for ys in y.values():
@@ -250,7 +253,7 @@ def nested_chain(rng: random.Random, num_nodes: int, num_strategies: int, limit_
 @pytest.mark.parametrize("solver", ["highs", "cp-sat"])
 @pytest.mark.parametrize("seed", range(4))
 def test_memory_rows_as_a_running_sum_match_brute_force(seed, solver, monkeypatch):
-    monkeypatch.setattr(S, "_DIRECT_ROW_TERMS", 0)  # what a long graph with nested intervals gets
+    monkeypatch.setattr(milp, "_DIRECT_ROW_TERMS", 0)  # what a long graph with nested intervals gets
     rng = random.Random(seed)
     p = nested_chain(rng, num_nodes=7, num_strategies=3, limit_frac=0.4) if seed % 2 else \
         random_problem(rng, num_nodes=7, num_strategies=3, limit_frac=0.4)
@@ -273,9 +276,10 @@ def test_lagrangian_bound_never_exceeds_the_optimum_and_its_plan_fits(seed):
     rng = random.Random(seed)
     p = nested_chain(rng, num_nodes=8, num_strategies=3, limit_frac=0.3)
     best = brute_force(p)
-    red = S._reduce(p)
-    warm = S._greedy_local_search(red)
-    bound, priced, _ = S._lagrangian(red, red.objective(warm), math.inf)  # ends after its rounds, whatever the machine
+    red = reductions._reduce(p)
+    warm = local_search._greedy_local_search(red)
+    # no deadline (math.inf): it ends after its rounds, whatever the machine
+    bound, priced, _ = lagrangian._lagrangian(red, red.objective(warm), math.inf)
     assert red.lower_bound() <= bound <= best * (1 + 1e-9)
     if priced is not None:
         cost, peak = evaluate(p, red.recover(priced))
@@ -291,8 +295,8 @@ def test_windows_fit_the_memory_and_report_an_honest_gap(monkeypatch):
     p = transformer_op_problem(num_layers=30, seed=1)
     exact = solve(p, time_limit_s=600)  # proven in seconds; the limit only guards a stuck solve
     assert exact.optimal
-    monkeypatch.setattr(S, "_FULL_MODEL_SIZE", 0)
-    monkeypatch.setattr(S, "_LNS_MODEL_SIZE", 3000)
+    monkeypatch.setattr(driver, "_FULL_MODEL_SIZE", 0)
+    monkeypatch.setattr(windows, "_LNS_MODEL_SIZE", 3000)
     sol = solve(p, time_limit_s=3)
     greedy = heuristic(p)
     assert sol.solver == "highs windows" and not sol.optimal
@@ -317,7 +321,7 @@ def test_ten_thousand_op_nodes_get_a_feasible_plan_with_a_valid_bound():
     assert 0.0 <= sol.gap <= 1.0
     bound = sol.cost_s * (1 - sol.gap)
     # A valid lower bound is below every feasible plan's cost, the greedy one's included.
-    red = S._reduce(p)
+    red = reductions._reduce(p)
     assert red.lower_bound() * (1 - 1e-9) <= bound <= greedy.cost_s * (1 + 1e-9)
 
 
@@ -351,11 +355,11 @@ def test_vectorised_dominance_drops_what_the_pairwise_loop_drops(seed, monkeypat
     nodes = [Node("n", cost, mem)] + [Node(f"v{i}", [0.0] * w, [0.0] * w) for i, w in enumerate(widths)]
     edges = [Edge("n", f"v{i}", r) for i, r in enumerate(rows)]
     problem = Problem(nodes, edges, memory_limit_bytes=min(mem) + 0.5)  # binds unless all are equal
-    arrays = S._validate(problem)
-    red = S._unreduced(arrays)
-    S._memory_rows(problem, red, arrays.mem, S._steps(problem))
-    monkeypatch.setattr(S, "_DOMINANCE_BLOCK_CELLS", rng.choice([1, 10, 4_000_000]))  # blocks of 1.. all
-    S._drop_dominated(red, 0)
+    arrays = _validate(problem)
+    red = reductions._unreduced(arrays)
+    reductions._memory_rows(problem, red, arrays.mem, _steps(problem))
+    monkeypatch.setattr(reductions, "_DOMINANCE_BLOCK_CELLS", rng.choice([1, 10, 4_000_000]))  # blocks of 1.. all
+    reductions._drop_dominated(red, 0)
     kept = red.keep[0]
     assert sorted(set(range(k)) - set(kept)) == _dominated_by_loop(cost, mem, rows)
     assert np.array_equal(red.cost[0], np.asarray(cost)[kept])
@@ -469,15 +473,15 @@ def test_windows_repair_forbidden_pairs_and_stay_within_memory(seed, monkeypatch
     assert S.min_peak_memory(tight)[0] < lo * 0.99
     with pytest.raises(InfeasibleError, match="the MILP proves it"):
         solve(tight, time_limit_s=30)
-    monkeypatch.setattr(S, "_FULL_MODEL_SIZE", 0)  # the large-problem path
-    monkeypatch.setattr(S, "_LNS_MODEL_SIZE", 60)  # windows of a few nodes
+    monkeypatch.setattr(driver, "_FULL_MODEL_SIZE", 0)  # the large-problem path
+    monkeypatch.setattr(windows, "_LNS_MODEL_SIZE", 60)  # windows of a few nodes
     # The windows are under test: the pair moves, the Lagrangian, the price search and the kicks,
     # which would take most of the time limit first, are left out (the windows end when a sweep
     # improves nothing, not at the time limit). On these instances the reductions already leave
     # the start without forbidden pairs, so this checks that the windows keep it allowed and
     # fitting; test_forbidden_strategies_and_pairs_are_never_chosen covers the rest.
     for share in ("_PAIR_SHARE", "_LAGRANGIAN_SHARE", "_PRICE_SHARE", "_KICK_SHARE"):
-        monkeypatch.setattr(S, share, 0.0)
+        monkeypatch.setattr(driver, share, 0.0)
     sol = solve(p, time_limit_s=30)
     assert sol.solver == "highs windows"
     assert forbidden_terms(p, sol.choice) == 0
@@ -549,16 +553,16 @@ def _grid(rng: random.Random, side: int, num_strategies: int, limit_frac: float 
 def test_message_passing_bounds_a_grid_and_decodes_an_assignment(seed, stacked, monkeypatch):
     # 3 x 3 grid, 3 strategies: 19,683 assignments, brute-forced. Stacked: the edges updated in
     # groups that share no node (`_StackedMessages`, used on graphs of 5,000 edges or more).
-    monkeypatch.setattr(S, "_STACKED_EDGES", 0 if stacked else 10**9)
+    monkeypatch.setattr(message_passing, "_STACKED_EDGES", 0 if stacked else 10**9)
     p = _grid(random.Random(seed), 3, 3, None)
     best = brute_force(p)
-    red = S._unreduced(S._validate(p))
+    red = reductions._unreduced(_validate(p))
     live = red.live_nodes()
-    assert S._unconstrained_min(red, {n: red.cost[n] for n in live}) is None  # not series-parallel
-    bound, belief, pairs = S._Messages(red).run({n: red.cost[n] for n in live}, math.inf)
+    assert lagrangian._unconstrained_min(red, {n: red.cost[n] for n in live}) is None  # not series-parallel
+    bound, belief, pairs = message_passing._Messages(red).run({n: red.cost[n] for n in live}, math.inf)
     assert red.lower_bound() < bound <= best * (1 + 1e-9)  # tighter than every term at its minimum
     # theta' is a reparametrisation: any assignment costs the same under it.
-    choice = S._dual_decode(red, belief, pairs, math.inf)
+    choice = message_passing._dual_decode(red, belief, pairs, math.inf)
     assert sum(belief[n][choice[n]] for n in live) + sum(m[choice[u], choice[v]] for (u, v), m in pairs.items()) \
         == pytest.approx(red.objective(choice), rel=1e-9)
     assert red.objective(choice) >= best * (1 - 1e-9)
@@ -567,12 +571,13 @@ def test_message_passing_bounds_a_grid_and_decodes_an_assignment(seed, stacked, 
 @pytest.mark.parametrize("stacked", [False, True], ids=["one-edge-at-a-time", "stacked"])
 @pytest.mark.parametrize("seed", range(4))
 def test_lagrangian_on_a_grid_gives_a_valid_bound_and_a_fitting_plan(seed, stacked, monkeypatch):
-    monkeypatch.setattr(S, "_STACKED_EDGES", 0 if stacked else 10**9)
+    monkeypatch.setattr(message_passing, "_STACKED_EDGES", 0 if stacked else 10**9)
     p = _grid(random.Random(seed), 3, 3, 0.3)
     best = brute_force(p)
-    red = S._reduce(p, eliminate=False)
-    warm = S._greedy_local_search(red)
-    bound, priced, _ = S._lagrangian(red, red.objective(warm), math.inf)  # ends after its rounds, whatever the machine
+    red = reductions._reduce(p, eliminate=False)
+    warm = local_search._greedy_local_search(red)
+    # no deadline (math.inf): it ends after its rounds, whatever the machine
+    bound, priced, _ = lagrangian._lagrangian(red, red.objective(warm), math.inf)
     assert bound <= best * (1 + 1e-9)
     if priced is not None:
         cost, peak = evaluate(p, red.recover(priced))
@@ -589,13 +594,13 @@ def test_price_search_finds_cheaper_fitting_plans_than_the_lagrangians(strategie
     optimal or the walk ties it); what it returns always fits and never beats the optimum."""
     p = _grid(random.Random(seed), 3, strategies, limit_frac)
     best = brute_force(p)
-    red = S._reduce(p, eliminate=False)
+    red = reductions._reduce(p, eliminate=False)
     live = red.live_nodes()
-    warm = S._greedy_local_search(red)
-    prices = S._MemoryPriced(red)
-    _, priced, lam = S._lagrangian(red, red.objective(warm), math.inf, priced=prices)
-    start = S._better(red, warm, priced, live) if priced is not None else warm
-    found = S._price_search(red, prices, lam, start, math.inf, max_steps=200)
+    warm = local_search._greedy_local_search(red)
+    prices = lagrangian._MemoryPriced(red)
+    _, priced, lam = lagrangian._lagrangian(red, red.objective(warm), math.inf, priced=prices)
+    start = driver._better(red, warm, priced, live) if priced is not None else warm
+    found = lagrangian._price_search(red, prices, lam, start, math.inf, max_steps=200)
     cost, peak = evaluate(p, red.recover(found))
     assert peak <= p.memory_limit_bytes * (1 + 1e-9)
     assert best * (1 - 1e-9) <= cost < red.objective(start) * (1 - 1e-6)
@@ -617,9 +622,9 @@ def test_sweeps_end_where_no_single_node_move_helps(seed):
             if (r2, c2) in sizes:
                 edges.append(Edge(f"g{r}_{c}", f"g{r2}_{c2}", [[math.inf if rng.random() < 0.15 else rng.uniform(0, 8)
                                                                  for _ in range(sizes[r2, c2])] for _ in range(sizes[r, c])]))
-    red = S._unreduced(S._validate(Problem(nodes, edges, forbidden_cost_s=math.inf)))
+    red = reductions._unreduced(_validate(Problem(nodes, edges, forbidden_cost_s=math.inf)))
     live = red.live_nodes()
-    sweeps = S._Sweeps(red)
+    sweeps = message_passing._Sweeps(red)
     for members in sweeps.classes:  # a colour's nodes share no edge: they may move together
         rows = {sweeps.live[i] for i in members}
         assert not any(u in rows and v in rows for u, v, _ in red.edges())
@@ -667,11 +672,11 @@ def test_a_star_updates_its_edges_as_one_at_a_time_does(hub_last):
     carry the messages over. Tolerance: the triangular products sum in another order than the
     sequential updates, ~1e-15 relative here."""
     p = _star(random.Random(1), 150, hub_last, (3,))
-    red = S._unreduced(S._validate(p))
+    red = reductions._unreduced(_validate(p))
     live = red.live_nodes()
     cost = {n: red.cost[n] for n in live}
-    one_by_one = S._Messages(red)  # 150 edges: one at a time
-    stacked = S._StackedMessages(red)
+    one_by_one = message_passing._Messages(red)  # 150 edges: one at a time
+    stacked = message_passing._StackedMessages(red)
     assert len(stacked.stars) == 1 and len(stacked.groups) == 1
     for _ in range(3):
         b1, belief1, pairs1 = one_by_one.run(cost, math.inf, max_sweeps=1, until_stalled=False)
@@ -694,9 +699,9 @@ def test_stars_with_neighbours_of_several_sizes_bound_the_optimum(seed):
     shared = [Edge(f"n{i}", "h2", [[rng.uniform(0, 8) for _ in range(3)] for _ in p.nodes[i].costs_s])
               for i in range(0, 21, 1)]  # n0 (the first hub) to h2 too
     p = Problem(p.nodes + extra, p.edges + shared)
-    red = S._unreduced(S._validate(p))
+    red = reductions._unreduced(_validate(p))
     live = red.live_nodes()
-    stacked = S._StackedMessages(red)
+    stacked = message_passing._StackedMessages(red)
     assert len(stacked.stars) == 2
     best = solve(p)  # small: proven by the whole MILP
     assert best.optimal
@@ -713,12 +718,12 @@ def test_pair_moves_take_two_nodes_that_only_pay_off_together():
     nodes = [Node("a", [5, 0], [0, 3], live=(0, 1)), Node("b", [5, 0], [0, 3], live=(1, 2))]
     edges = [Edge("a", "b", [[0, 10], [10, 0]])]
     for limit, expect in ((6, {0: 1, 1: 1}), (5, {0: 0, 1: 0})):
-        red = S._reduce(Problem(nodes, edges, memory_limit_bytes=limit), eliminate=False)
-        assert S._greedy_local_search(red, initial={0: 0, 1: 0}) == {0: 0, 1: 0}
-        assert S._pair_descent(red, {0: 0, 1: 0}, math.inf) == expect
+        red = reductions._reduce(Problem(nodes, edges, memory_limit_bytes=limit), eliminate=False)
+        assert local_search._greedy_local_search(red, initial={0: 0, 1: 0}) == {0: 0, 1: 0}
+        assert local_search._pair_descent(red, {0: 0, 1: 0}, math.inf) == expect
 
 
-def tight_reduced(rng: random.Random) -> tuple[S._Reduced, list[int]]:
+def tight_reduced(rng: random.Random) -> tuple[reductions._Reduced, list[int]]:
     """An unreduced problem with a tight limit over long live intervals (so a segment of rows
     has rooms that differ) and forbidden pairs; some piece spans two rows or more."""
     while True:
@@ -730,14 +735,14 @@ def tight_reduced(rng: random.Random) -> tuple[S._Reduced, list[int]]:
         p = Problem(nodes, [Edge(e.src, e.dst, [[math.inf if rng.random() < 0.1 else c for c in row]
                                                 for row in e.cost_s]) for e in p.edges],
                     lo + 0.15 * (hi - lo), forbidden_cost_s=math.inf)
-        red = S._unreduced(S._validate(p))
-        S._memory_rows(p, red, [np.array(n.memory_bytes) for n in p.nodes], S._steps(p))
+        red = reductions._unreduced(_validate(p))
+        reductions._memory_rows(p, red, [np.array(n.memory_bytes) for n in p.nodes], _steps(p))
         live = red.live_nodes()
         if any(j2 > j1 for n in live for j1, j2, _ in red.pieces[n]):
             return red, live
 
 
-def reduced_score(red: S._Reduced, x: dict[int, int]) -> tuple[int, float]:
+def reduced_score(red: reductions._Reduced, x: dict[int, int]) -> tuple[int, float]:
     """(forbidden terms, the sum of the others) of ``x``."""
     terms = [float(red.cost[n][x[n]]) for n in red.live_nodes()] + [float(m[x[u], x[v]]) for u, v, m in red.edges()]
     return sum(math.isinf(t) for t in terms), sum(t for t in terms if not math.isinf(t))
@@ -750,22 +755,22 @@ def test_pair_descent_ends_where_no_fitting_pair_move_helps(seed):
     with fewer forbidden pairs, or as few and a lower cost."""
     red, live = tight_reduced(random.Random(seed))
     start = {n: int(np.argmin(red.pieces[n][0][2])) if red.pieces[n] else 0 for n in live}  # least memory
-    assert S._fits(red, start, live)
+    assert reductions._fits(red, start, live)
     for n in live:  # a second, disjoint piece with less memory: start still fits
         pieces = red.pieces[n]
         if len(pieces) == 1 and pieces[0][1] > pieces[0][0]:
             j1, j2, extra = pieces[0]
             red.pieces[n] = [(j1, j1, extra), (j1 + 1, j2, 0.5 * extra)]
     assert any(len(red.pieces[n]) == 2 for n in live)
-    found = S._pair_descent(red, start, math.inf)
-    assert S._fits(red, found, live)
+    found = local_search._pair_descent(red, start, math.inf)
+    assert reductions._fits(red, found, live)
     here = reduced_score(red, found)
     assert here <= reduced_score(red, start)
     for u, v, _ in red.edges():
         for a in range(len(red.cost[u])):
             for b in range(len(red.cost[v])):
                 moved = {**found, u: a, v: b}
-                if S._fits(red, moved, live):
+                if reductions._fits(red, moved, live):
                     bad, cost = reduced_score(red, moved)
                     assert bad > here[0] or (bad == here[0] and cost >= here[1] - 1e-9 * abs(here[1])), (u, v, a, b)
 
@@ -783,13 +788,14 @@ def test_kicks_keep_an_answer_that_fits_and_costs_no_more():
             if len(red.pieces[n]) == 1 and red.pieces[n][0][1] > red.pieces[n][0][0]:
                 j1, j2, extra = red.pieces[n][0]
                 red.pieces[n] = [(j1, j1, extra), (j1 + 1, j2, 0.5 * extra)]
-        moves = S._PairMoves(red, {n: int(np.argmin(red.pieces[n][0][2])) if red.pieces[n] else 0 for n in live})
+        moves = local_search._PairMoves(
+            red, {n: int(np.argmin(red.pieces[n][0][2])) if red.pieces[n] else 0 for n in live})
         assert moves.fits()
         moves.descend(math.inf)
         before = reduced_score(red, moves.choice)
         moves.search(math.inf, seed=seed, max_kicks=40)
         assert moves.kicks == 40
-        assert S._fits(red, moves.choice, live)
+        assert reductions._fits(red, moves.choice, live)
         after = reduced_score(red, moves.choice)
         assert after <= before
         assert (moves.forbidden, moves.value) == pytest.approx(after, rel=1e-9)

@@ -36,7 +36,8 @@ from graphpass.pass_manager import PassContext, PassError, run_passes
 from graphpass.ops import op_name
 from graphpass.passes import PIPELINE
 from graphpass.passes.collectives import is_collective
-from graphpass.passes.split_operators import is_linear, split_operators
+from graphpass.ops import is_linear
+from graphpass.passes.split_operators import split_operators
 from graphpass.runtime.memory import MemoryProbe, optimizer_state_tensors
 
 import zoo
@@ -63,11 +64,11 @@ def _full_grads(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
         if node.op != "get_attr" or meta.get(node, meta.ATTR_KIND) != "parameter":
             continue
         grad = gm.get_parameter(node.target).grad
-        split = node.meta.get(meta.SPLIT)
+        split = meta.slice_of(node)
         if split is None:
             grads.update((key, grad) for key in meta.get(node, meta.STATE_KEYS))
         else:
-            slices.setdefault(split["state_keys"], []).append((split["index"], split["dim"], grad))
+            slices.setdefault(split.state_keys, []).append((split.index, split.dim, grad))
     for keys, parts in slices.items():
         parts.sort(key=lambda p: p[0])
         full = torch.cat([g for _, _, g in parts], dim=parts[0][1])
@@ -150,18 +151,20 @@ def test_zero3_split_gathers_each_slice_right_before_its_linear():
     # Slices are sharded over dp like any parameter: up.weight [256, 64] → 2 x [128, 64] → [64, 64].
     assert tuple(gm.get_parameter("h.0.mlp.up.weight.split1").shape) == (64, 64)
     up1 = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "h.0.mlp.up.weight.split1")
-    assert meta.get(up1, meta.SHARD) == {"axis": "dp", "dim": 0, "shape": [128, 64], "stage": 3}
-    assert meta.get(up1, meta.SPLIT) == {
-        "node": "h_0_mlp_up_weight", "target": "h.0.mlp.up.weight", "state_keys": ("h.0.mlp.up.weight",),
-        "shape": [256, 64], "dim": 0, "index": 1, "parts": 2, "start": 128,
+    layout = meta.get(up1, meta.LAYOUT)
+    assert layout.to_json() == {
+        "shape": [256, 64], "placements": {"dp": "Shard(0)"}, "sizes": {"dp": 2}, "zero": 3,
+        "slice": {"dim": 0, "start": 128, "size": 128, "index": 1, "parts": 2, "source": "h_0_mlp_up_weight",
+                  "target": "h.0.mlp.up.weight", "state_keys": ["h.0.mlp.up.weight"]},
     }
+    assert layout.shape_on("dp") == (128, 64) and layout.local_shape == (64, 64)
 
 
 def test_strategy_split_skips_tied_linears_and_logs_why(caplog):
     batch = zoo.batches("gpt", 1, 4)[0]
     gm = capture(zoo.build("gpt"), batch).gm
     gp.Strategy(dp=1, zero=3, split=2).check(1)  # one rank: ZeRO-3 has nothing to shard, the split still runs
-    with caplog.at_level(logging.INFO, logger="graphpass.passes.split_operators"):
+    with caplog.at_level(logging.INFO, logger="graphpass.splittable"):
         plan = plan_from_strategy(gm, gp.Strategy(zero=3, split=4), [])
     assert len(plan.split) == 12 and "linear_12" not in plan.split  # lm_head shares wte.weight
     assert "not splitting linear_12 (lm_head)" in caplog.text and "would untie the weights" in caplog.text

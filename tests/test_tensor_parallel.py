@@ -128,7 +128,7 @@ def _cumsum_plan(gm: fx.GraphModule, world: int) -> gp.Plan:
 
 
 def _tp_sharded(gm: fx.GraphModule) -> set[str]:
-    return {n.target for n in gm.graph.nodes if n.op == "get_attr" and meta.TP_SHARD in n.meta}
+    return {n.target for n in gm.graph.nodes if n.op == "get_attr" and meta.layout(n) is not None}
 
 
 def test_a_causal_mask_written_with_masked_fill_keeps_attention_sharded():

@@ -21,8 +21,8 @@ from torch.distributed.tensor.placement_types import Replicate
 
 import graphpass as gp
 from graphpass.capture import capture
-from graphpass.plan import placement_to_str
-from graphpass.passes.tensor_parallel import MergedShard, _Walker
+from graphpass.layout import placement_to_str
+from graphpass.passes.tensor_parallel import MergedShard, Walker
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.plan_builder import plan_from_strategy
 
@@ -121,7 +121,7 @@ def _placement_and_outputs(label_filter=None):
         sums = [n for n in gm.graph.nodes if n.op == "call_function"
                 and n.target == torch.ops.aten.sum.default and n.args[0].op != "placeholder"]
         try:
-            walker = _Walker(gm, plan, SIZE, rank)
+            walker = Walker(gm, plan, SIZE, rank)
             walker.run()
             watched = [n.args[0] for n in sums]
             gm.recompile()

@@ -121,8 +121,8 @@ def test_simulated_corruption_is_named(monkeypatch, kind):
 @graph_pass("mislabel_a_shard")
 def mislabel_a_shard(gm, plan, ctx):
     """Every rank: one ZeRO shard claims a larger full tensor than it is a shard of."""
-    node = next(n for n in gm.graph.nodes if n.op == "get_attr" and meta.SHARD in n.meta and n.target == "h.0.mlp.up.weight")
-    node.meta[meta.SHARD] = {**node.meta[meta.SHARD], "shape": [400, 64]}
+    node = next(n for n in gm.graph.nodes if n.op == "get_attr" and meta.layout(n) is not None and n.target == "h.0.mlp.up.weight")
+    node.meta[meta.LAYOUT] = dataclasses.replace(meta.layout(node), shape=(400, 64))
     return gm
 
 

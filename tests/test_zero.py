@@ -139,7 +139,9 @@ def test_zero3_graph_gathers_each_layer_with_one_collective():
     # Attributes hold padded dim-0 shards: wpe (32 rows) → 16 rows on rank 0 of 2.
     assert tuple(gm.get_parameter("wpe.weight").shape) == (16, 64)
     wpe = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "wpe.weight")
-    assert meta.get(wpe, meta.SHARD) == {"axis": "dp", "dim": 0, "shape": [32, 64], "stage": 3}
+    layout = meta.get(wpe, meta.LAYOUT)
+    assert layout.to_json() == {"shape": [32, 64], "placements": {"dp": "Shard(0)"}, "sizes": {"dp": 2}, "zero": 3}
+    assert layout.local_shape == (16, 64) and layout.zero_axis == "dp"
 
 
 def _peak_bytes(zero: int) -> tuple[int, int]:

@@ -1,0 +1,298 @@
+"""A tensor's layout: one typed value saying where a rank's tensor sits in the full tensor.
+
+Every parameter and buffer a pass shards carries one :class:`TensorLayout` in
+``node.meta[gp.layout]`` (:data:`graphpass.meta.LAYOUT`). It says, in torch's words
+(``torch.distributed.tensor``'s ``Shard`` / ``Replicate``), how the full tensor of the original
+``state_dict`` entry is cut on each mesh axis, plus what DTensor has no word for:
+
+- the fused parts of a tensor-parallel shard (q, k and v of one projection: each part is chunked
+  on its own, so rank r holds chunk r of each);
+- an operator split's slice (OSDP): every rank holds slice ``index`` of ``parts`` along ``dim``
+  as a parameter of its own;
+- the ZeRO stage of a data-parallel ``Shard(0)``: the stored tensor (what the optimizer steps, so
+  its state too) is always the shard; stages 1 and 2 gather the compute copy once per step and
+  stage 3 around each use; stage 1 all-reduces the gradient, stages 2 and 3 reduce-scatter it
+  (:mod:`graphpass.runtime.zero`);
+- the buffer naming the expert each slot holds, for experts that dynamic placement moves;
+- the memory tier the stored tensor lives in (``"device"``; host and disk come with offload).
+
+The cuts compose from the full tensor inwards in one order, the order of :meth:`TensorLayout.cuts`:
+the slice, then the tensor- or expert-parallel ``Shard(d)``, then ZeRO's ``Shard(0)`` of what is
+left: rows ``[r*c, (r+1)*c)`` with ``c = ceil(rows / N)``, the last shards padded with zero rows
+(FSDP2's layout; the same rows as DTensor's ``Shard(0)``, stored padded). Everything that composes
+shards reads that order from here: :mod:`graphpass.runtime.layout` (a rank's pieces and the
+gathers of ``full_state_dict``), the collectives pass (which shape a ZeRO gather rebuilds) and
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Mapping
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+#: The memory tiers a stored tensor can live in (the offload issue adds "host" and "disk").
+TIERS = ("device",)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Slice ``index`` of ``parts`` of an operator split (OSDP) along ``dim``: rows
+    ``[start, start + size)`` of the full tensor, cut from the ``get_attr`` node ``source``
+    (attribute ``target``) that stood for the original ``state_keys``."""
+
+    dim: int
+    start: int
+    size: int
+    index: int
+    parts: int
+    source: str
+    target: str
+    state_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One step of a layout, as :meth:`TensorLayout.cuts` yields them: ``placement`` on ``axis``
+    (``size`` ranks) applied to a tensor of shape ``shape``; ``parts`` for fused parts, ``zero``
+    the ZeRO stage of a padded data-parallel shard (0 otherwise)."""
+
+    axis: str
+    placement: Shard
+    size: int
+    shape: tuple[int, ...]
+    parts: tuple[int, ...] = ()
+    zero: int = 0
+
+    @property
+    def dim(self) -> int:
+        return self.placement.dim
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of each rank's piece: chunked (per part), or ZeRO's padded rows."""
+        out = list(self.shape)
+        if self.zero:
+            out[0] = shard_rows(self.shape[0], self.size)
+        else:
+            out[self.dim] = sum(n // self.size for n in (self.parts or (self.shape[self.dim],)))
+        return tuple(out)
+
+
+def shard_rows(rows: int, num_shards: int) -> int:
+    """Rows of each ZeRO shard: ``ceil(rows / num_shards)`` (at least 1)."""
+    return max(1, math.ceil(rows / num_shards))
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where a rank's stored tensor sits in the full tensor of shape ``shape``.
+
+    ``placements`` holds the axes the tensor is sharded on, ``(axis, Shard(d))`` in the order the
+    cuts apply (every other axis: ``Replicate()``); ``sizes`` the ranks on each of those axes.
+    With ``zero`` > 0 the last placement is ZeRO's ``Shard(0)``. Build one with
+    :meth:`whole` and the ``with_*`` methods (passes add their cut to what earlier passes made).
+    """
+
+    shape: tuple[int, ...]
+    placements: tuple[tuple[str, Placement], ...] = ()
+    sizes: tuple[tuple[str, int], ...] = ()
+    parts: tuple[int, ...] = ()
+    zero: int = 0
+    slice: Slice | None = None
+    experts: str | None = None
+    tier: str = "device"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if len(self.placements) != len(self.sizes) or any(a != b for (a, _), (b, _) in zip(self.placements, self.sizes)):
+            raise ValueError(f"TensorLayout: placements {self.placements} and sizes {self.sizes} name different axes")
+        for axis, placement in self.placements:
+            if not isinstance(placement, Shard):
+                raise ValueError(f"TensorLayout: a stored tensor is Shard(d) or Replicate() on each axis; "
+                                 f"got {placement} on {axis!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"TensorLayout.zero must be 0-3, got {self.zero!r}")
+        if self.zero and (not self.placements or self.placements[-1][1] != Shard(0)):
+            raise ValueError(f"TensorLayout: ZeRO stage {self.zero} needs its Shard(0) as the last cut, "
+                             f"got {self.placements}")
+        if self.tier not in TIERS:
+            raise ValueError(f"TensorLayout.tier must be one of {TIERS}, got {self.tier!r}")
+
+    @classmethod
+    def whole(cls, shape) -> "TensorLayout":
+        """The layout of a tensor every rank holds whole."""
+        return cls(tuple(shape))
+
+    # ------------------------------------------------------------------ reading
+
+    def placement(self, axis: str) -> Placement:
+        """The placement on ``axis``: ``Shard(d)`` or ``Replicate()``."""
+        return dict(self.placements).get(axis, Replicate())
+
+    def axis_size(self, axis: str) -> int:
+        return dict(self.sizes).get(axis, 1)
+
+    @property
+    def zero_axis(self) -> str | None:
+        """The axis ZeRO shards the tensor on (None without ZeRO)."""
+        return self.placements[-1][0] if self.zero else None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the rank holds less than the whole tensor."""
+        return bool(self.placements) or self.slice is not None
+
+    def cuts(self) -> Iterator[Cut]:
+        """The placements in the order they apply from the full tensor (after the slice) inwards,
+        each with the shape of the tensor it cuts. The one place that order is written."""
+        shape = self.sliced_shape
+        for i, ((axis, placement), (_, size)) in enumerate(zip(self.placements, self.sizes)):
+            zero = self.zero if i == len(self.placements) - 1 else 0
+            cut = Cut(axis, placement, size, shape, () if zero else self.parts, zero)
+            yield cut
+            shape = cut.out_shape
+
+    @property
+    def sliced_shape(self) -> tuple[int, ...]:
+        """The shape of the slice (the full shape without a split)."""
+        if self.slice is None:
+            return self.shape
+        out = list(self.shape)
+        out[self.slice.dim] = self.slice.size
+        return tuple(out)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the rank stores."""
+        shape = self.sliced_shape
+        for cut in self.cuts():
+            shape = cut.out_shape
+        return shape
+
+    def shape_on(self, axis: str) -> tuple[int, ...]:
+        """The shape of the tensor the cut on ``axis`` takes chunks of (what gathering over
+        ``axis`` rebuilds)."""
+        for cut in self.cuts():
+            if cut.axis == axis:
+                return cut.shape
+        raise KeyError(f"{self} is not sharded on {axis!r}")
+
+    # ------------------------------------------------------------------ building
+
+    def with_shard(self, axis: str, dim: int, size: int, parts=()) -> "TensorLayout":
+        """This layout, then a chunk of ``dim`` over ``size`` ranks on ``axis`` (of each fused part)."""
+        if self.zero:
+            raise ValueError(f"{self}: a Shard({dim}) on {axis!r} cannot follow ZeRO's shard (ZeRO shards last)")
+        if parts and self.parts:
+            raise ValueError(f"{self}: fused parts on two axes")
+        return replace(self, placements=(*self.placements, (axis, Shard(dim))), sizes=(*self.sizes, (axis, size)),
+                       parts=tuple(int(n) for n in parts) or self.parts)
+
+    def with_zero(self, axis: str, size: int, stage: int) -> "TensorLayout":
+        """This layout, then ZeRO-``stage``'s padded ``Shard(0)`` over ``size`` ranks on ``axis``."""
+        if self.zero:
+            raise ValueError(f"{self}: already ZeRO-sharded")
+        return replace(self, placements=(*self.placements, (axis, Shard(0))), sizes=(*self.sizes, (axis, size)),
+                       zero=stage)
+
+    def with_slice(self, slice_: Slice) -> "TensorLayout":
+        """This (whole) layout's slice ``slice_``."""
+        if self.sharded:
+            raise ValueError(f"{self}: only a whole tensor is split into slices")
+        return replace(self, slice=slice_)
+
+    def with_experts(self, buffer: str) -> "TensorLayout":
+        """This layout with its slots' experts named by ``buffer`` (dynamic expert placement)."""
+        return replace(self, experts=buffer)
+
+    # ------------------------------------------------------------------ text
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict; placements as torch's strings (``"Shard(0)"``)."""
+        out: dict[str, Any] = {"shape": list(self.shape),
+                               "placements": {a: placement_to_str(p) for a, p in self.placements},
+                               "sizes": dict(self.sizes)}
+        if self.parts:
+            out["parts"] = list(self.parts)
+        if self.zero:
+            out["zero"] = self.zero
+        if self.slice is not None:
+            out["slice"] = {**self.slice.__dict__, "state_keys": list(self.slice.state_keys)}
+        if self.experts is not None:
+            out["experts"] = self.experts
+        if self.tier != "device":
+            out["tier"] = self.tier
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "TensorLayout":
+        slice_ = data.get("slice")
+        return cls(
+            tuple(data["shape"]),
+            tuple((a, parse_shard(p, a)) for a, p in data.get("placements", {}).items()),
+            tuple(data.get("sizes", {}).items()),
+            tuple(data.get("parts", ())),
+            data.get("zero", 0),
+            None if slice_ is None else Slice(**{**slice_, "state_keys": tuple(slice_["state_keys"])}),
+            data.get("experts"),
+            data.get("tier", "device"),
+        )
+
+    def __str__(self) -> str:
+        cuts = []
+        for cut in self.cuts():
+            text = f"{cut.axis}={placement_to_str(cut.placement)}/{cut.size}"
+            if cut.parts:
+                text += f" parts {list(cut.parts)}"
+            if cut.zero:
+                text += f" zero-{cut.zero}"
+            cuts.append(text)
+        if self.slice is not None:
+            cuts.insert(0, f"slice {self.slice.index}/{self.slice.parts} of dim {self.slice.dim}")
+        if self.experts is not None:
+            cuts.append(f"experts by {self.experts}")
+        if self.tier != "device":
+            cuts.append(self.tier)
+        return f"TensorLayout({list(self.shape)}{', ' if cuts else ''}{', '.join(cuts)})"
+
+
+def placement_from_str(text: str) -> Placement:
+    """Parse ``"Shard(0)"``, ``"Replicate()"`` or ``"Partial()"`` (also ``"Partial(avg)"``)."""
+    text = text.strip()
+    if text == "Replicate()":
+        return Replicate()
+    match = re.fullmatch(r"Shard\((?:dim=)?(-?\d+)\)", text)
+    if match:
+        return Shard(int(match.group(1)))
+    match = re.fullmatch(r"Partial\((\w*)\)", text)
+    if match:
+        return Partial(match.group(1) or "sum")
+    raise ValueError(f"unknown placement {text!r}; expected Shard(dim), Replicate() or Partial()")
+
+
+def placement_to_str(placement: Placement) -> str:
+    """The JSON spelling of a torch placement."""
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if isinstance(placement, Replicate):
+        return "Replicate()"
+    if isinstance(placement, Partial):
+        op = placement.reduce_op
+        return "Partial()" if op == "sum" else f"Partial({op})"
+    raise TypeError(f"unsupported placement {placement!r}")
+
+
+def parse_shard(text: str, axis: str = "?") -> Shard:
+    """``"Shard(1)"`` -> ``Shard(1)``, refusing any other placement (a stored tensor is whole or cut)."""
+    placement = placement_from_str(text)
+    if not isinstance(placement, Shard):
+        raise ValueError(f"a stored tensor's placement on {axis!r} must read Shard(d), got {text!r}")
+    return placement
+
+
+__all__ = ["Cut", "Slice", "TensorLayout", "TIERS", "parse_shard", "placement_from_str", "placement_to_str",
+           "shard_rows"]

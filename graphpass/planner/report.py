@@ -1,0 +1,128 @@
+"""The search's winner as a :class:`~graphpass.plan.Plan` (`_to_plan`): its choices per node,
+stages, predictions, a per-block breakdown, the step split into compute, communication,
+optimizer and bubble, and the reasons (`_reasons`: what was searched and chosen, the
+uniform strategies on the same mesh; `_alternatives`: the runner-up meshes and the closest
+ones that do not fit).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
+
+from graphpass.cost import search as S
+from graphpass.plan import Plan, Strategy
+from graphpass.plan_builder import plan_from_choices
+from graphpass.planner.measure import GraphProfile
+
+
+def _reasons(best: S.Candidate, found: list[S.Candidate], alternatives: Sequence[Mapping[str, Any]],
+             infeasible: int, rejected: Mapping[int, str], costing: S.Costing, tried: int,
+             measure_s: float, pruned: int = 0) -> list[str]:
+    lines = [
+        f"searched {tried} meshes (pp x dp x tp x microbatches x sequence-parallel"
+        + (" x ep" if any(c.layout.mesh.ep > 1 for c in found) else "") + ") under a "
+        f"{costing.memory_limit_bytes / 2**30:.2f} GiB per-device budget; {len(found)} fit"
+        + (f"; {pruned} not solved, their step floor (fastest choices, no bubble beyond the "
+           "schedule's) already slower than a plan found" if pruned else ""),
+        f"chosen {best.layout}: predicted step {best.step_time_s * 1e3:.2f} ms, peak "
+        f"{best.peak_memory_bytes / 2**30:.2f} GiB ({best.how}"
+        + ("" if best.optimal else f", gap {best.gap:.1%}") + ")",
+    ]
+    if best.uniform:
+        # Why not the textbook strategy on the same mesh (e.g. ZeRO-2 over pure data parallel:
+        # the same traffic, and each rank steps the optimizer on 1/dp of the parameters).
+        lines.append(
+            "same mesh, uniform: "
+            + "; ".join(
+                f"{label} {t * 1e3:.2f} ms ({t / best.step_time_s:.2f}x), peak {peak / 2**30:.2f} GiB"
+                + ("" if peak <= costing.memory_limit_bytes else " (over budget)")
+                for label, t, peak in best.uniform
+            )
+        )
+    for alt in alternatives:
+        if alt["step_time_s"] is not None:
+            lines.append(f"runner-up {alt['layout']}: {alt['step_time_s'] * 1e3:.2f} ms "
+                         f"({alt['step_time_s'] / best.step_time_s:.2f}x), peak {alt['peak_bytes'] / 2**30:.2f} GiB")
+    if infeasible:
+        lines.append(f"{infeasible} meshes cannot fit the budget, e.g. " + ", ".join(
+            f"{alt['layout']} needs >= {alt['peak_bytes'] / 2**30:.2f} GiB"
+            for alt in alternatives if alt["step_time_s"] is None))
+    for tp, why in sorted(rejected.items()):
+        lines.append(f"tp={tp} with Megatron's layout not possible: {why}")
+    if best.exposed_comm_s > 0:
+        lines.append(f"data-parallel communication not hidden behind compute: {best.exposed_comm_s * 1e3:.2f} ms per step")
+    lines.append(f"measuring the graph took {measure_s:.1f} s")
+    return lines
+
+
+def _alternatives(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float]) -> list[dict]:
+    """The runner-up meshes (the next three by step time) and the closest ones that do not fit,
+    each with why it lost (``Plan.alternatives``)."""
+    out = [{"layout": str(c.layout), "step_time_s": c.step_time_s, "peak_bytes": int(c.peak_memory_bytes),
+            "why": f"{c.step_time_s / best.step_time_s:.2f}x slower"} for c in found[1:4]]
+    out += [{"layout": mesh, "step_time_s": None, "peak_bytes": int(need), "why": "does not fit the budget"}
+            for mesh, need in sorted(infeasible.items(), key=lambda kv: kv[1])[:2]]
+    return out
+
+
+def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
+             strategy: Strategy | None, reasons: list[str], start: float,
+             capacity: tuple[float | str | None, str] = ("model", ""), alternatives: Sequence[dict] = ()) -> Plan:
+    capacity_factor, capacity_reason = capacity
+    layout = cand.layout
+    mesh = layout.mesh
+    choices = {}
+    for gblock, block, choice in zip(profile.blocks, blocks, cand.choices):
+        choices.update((n.name, choice) for n in (*gblock.nodes, *gblock.params))
+        for op in block.ops[choice.large_ops:] if choice.mixed else ():  # the rest's stage, unsplit
+            choices.update((name, choice.rest()) for name in (op.op, *op.params))
+    # Stage s starts at its first block's first op (the first stage at the graph's start).
+    stages = ("*", *(profile.blocks[stage[0]].nodes[0].name for stage in cand.stages[1:]))
+    breakdown = []
+    for s, indices in enumerate(cand.stages):
+        for i in indices:
+            pr, block = cand.priced[i], blocks[i]
+            breakdown.append({
+                "block": block.name, "stage": s, "choice": str(cand.choices[i]),
+                "time_s": pr.time_s * layout.microbatches, "tp_comm_s": pr.tp_comm_s * layout.microbatches,
+                "dp_comm_s": pr.dp_comm_s, "state_bytes": pr.state_bytes, "activation_bytes": pr.act_bytes,
+                "transient_bytes": pr.transient_bytes, "grad_bytes": pr.grad_bytes, "held_bytes": pr.held_bytes,
+                "loss_backward_bytes": pr.start_bytes,
+            })
+    reasons = list(reasons) + ([capacity_reason] if capacity_reason else [])
+    reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
+    # The step on the slowest pp rank: its microbatches' compute and tp collectives, then the
+    # tail (exposed dp communication, optimizer); the rest of the step is the pipeline bubble.
+    m, slowest = layout.microbatches, max(range(len(cand.stage_times_s)), key=lambda r: cand.stage_times_s[r])
+    work = m * cand.stage_times_s[slowest]
+    tp = sum(cand.priced[i].tp_comm_s for s, indices in enumerate(cand.stages)
+             if layout.rank_of(s) == slowest for i in indices) * m
+    bubble = max(0.0, cand.step_time_s - work - cand.tail_s)
+    tp = min(tp, work)
+    time_split = {"compute": max(0.0, cand.step_time_s - tp - cand.tail_s - bubble), "tp_comm": tp,
+                  "dp_comm_exposed": cand.exposed_comm_s, "optimizer": max(0.0, cand.tail_s - cand.exposed_comm_s),
+                  "bubble": bubble}
+    op_layout = profile.tp_layouts.get((mesh.tp, layout.tp_layout))
+    if op_layout is not None:
+        reasons.insert(1, f"tensor-parallel layout: {op_layout.name} (the op-level solver placed the projections "
+                          f"Megatron's pattern leaves replicated: {op_layout.describe()})")
+    base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
+                             microbatches=layout.microbatches, strategy=strategy, reasons=reasons,
+                             tp_layout=(op_layout.placements, op_layout.parts) if op_layout is not None else None)
+    return replace(
+        base,
+        stages=stages,
+        predicted_step_time_s=cand.step_time_s,
+        predicted_peak_memory_bytes=int(cand.peak_memory_bytes),
+        predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
+        schedule=layout.schedule,
+        ep_all_to_all=S.ep_all_to_all(blocks, layout, costing),
+        capacity_factor=capacity_factor,
+        breakdown=tuple(breakdown),
+        time_split_s=time_split,
+        memory_budget_bytes=int(costing.memory_limit_bytes),
+        devices_per_node=costing.cluster.devices_per_node,
+        alternatives=tuple(alternatives),
+    )

@@ -1,0 +1,103 @@
+"""Tensor-parallel rules of elementwise ops: unary ops keep their input's placement (a partial
+sum only through ops linear in it), binary ops broadcast placements as DTensor's pointwise
+strategies do.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Placement, Shard
+
+from graphpass.ops import packet as _packet
+from graphpass.passes.tensor_parallel.walker import P, R, RULES, aten, norm_dim, rule, Walker
+
+
+# ---------------------------------------------------------------------- rules: elementwise
+
+_LINEAR_UNARY = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy,
+                 aten.lift_fresh_copy, aten.type_as}
+
+
+@rule(aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.cos, aten.sin,
+      aten.rsqrt, aten.sqrt, aten.pow.Tensor_Scalar, aten.dropout, aten.neg, aten.clone, aten.contiguous,
+      aten.alias, aten.detach, aten.to, aten._to_copy, aten.lift_fresh_copy, aten.abs, aten.reciprocal,
+      aten.logical_not, aten.bitwise_not, aten.erf, aten.softmax.int, aten.log_softmax.int, aten.type_as,
+      aten.square)
+def _unary(w: Walker, node: fx.Node) -> Placement:
+    x = node.args[0]
+    xp = w.placement(x)
+    packet = _packet(node)
+    if xp == P and packet not in _LINEAR_UNARY:
+        # Sequence parallel: materialise partial sums as sequence shards (reduce-scatter).
+        dst = Shard(1) if w.sp and w.ndim(x) >= 3 else R
+        w.set_arg(node, 0, w.redistribute(x, dst, node))
+        return dst
+    if packet in (aten.softmax, aten.log_softmax) and isinstance(xp, Shard) and xp.dim == norm_dim(node.args[1], w.ndim(x)):
+        w.set_arg(node, 0, w.redistribute(x, R, node))
+        return R
+    return xp
+
+
+def binary(w: Walker, node: fx.Node) -> Placement:
+    out_nd = len(w.gshape.get(node, ()))
+    operands = [(i, a) for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a in w.place]
+    if not operands:
+        return R
+    packet = node.target.overloadpacket if isinstance(node.target, torch._ops.OpOverload) else None
+    additive = packet in (aten.add, aten.sub)
+    places = {i: w.placement(a) for i, a in operands}
+    partial = [i for i, p in places.items() if p == P]
+    if partial:
+        others = [i for i in places if i not in partial]
+        if additive and not others:
+            return P
+        if (packet in (aten.mul, aten.div) and len(partial) == 1 and (packet is aten.mul or partial[0] == 0)
+                and all(places[i] == R and node.args[i] not in w.needs_grad for i in others)):
+            return P  # (sum x_r) * c = sum (x_r * c) for a constant c (an embedding's scale): stay partial
+        # A partial sum meets another value: reduce it (to the other's shard if it has one).
+        target = R
+        sharded = [places[i] for i in others if isinstance(places[i], Shard)]
+        if sharded:
+            target = _to_out(sharded[0], w.ndim(node.args[others[0]]), out_nd)
+        elif additive and w.sp and out_nd >= 3:
+            target = Shard(1)  # sequence parallel: reduce-scatter along the sequence
+        for i in partial:
+            arg = node.args[i]
+            dst = _to_in(target, w.ndim(arg), out_nd) if isinstance(target, Shard) else R
+            w.set_arg(node, i, w.redistribute(arg, dst, node))
+            places[i] = dst
+    shards = {_to_out(p, w.ndim(node.args[i]), out_nd) for i, p in places.items() if isinstance(p, Shard)}
+    if not shards:
+        return R
+    if len(shards) > 1:
+        for i, _ in operands:
+            w.set_arg(node, i, w.redistribute(node.args[i], R, node))
+        return R
+    (out_shard,) = shards
+    for i, arg in operands:
+        if isinstance(places[i], Shard):
+            continue
+        nd = w.ndim(arg)
+        in_dim = out_shard.dim - (out_nd - nd)
+        if in_dim >= 0 and w.gshape[arg][in_dim] != 1:
+            w.set_arg(node, i, w.redistribute(arg, Shard(in_dim), node))  # local chunk, no traffic
+        elif arg.op == "get_attr":
+            w.mark_partial_grad(arg)  # broadcast against shards: each rank has part of its grad
+        else:
+            w.set_arg(node, i, w.copy_for_sharded_use(arg, node))
+    return out_shard
+
+
+def _to_out(p: Shard, in_nd: int, out_nd: int) -> Shard:
+    return Shard(p.dim + (out_nd - in_nd))
+
+
+def _to_in(p: Shard, in_nd: int, out_nd: int) -> Shard:
+    return Shard(p.dim - (out_nd - in_nd))
+
+
+for _op in (aten.add, aten.sub, aten.mul, aten.div, aten.where, aten.eq, aten.ne, aten.lt, aten.le, aten.gt,
+            aten.ge, aten.logical_and, aten.logical_or, aten.maximum, aten.minimum, aten.masked_fill, aten.rsub):
+    RULES[_op] = binary
