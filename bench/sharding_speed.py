@@ -8,6 +8,9 @@ trained on the same sequence of global batches two ways side by side, per pair:
   ``dmodel.train_step(idx, targets)``, against FSDP2: ``fully_shard`` on every transformer block,
   then on the root (one all-gather per block in forward, re-gathered in backward, gradients
   reduce-scattered), fed this rank's slice of the global batch;
+* **HSDP** (4 ranks and more): ``gp.Strategy(dp=N, zero=3, dp_shard=2)`` (ZeRO-3 inside pairs
+  of ranks, replicated across pairs) against FSDP2's HSDP: ``fully_shard`` on a 2-D
+  ``(N/2, 2)`` mesh, the same blocks;
 * **TP 2**: ``gp.Strategy(dp=N/2, tp=2)`` against DTensor ``parallelize_module`` on the ``tp``
   axis of a ``(dp, tp)`` mesh: ``ColwiseParallel`` on attention q, k, v and MLP up,
   ``RowwiseParallel`` on attention proj and MLP down (Megatron's split; each attention module
@@ -62,6 +65,7 @@ from alternating import alternate  # noqa: E402
 from configs import LlamaLike  # noqa: E402
 
 TP = 2
+HSDP_SHARD = 2  # ZeRO-3 inside pairs of ranks, replicated across pairs (world sizes >= 4)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -103,12 +107,17 @@ def tp_strategy(world: int) -> tuple[gp.Strategy | None, str]:
 
 # ---------------------------------------------------------------------------- reference sides
 
-def _fsdp2_step_fn(args, model: GPT):
+def _fsdp2_step_fn(args, model: GPT, shard: int | None = None):
+    """FSDP2 over all ranks, or its HSDP (``shard`` ranks per group): ``fully_shard`` on a 2-D
+    ``(replicate, shard)`` mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    if shard is None:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", (world // shard, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     for block in (model.model.model.layers if isinstance(model, LlamaLike) else model.h):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -213,6 +222,20 @@ def _run_rank(args: argparse.Namespace) -> dict:
     out["zero3"] = _race(args, data, sides)
     del sides, ref_model
 
+    if world >= 2 * HSDP_SHARD and world % HSDP_SHARD == 0:
+        torch.manual_seed(args.seed)
+        gp_model = build()
+        torch.manual_seed(args.seed)
+        ref_model = build()
+        sides = {
+            f"graphpass HSDP {HSDP_SHARD}": _graphpass_step_fn(
+                args, gp_model, gp.Strategy(dp=world, zero=3, dp_shard=HSDP_SHARD), data[0]),
+            "FSDP2 HSDP": _fsdp2_step_fn(args, ref_model, shard=HSDP_SHARD),
+        }
+        del gp_model
+        out["hsdp"] = _race(args, data, sides)
+        del sides, ref_model
+
     strategy, why = tp_strategy(world)
     if strategy is None:
         out["tp"] = why
@@ -275,6 +298,10 @@ def main(argv=None) -> None:
         print(f"{world} gloo ranks, {threads} thread(s) each")
         _report(args, result["zero3"], f"ZeRO-3: graphpass Strategy(dp={world}, zero=3) vs FSDP2 fully_shard")
         print()
+        if "hsdp" in result:
+            _report(args, result["hsdp"], f"HSDP: graphpass Strategy(dp={world}, zero=3, dp_shard={HSDP_SHARD}) "
+                                          f"vs FSDP2 fully_shard on a ({world // HSDP_SHARD}, {HSDP_SHARD}) mesh")
+            print()
         if isinstance(result["tp"], str):
             print(f"  TP {TP}: graphpass tp {TP} / DTensor TP step time: {result['tp']}")
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from datetime import timedelta
 from typing import Callable, Mapping, Sequence, Union
 
@@ -205,6 +206,9 @@ def compile(  # noqa: A001 - the public name the contract uses
     device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
     timeout_s = _check_timeout(timeout_s, device_type)
     captured, plan, local_inputs = _capture_and_plan(program_model, cluster, inputs, strategy, rank, world_size)
+    crossing = cluster.hsdp_warning(plan.mesh)
+    if crossing and rank == 0:
+        warnings.warn(crossing, stacklevel=2)
     named = type(model).__name__
     gm = captured.gm
 

@@ -194,7 +194,7 @@ def _strategy(text: str, world_size: int) -> Strategy:
             if value.lower() not in truth:
                 raise _Usage(f"--strategy: {key}={value!r} must be true or false")
             kwargs[key] = truth[value.lower()]
-        elif isinstance(default, int):
+        elif isinstance(default, int) or default is None:  # None: dp_shard's "all of dp"
             if not re.fullmatch(r"\d+", value):
                 raise _Usage(f"--strategy: {key}={value!r} must be a whole number")
             kwargs[key] = int(value)

@@ -53,6 +53,8 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from graphpass.mesh import DP_SHARD, Mesh
+
 __all__ = [
     "DEFAULT_EFFICIENCY",
     "DEFAULT_MEMORY_EFFICIENCY",
@@ -519,6 +521,29 @@ class Cluster:
     def world_size(self) -> int:
         """Total number of ranks: ``num_nodes * devices_per_node``."""
         return self.num_nodes * self.devices_per_node
+
+    def crosses_nodes(self, mesh: Mesh, axis: str) -> bool:
+        """Whether some group of ``axis`` in ``mesh`` spans more than one node."""
+        per = self.devices_per_node
+        return any(len({r // per for r in mesh.group_ranks(axis, rank)}) > 1 for rank in range(mesh.world_size))
+
+    def hsdp_warning(self, mesh: Mesh) -> str | None:
+        """Why HSDP's ``dp_shard`` groups of ``mesh`` are slower than they need be: they span
+        nodes while another ``dp_shard`` keeps every group inside one node (so ZeRO's gathers
+        and reduce-scatters would run on the intra-node link); None otherwise."""
+        if DP_SHARD not in mesh or not self.crosses_nodes(mesh, DP_SHARD):
+            return None
+        ep = mesh.ep
+        aligned = [d for d in range(2, mesh.dp) if mesh.dp % d == 0 and d % ep == 0
+                   and not self.crosses_nodes(Mesh({**dict(mesh), DP_SHARD: d}), DP_SHARD)]
+        if not aligned:
+            return None  # every sharded group spans nodes (e.g. tp fills a node): nothing better to say
+        intra, inter = self.intra_node, self.inter_node
+        return (f"dp_shard={mesh[DP_SHARD]} makes ZeRO groups that span nodes of {self.devices_per_node} devices, so "
+                f"their all-gathers and reduce-scatters run on the inter-node link ({inter.name or 'inter_node'}, "
+                f"{inter.bandwidth_gbps:g} GB/s) instead of inside a node ({intra.name or 'intra_node'}, "
+                f"{intra.bandwidth_gbps:g} GB/s, {intra.bandwidth_gbps / inter.bandwidth_gbps:.1f}x faster per byte); "
+                f"dp_shard={max(aligned)} keeps every group inside one node")
 
     # ---- serialisation
 

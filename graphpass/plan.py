@@ -99,6 +99,11 @@ class Strategy:
             sharded over groups of ``ep`` data-parallel ranks and tokens travel to their experts
             by all-to-all, while the batch stays split ``dp`` ways (``ep`` divides ``dp``; see
             ``docs/moe.md``).
+        dp_shard: hierarchical data parallelism (HSDP; FSDP2's 2-D mesh): ZeRO shards inside
+            groups of ``dp_shard`` consecutive data-parallel ranks (a node, preferably) and the
+            ``dp // dp_shard`` groups hold replicas; gradients are reduce-scattered within a group
+            and all-reduced across groups. Needs ``zero`` 1-3 and divides ``dp`` (with ``ep``,
+            ``ep`` divides it). None: ZeRO shards over all of ``dp`` (see ``docs/sharding.md``).
     """
 
     dp: int = 1
@@ -112,6 +117,7 @@ class Strategy:
     sequence_parallel: bool = False
     virtual_stages: int = 1
     ep: int = 1
+    dp_shard: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "split", "microbatches", "virtual_stages", "ep"):
@@ -131,6 +137,8 @@ class Strategy:
             raise ValueError(f"Strategy.ep={self.ep} must divide Strategy.dp={self.dp}: experts are sharded over "
                              f"groups of ep data-parallel ranks (e.g. Strategy(dp={self.ep * max(1, self.dp // self.ep)}, "
                              f"ep={self.ep}))")
+        if self.dp_shard is not None:
+            self._check_dp_shard()
         if self.split > 1 and self.zero != 3:
             # The slices' only gain is that ZeRO-3 gathers each right before its linear and frees it
             # after (split_operators' contract); at stages 0-2 every weight is whole during the step,
@@ -140,6 +148,26 @@ class Strategy:
                 "lowers the peak of gathered weights because ZeRO-3 gathers each slice right before its linear; "
                 f"use Strategy(zero=3, split={self.split}) with dp > 1, or split=1")
 
+    def _check_dp_shard(self) -> None:
+        shard = self.dp_shard
+        if not isinstance(shard, int) or isinstance(shard, bool) or shard < 1:
+            raise ValueError(f"Strategy.dp_shard must be a positive int or None, got {shard!r}")
+        if self.dp % shard:
+            divisors = [d for d in range(2, self.dp + 1) if self.dp % d == 0]
+            raise ValueError(f"Strategy.dp_shard={shard} must divide Strategy.dp={self.dp}: ZeRO shards inside groups "
+                             f"of dp_shard data-parallel ranks and the dp // dp_shard groups are replicas; choose one "
+                             f"of {divisors}")
+        if self.zero == 0:
+            raise ValueError(f"Strategy.dp_shard={shard} says how ZeRO shards (inside groups of {shard} ranks), but "
+                             f"Strategy.zero=0 shards nothing; set zero=1, 2 or 3 (e.g. Strategy(dp={self.dp}, zero=3, "
+                             f"dp_shard={shard})) or drop dp_shard")
+        if shard == 1:
+            raise ValueError(f"Strategy.dp_shard=1 shards nothing (each group is one rank) while zero={self.zero} asks "
+                             f"for sharding; use zero=0 (plain data parallelism) or dp_shard > 1")
+        if self.ep > 1 and shard % self.ep:
+            raise ValueError(f"Strategy.ep={self.ep} must divide Strategy.dp_shard={shard}: the experts are sharded "
+                             f"inside each group of dp_shard ranks; choose dp_shard a multiple of ep")
+
     @property
     def degree(self) -> int:
         """Number of devices the strategy occupies: ``dp * tp * pp``."""
@@ -147,8 +175,8 @@ class Strategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The ``pp x dp x tp`` mesh this strategy runs on (``ep`` inside ``dp``)."""
-        return Mesh.of(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep)
+        """The ``pp x dp x tp`` mesh this strategy runs on (``dp_shard`` and ``ep`` inside ``dp``)."""
+        return Mesh.of(pp=self.pp, dp=self.dp, tp=self.tp, ep=self.ep, dp_shard=self.dp_shard)
 
     @property
     def choice(self) -> Choice:
@@ -630,6 +658,11 @@ class Plan:
             lines.append("sequence parallel: residual-stream activations sharded along the sequence on tp")
         if self.tp_parts:
             lines.append(f"fused projections sharded per part on tp: {len(self.tp_parts)} weights and biases")
+        if "dp_shard" in self.mesh:
+            shard = self.mesh.dp_shard
+            lines.append(f"hierarchical data parallel: ZeRO shards inside groups of dp_shard={shard} ranks, replicated "
+                         f"over {self.mesh.dp // shard} groups (gradients reduce-scattered within a group, then "
+                         f"all-reduced across groups)")
         if self.mesh.ep > 1:
             lines.append(f"experts sharded over ep={self.mesh.ep} (inside dp={self.mesh.dp}); exchanges "
                          + ("two-level (within nodes, then between them)" if self.ep_all_to_all == "hierarchical"

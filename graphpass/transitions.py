@@ -50,16 +50,28 @@ FORWARD, BACKWARD = "forward", "backward"
 PER_MICROBATCH, PER_STEP = "microbatch", "step"
 
 
+#: ``Movement.across``: over the replicas of the op's shards (HSDP's ``dp_replicate``, see
+#: :meth:`graphpass.mesh.Mesh.replicate_axis`), on this rank's shard, ``S / n``.
+REPLICAS = "replicas"
+
+
 @dataclass(frozen=True)
 class Movement:
     """One collective an op runs: ``kind`` on ``factor × S`` bytes, in ``phase``, ``per``;
-    ``blocking``: the step waits for it where it runs (see the module docstring)."""
+    ``blocking``: the step waits for it where it runs (see the module docstring). ``across``:
+    ``""`` on the op's axis, or :data:`REPLICAS`: across the replicas of the op's shards, on
+    ``factor × S / n`` bytes (``n`` the op's axis size); it runs only where the mesh has them."""
 
     phase: str
     kind: str
     factor: float = 1.0
     per: str = PER_MICROBATCH
     blocking: bool = True
+    across: str = ""
+
+    def size(self, size_bytes: float, n: int) -> float:
+        """The bytes this movement's collective runs on, for an op of ``size_bytes`` on ``n`` ranks."""
+        return self.factor * size_bytes / (n if self.across == REPLICAS else 1)
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,8 @@ class Transition:
         copies: the local copies around them.
         step: multiples of ``S`` alive through the step.
         transient: multiples of ``S`` alive only while the op's layer runs (forward or backward).
+        across_replicas: the movements across the replicas of the op's shards (HSDP), each
+            ``across=REPLICAS``; they run only where the mesh has replicas.
     """
 
     name: str
@@ -103,11 +117,11 @@ class Transition:
     copies: tuple[Copy, ...] = ()
     step: float = 0.0
     transient: float = 0.0
+    across_replicas: tuple[Movement, ...] = ()
 
-    def bytes(self, size_bytes: float, *, phase: str | None = None) -> list[tuple[str, str, float, str]]:
-        """``(phase, kind, bytes, per)`` of every movement for a full tensor of ``size_bytes``."""
-        return [(m.phase, m.kind, m.factor * size_bytes, m.per) for m in self.collectives
-                if phase is None or m.phase == phase]
+    def moves(self, replicas: bool = False) -> tuple[Movement, ...]:
+        """The movements that run: :attr:`across_replicas` too where the mesh has replicas."""
+        return self.collectives + (self.across_replicas if replicas else ())
 
     def copied(self, size_bytes: float, n: int) -> list[tuple[str, float, str]]:
         """``(phase, bytes written, per)`` of every local copy for a full tensor of ``size_bytes``
@@ -150,11 +164,13 @@ TABLE: Mapping[str, Transition] = _entries(
                 Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC)),
                copies=(Copy(_F, full=1.0, shard=1.0, per=_STEP), Copy(_B, full=1.0), Copy(_B, shard=1.0, per=_STEP)),
                step=1.0),
+    # Under HSDP (dp_shard), stages 2/3 all-reduce each reduced shard across the replicas once
+    # the reduce-scatter is done; stage 1 all-reduces over all of dp as it does without.
     Transition("zero2 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
                (Movement(_F, "all_gather", per=_STEP, blocking=_ASYNC), Movement(_B, "reduce_scatter", blocking=_ASYNC)),
                copies=(Copy(_F, full=1.0, shard=1.0, per=_STEP), Copy(_B, full=1.0)),
-               step=1.0),
+               step=1.0, across_replicas=(Movement(_B, "all_reduce", blocking=_ASYNC, across=REPLICAS),)),
     Transition("zero3 weights", "all_gather_params", "dp", "Shard(0)", "Replicate()",
                "the group's full parameters (gradients alike)",
                # forward's gathers are prefetched one group ahead; backward re-gathers each group
@@ -164,7 +180,7 @@ TABLE: Mapping[str, Transition] = _entries(
                copies=(Copy(_F, full=1.0, shard=1.0), Copy(_B, full=1.0, shard=1.0), Copy(_B, full=1.0)),
                # gathered weights until the layer is done (re-gathered in backward), then the
                # full gradient until it is reduce-scattered
-               transient=2.0),
+               transient=2.0, across_replicas=(Movement(_B, "all_reduce", blocking=_ASYNC, across=REPLICAS),)),
     # ---- tensor parallel (tensor_parallel) ----
     # An all-reduce clones its input (it reduces in place); a gather or reduce-scatter along a
     # dimension other than 0 lays the tensor out rank-major or back (S), a slice of one keeps

@@ -62,7 +62,8 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
             continue
         if not gm.get_parameter(n.target).requires_grad:
             continue
-        zero_sharded = getattr(meta.layout(n), "zero_axis", None) in (batch, EDP) and batch is not None
+        zero_axis = getattr(meta.layout(n), "zero_axis", None)
+        zero_sharded = batch is not None and zero_axis is not None and plan.mesh.within(zero_axis, batch)
         partial = n.meta.get(meta.GRAD_PARTIAL)
         if zero_sharded:
             continue  # shard_parameters reduces its gradient (summing partial axes first)

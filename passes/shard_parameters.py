@@ -4,7 +4,9 @@ Contract: for every parameter the plan gives ZeRO stage 1, 2 or 3 (``plan.zero``
 replaces the parameter attribute by this rank's padded dim-0 shard (``runtime.zero.make_shard``),
 adds ZeRO's ``Shard(0)`` to its ``get_attr``'s ``gp.layout``, and routes every use through an ``all_gather_params``
 node that rebuilds the full tensors right before the group's first use. Gradients are
-reduce-scattered (stage 2/3) or all-reduced (stage 1) in that node's backward; stage 3 also
+reduce-scattered (stage 2/3) or all-reduced (stage 1) in that node's backward; under HSDP
+(``dp_shard``) the shards lie on ``dp_shard`` and each reduced shard is all-reduced across
+``dp_replicate`` (:meth:`Mesh.zero_axis`, :meth:`Mesh.replicate_axis`); stage 3 also
 frees the gathered weights after forward and re-gathers them in backward. Parameters are grouped
 by (stage, layer of first use) up to ``plan.bucket_cap_bytes``, so a transformer block gathers
 with one collective. Expert weights sharded over ``ep`` are ZeRO-sharded over ``edp`` (the ranks
@@ -30,7 +32,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from graphpass import meta
 from graphpass.layout import TensorLayout
-from graphpass.mesh import EDP, EP
+from graphpass.mesh import EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
 from graphpass.plan import Plan
@@ -73,9 +75,10 @@ def _check_zero_entries(gm: fx.GraphModule, plan: Plan) -> dict[str, tuple[fx.No
 
 
 def _axis(node: fx.Node, plan: Plan) -> str:
-    """The axis a parameter's ZeRO shards lie on: ``dp``; for an expert weight sharded over
-    ``ep``, the ``edp`` ranks that hold the same experts."""
-    return EDP if isinstance(plan.placement(meta.plan_name(node), EP), Shard) else AXIS
+    """The axis a parameter's ZeRO shards lie on (:meth:`Mesh.zero_axis`): ``dp``, or HSDP's
+    ``dp_shard``; for an expert weight sharded over ``ep``, those of its ranks that hold the
+    same experts."""
+    return plan.mesh.zero_axis(expert=isinstance(plan.placement(meta.plan_name(node), EP), Shard))
 
 
 @graph_pass(NAME, requires=(), provides=("sharded_parameters",))
@@ -112,10 +115,11 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         node.meta[meta.LAYOUT] = layout_of[node.target] = before.with_zero(axis, plan.mesh.size(axis), stage)
         by_stage.setdefault((axis, stage), []).append(node)
     for (axis, stage), nodes in sorted(by_stage.items(), key=lambda item: (item[0][0] != AXIS, item[0])):
-        # Expert weights' gradients hold their whole ep group's share: divided by all of dp.
+        # Gradients are averaged over all of dp: expert weights' hold their whole ep group's
+        # share, and HSDP's shard groups are one replica of several.
         groups = collectives.emit_param_all_gather(
             gm, nodes, axis, stage, plan.bucket_cap_bytes, created_by=NAME,
-            divisor=plan.mesh.dp if axis == EDP else None,
+            divisor=plan.mesh.dp if axis != AXIS else None, replicate=plan.mesh.replicate_axis(axis),
         )
         log.info("%s: %d parameters at ZeRO stage %d over %s in %d gather groups", NAME, len(nodes), stage, axis,
                  len(groups))

@@ -110,6 +110,9 @@ class GradSync:
     def add(self, work: Any, out: torch.Tensor, params: tuple[torch.Tensor, ...]) -> None:
         """Register an in-flight reduction whose ``out`` holds ``params``' gradients (flat)."""
         self.pending.append([work, out, params])
+        for entry in self.pending:  # two-phase reductions (HSDP's) launch their second phase when they can
+            if entry[0] is not None and hasattr(entry[0], "advance"):
+                entry[0].advance()
         in_flight = [entry for entry in self.pending if entry[0] is not None]
         for entry in in_flight[: -self.MAX_IN_FLIGHT]:
             entry[0].wait()

@@ -17,7 +17,7 @@ from typing import Iterator, Mapping
 
 import torch.distributed as dist
 
-from graphpass.mesh import EDP, EP, Mesh
+from graphpass.mesh import DP_ATOMS, EP, Mesh
 
 _RELEASE_AT_EXIT: list[bool] = []
 
@@ -70,13 +70,9 @@ class ProcessMesh:
                 f"mesh {self.axes} needs {size} ranks but the process group has {world}"
             )
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        # torch's mesh has one dimension per rank-counting axis; with experts sharded inside dp
-        # (``ep``), dp is two dimensions, ``edp`` outer and ``ep`` inner, and "dp" their product.
-        ep = self.mesh.ep
-        self._dims = {a: n for a, n in self.axes.items() if a != EP}
-        if ep > 1:
-            self._dims = {b: n for a, m in self._dims.items()
-                          for b, n in (((EDP, m // ep), (EP, ep)) if a == "dp" else ((a, m),))}
+        # torch's mesh has one dimension per rank-counting atom of more than one rank (dp is its
+        # factors dp_replicate x edp_shard x ep; an axis such as "dp_shard" is a run of them).
+        self._dims = {a: n for a, n in self.mesh.atoms if n > 1}
         self._device_mesh = None
         if size > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -90,7 +86,7 @@ class ProcessMesh:
         # and summed over tp in one all-reduce; "dp" itself under ep). Creating a group is
         # collective, so every rank builds the same ones here, in the same order.
         self._joint: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        live = [a for a, n in self._dims.items() if n > 1]
+        live = list(self._dims)
         if self._device_mesh is not None and len(live) > 1:
             from itertools import combinations
 
@@ -141,7 +137,7 @@ class ProcessMesh:
 
         groups: list[dist.ProcessGroup | None] = [None]  # the default group
         if self._device_mesh is not None:
-            groups += [self._device_mesh.get_group(a) for a, n in self._dims.items() if n > 1]
+            groups += [self._device_mesh.get_group(a) for a in self._dims]
         if self._two_level is not None:
             groups += [self._two_level[0], self._two_level[1]]
         for group in groups + list(self._joint.values()):
@@ -150,14 +146,10 @@ class ProcessMesh:
     def _live_dims(self, axis: str) -> list[str]:
         """The live dimensions of torch's mesh that ``axis`` (comma-joined axes allowed) spans,
         in the mesh's order."""
-        spans: set[str] = set()
         for name in axis.split(","):
-            if name == EDP and EP not in self.axes:
-                name = "dp"  # without ep, the ranks holding the same experts are all of dp
-            if name not in self.axes and name != EDP:
+            if name not in self.axes and not (name in DP_ATOMS and "dp" in self.axes):
                 raise KeyError(f"mesh axis {name!r} is not in the mesh {self.axes}")
-            spans.update((EDP, EP) if name == "dp" and EP in self.axes else (name,))
-        return [d for d, n in self._dims.items() if d in spans and n > 1]
+        return [d for d in self.mesh.atoms_of(axis) if d in self._dims]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of ``axis`` — one axis, or several joined by commas (``"dp,tp"``);

@@ -237,14 +237,46 @@ class _RowOfAllReduce:
         self.work = self.buffer = None
 
 
+class _ThenAllReduce:
+    """HSDP's gradient reduction: the reduce-scatter inside the shard group, then an all-reduce
+    of this rank's reduced shard across the replicas (``dp_replicate``), as FSDP2's HSDP does.
+
+    The all-reduce can only start once the reduce-scatter is done: :meth:`advance` launches it
+    (asynchronously) when it is, and :class:`GradSync` calls it on every reduction in flight
+    each time a group adds one, so the cross-replica all-reduce overlaps the rest of backward;
+    :meth:`wait` finishes both.
+    """
+
+    __slots__ = ("work", "out", "group", "index", "all_reduce")
+
+    def __init__(self, work: Any, out: torch.Tensor, group: Any, index: int):
+        self.work, self.out, self.group, self.index = work, out, group, index
+        self.all_reduce = None
+
+    def advance(self, block: bool = False) -> None:
+        if self.work is None or not (block or self.work.is_completed()):
+            return
+        self.work.wait()
+        self.work = None
+        rank_progress.enter("all_reduce across replicas of all_gather_params group", self.index)
+        self.all_reduce = dist.all_reduce(self.out, group=self.group, async_op=True)
+
+    def wait(self) -> None:
+        self.advance(block=True)
+        if self.all_reduce is not None:
+            self.all_reduce.wait()
+            self.all_reduce = None
+
+
 class _AllGatherParams(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token, sync: GradSync, shapes, stage: int, partial, divisor, index: int, *shards: torch.Tensor):
+    def forward(ctx, token, sync: GradSync, shapes, stage: int, partial, divisor, index: int, replicate,
+                *shards: torch.Tensor):
         mesh = mesh_lib.current()
         group = mesh.group(sync.axis)
         num = mesh.axis_size(sync.axis)
         ctx.sync, ctx.shapes, ctx.stage, ctx.num, ctx.partial = sync, shapes, stage, num, partial
-        ctx.divisor, ctx.index = divisor, index
+        ctx.divisor, ctx.index, ctx.replicate = divisor, index, replicate
         ctx.shards = shards  # leaves: referencing them keeps nothing extra alive
         accumulation = sync.accumulation
         kept = accumulation.gathered.get(id(shards[0])) if stage < 3 else None
@@ -265,7 +297,7 @@ class _AllGatherParams(torch.autograd.Function):
         group = mesh.group(sync.axis)
         grads = _sum_partial_grads(grads, ctx.partial, mesh)
         buffer = _rank_major_grads(grads, shards, ctx.shapes, num, ctx.divisor)
-        done = (torch.zeros(()), None, None, None, None, None, None) + (None,) * len(shards)
+        done = (torch.zeros(()), None, None, None, None, None, None, None) + (None,) * len(shards)
         if ctx.stage == 1:
             accumulation = sync.accumulation
             held = accumulation.held(shards[0])
@@ -276,14 +308,19 @@ class _AllGatherParams(torch.autograd.Function):
                 accumulation.hold(shards[0], buffer)  # all-reduced with the step's last backward
                 return done
             accumulation.release(shards[0])
+        if ctx.stage == 1:
+            # all of dp at once: under HSDP the shard group and its replicas together
+            axis = f"{sync.axis},{ctx.replicate}" if ctx.replicate else sync.axis
             rank_progress.enter("all_reduce of all_gather_params group", ctx.index)
-            all_reduce = dist.all_reduce(buffer, group=group, async_op=True)
+            all_reduce = dist.all_reduce(buffer, group=mesh.group(axis), async_op=True)
             work = _RowOfAllReduce(all_reduce, buffer, mesh.axis_rank(sync.axis))
             out = work.out
         else:
             out = buffer.new_empty(buffer.shape[1])
             rank_progress.enter("reduce_scatter of all_gather_params group", ctx.index)
             work = _reduce_scatter_flat(out, buffer.view(-1), group=group, async_op=True)
+            if ctx.replicate and mesh.group(ctx.replicate) is not None:
+                work = _ThenAllReduce(work, out, mesh.group(ctx.replicate), ctx.index)
         sync.add(work, out, shards)
         return done
 
@@ -318,6 +355,7 @@ def all_gather_params(
     group: int = 0,
     partial: Sequence[str | None] | None = None,
     divisor: int | None = None,
+    replicate: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Full parameters from their ZeRO shards over ``axis`` (see the module docstring).
 
@@ -331,8 +369,11 @@ def all_gather_params(
         partial: per parameter, the mesh axis over which its gradient is a partial sum (summed
             there before the ZeRO reduction), or None.
         divisor: what the gradients are divided by (default the size of ``axis``: an average
-            over it); expert weights sharded over ``ep`` and ZeRO-sharded over ``edp`` divide by
-            ``dp``.
+            over it); expert weights sharded over ``ep`` and ZeRO-sharded over ``edp``, and every
+            parameter under HSDP, divide by ``dp``.
+        replicate: HSDP's ``dp_replicate`` axis, over which the shards are replicas: at stages
+            2/3 each rank's reduced gradient shard is all-reduced there after the reduce-scatter;
+            stage 1 all-reduces over the shard group and its replicas at once (all of ``dp``).
     """
     if any(is_fake(s) for s in shards):
         return tuple(s.new_empty(tuple(shape)) for s, shape in zip(shards, shapes))
@@ -340,7 +381,7 @@ def all_gather_params(
         return tuple(gather_full_parameters(shards, shapes, axis))
     partial = tuple(partial) if partial else None
     full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, partial, divisor, group,
-                                  *shards)
+                                  replicate, *shards)
     if stage == 3 and regather.active():
         regather.register(full, functools.partial(_regathered, tuple(shards), tuple(map(tuple, shapes)), axis,
                                                   mesh_lib.current(), group))

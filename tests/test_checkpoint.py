@@ -98,6 +98,10 @@ MATRIX = [
     ("fused_gpt", dict(tp=2), 2, dict(dp=2, zero=2), 2, "sgd"),
     # experts sharded over ep 2 and ZeRO over edp 2, loaded with experts whole and ZeRO-1 over dp
     ("moe_topk", dict(dp=4, ep=2, zero=3), 4, dict(dp=2, zero=1), 2, "adamw"),
+    # HSDP (ZeRO inside pairs, replicated across them) to and from other layouts: every replica
+    # holds the same shards, one of them saves each
+    ("gpt", dict(dp=4, zero=3, dp_shard=2), 4, dict(dp=2, tp=2), 4, "adamw"),
+    ("hf_llama", dict(dp=2, zero=2), 2, dict(dp=4, zero=1, dp_shard=2), 4, "sgd"),
 ]
 
 

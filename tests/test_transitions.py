@@ -47,9 +47,13 @@ def test_the_table_covers_every_runtime_collective_op():
 
 def test_lookup_by_op_and_its_options():
     assert transition("all_gather_params", stage=3) is TABLE["zero3 weights"]
-    assert transition("tp_all_gather", grad="reduce_scatter").bytes(10.0) == [
+    assert [(m.phase, m.kind, m.size(10.0, 2), m.per) for m in transition("tp_all_gather", grad="reduce_scatter").moves()] == [
         ("forward", "all_gather", 10.0, "microbatch"), ("backward", "all_gather", 10.0, "microbatch"),
         ("backward", "reduce_scatter", 10.0, "microbatch")]
+    # HSDP's all-reduce across replicas moves this rank's reduced shard, and only where there are replicas
+    zero3 = transition("all_gather_params", stage=3)
+    assert [(m.kind, m.size(12.0, 4)) for m in zero3.moves(replicas=True)][-1] == ("all_reduce", 3.0)
+    assert len(zero3.moves(replicas=True)) == len(zero3.moves()) + 1
     with pytest.raises(ValueError, match="unknown collective op"):
         transition("broadcast")
     with pytest.raises(ValueError, match="stage"):
@@ -128,6 +132,9 @@ class _Waited:
         with self.copies.backend():
             return self.work.wait()
 
+    def is_completed(self):
+        return self.work.is_completed()
+
 
 @contextlib.contextmanager
 def _counting(log: list, phase: list, copies: _Copies):
@@ -180,7 +187,8 @@ def _graph(n: int, local: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Node, fx.
     return fx.GraphModule(root, graph), x, prod, loss
 
 
-def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Node, n: int, axis: str) -> float:
+def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Node, n: int, axis: str,
+          replicate: str | None = None) -> float:
     """Insert the entry's op into ``gm``; return S, the entry's full-tensor bytes."""
     params = [node for node in gm.graph.nodes if node.op == "get_attr"]
     local_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
@@ -201,7 +209,8 @@ def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Nod
             full = getattr(gm, node.target).detach()
             setattr(gm, node.target, nn.Parameter(zero_runtime.make_shard(full, n, dist.get_rank() % n)))
             node.meta[meta.LAYOUT] = TensorLayout.whole(full.shape).with_zero(axis, n, int(name[4]))
-        emit.emit_param_all_gather(gm, params, axis, int(name[4]), 2**30, "test")
+        emit.emit_param_all_gather(gm, params, axis, int(name[4]), 2**30, "test",
+                                   divisor=dist.get_world_size() if replicate else None, replicate=replicate)
         return local_bytes
     x_bytes = 4 * 8 * 12  # x is [8, 12] float32 locally, see _run_entry
     if name == "tp vocabulary-parallel loss":
@@ -240,18 +249,20 @@ def _expected_copies(name: str, size: float, n: int, microbatches: int) -> dict[
     return {phase: nbytes for phase, nbytes in out.items() if nbytes}
 
 
-def _run_entry(name: str) -> tuple[tuple, tuple]:
-    """On each rank: (expected, counted) movements and copies of one step of 2 microbatches."""
+def _run_entry(name: str, hsdp: bool = False) -> tuple[tuple, tuple]:
+    """On each rank: (expected, counted) movements and copies of one step of 2 microbatches;
+    ``hsdp``: a ZeRO entry sharded over pairs of ranks, replicated across the pairs."""
     n = dist.get_world_size()
     axis = TABLE[name].axis
     if axis == "ep":
         return _run_expert_exchange(name, n)
-    mesh = mesh_lib.ProcessMesh({axis: n})
+    mesh = mesh_lib.ProcessMesh({"dp": n, "dp_shard": n // 2} if hsdp else {axis: n})
     torch.manual_seed(0)
     if name == "tp vocabulary-parallel loss":
         return _run_vocab(mesh, n)
+    shards, replicas = (n // 2, True) if hsdp else (n, False)
     gm, x, prod, loss = _graph(n, _w_shape(name, n))
-    size = _emit(name, gm, x, prod, loss, n, axis)
+    size = _emit(name, gm, x, prod, loss, shards, "dp_shard" if hsdp else axis, "dp_replicate" if hsdp else None)
     gm.graph.lint()
     gm.recompile()
     log, phase = [], ["forward"]
@@ -269,9 +280,9 @@ def _run_entry(name: str) -> tuple[tuple, tuple]:
             phase[0] = "backward"
             outputs[0].backward()
     expected = []
-    for move in TABLE[name].collectives:
-        expected += [(move.phase, move.kind, move.factor * size, move.blocking)] * (1 if move.per == PER_STEP else 2)
-    return ((sorted(expected), _expected_copies(name, size, n, 2)),
+    for move in TABLE[name].moves(replicas=replicas):
+        expected += [(move.phase, move.kind, move.size(size, shards), move.blocking)] * (1 if move.per == PER_STEP else 2)
+    return ((sorted(expected), _expected_copies(name, size, shards, 2)),
             (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
 
@@ -286,8 +297,8 @@ def _run_vocab(mesh, n: int) -> tuple[tuple, tuple]:
             loss = ops.vocab_parallel_cross_entropy(logits, target, "tp", n, 5 * dist.get_rank())
         phase[0] = "backward"
         loss.backward()  # in place in the saved exponentials: the loss's own compute, not copies
-    expected = [(m.phase, m.kind, m.factor * 4.0 * tokens, m.blocking)
-                for m in TABLE["tp vocabulary-parallel loss"].collectives]
+    expected = [(m.phase, m.kind, m.size(4.0 * tokens, n), m.blocking)
+                for m in TABLE["tp vocabulary-parallel loss"].moves()]
     return ((sorted(expected), _expected_copies("tp vocabulary-parallel loss", 4.0 * tokens, n, 1)),
             (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
@@ -316,13 +327,17 @@ def _run_expert_exchange(name: str, n: int) -> tuple[tuple, tuple]:
         with copies:
             (out * 2).sum().backward()
     size = 8.0 * experts if name == "ep token counts" else 4.0 * 3 * experts * d
-    expected = [(m.phase, m.kind, m.factor * size, m.blocking) for m in TABLE[name].collectives]
+    expected = [(m.phase, m.kind, m.size(size, n), m.blocking) for m in TABLE[name].moves()]
     return ((sorted(expected), _expected_copies(name, size, n, 1)),
             (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
 
 def _run_all() -> dict:
-    return {name: _run_entry(name) for name in TABLE}
+    out = {name: _run_entry(name) for name in TABLE}
+    if dist.get_world_size() >= 4:  # HSDP: ZeRO inside pairs, all-reduced across them
+        out.update((f"{name} under HSDP", _run_entry(name, hsdp=True)) for name in TABLE
+                   if TABLE[name].op == "all_gather_params")
+    return out
 
 
 @pytest.mark.timeout(300)
