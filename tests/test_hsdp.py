@@ -101,3 +101,16 @@ def test_bad_dp_shard_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"Strategy.ep=4 must divide Strategy.dp_shard=2"):
         gp.Strategy(dp=8, zero=2, dp_shard=2, ep=4)
     assert gp.Strategy(dp=4, zero=3, dp_shard=2).mesh == Mesh({"dp": 4, "dp_shard": 2})
+
+
+def test_groups_spanning_nodes_are_warned_naming_the_links():
+    """dp_shard=3 on nodes of 4 devices puts a group on two nodes; dp_shard=4 (or 2) would not."""
+    cluster = gp.Cluster.preset("a100-80g", nodes=3, gpus_per_node=4)
+    warning = cluster.hsdp_warning(gp.Strategy(dp=12, zero=3, dp_shard=3).mesh)
+    inter, intra = cluster.inter_node.bandwidth_gbps, cluster.intra_node.bandwidth_gbps
+    assert warning is not None and "span nodes of 4 devices" in warning, warning
+    assert f"{inter:g} GB/s" in warning and f"{intra:g} GB/s" in warning and "dp_shard=4 keeps every group" in warning
+    assert cluster.hsdp_warning(gp.Strategy(dp=12, zero=3, dp_shard=4).mesh) is None
+    # tp 2 x dp_shard 2 fills a node of 4: aligned; with tp 4 every dp group spans nodes, nothing better exists
+    assert cluster.hsdp_warning(gp.Strategy(dp=6, tp=2, zero=3, dp_shard=2).mesh) is None
+    assert cluster.hsdp_warning(gp.Strategy(dp=3, tp=4, zero=3).mesh) is None
