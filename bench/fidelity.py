@@ -57,7 +57,7 @@ The second table per world size splits each side into terms for diagnosis. Predi
 collectives, ``dp`` = data-parallel collectives (on CPU the planner hides none of it behind
 compute), ``opt`` = the optimizer step (the rest of the predicted step; for pipeline rows
 ``comp`` sums every stage's compute although the stages run at once, so the rest is negative:
-their step is the schedule's formula, ``cost/search.py``); ``start`` (the start
+their step is the schedule's formula, ``cost/search/stages.py``); ``start`` (the start
 of backward: state without the step's new gradients, every activation, the loss's backward
 working set), ``end`` (the end of backward: the whole state) and ``trans`` (the largest
 transient: gathered ZeRO-3 weights, recomputed activations) in MiB. Measured: ``train`` = ``train_step`` (forward, backward

@@ -64,7 +64,7 @@ from graphpass.plan import Plan, Strategy  # noqa: E402
 from graphpass.planner import Planner  # noqa: E402
 
 GiB = 2**30
-#: The planner's own tie tolerance (graphpass.cost.search._TIE_REL): among candidates this close it
+#: The planner's own tie tolerance (graphpass.cost.search.driver._TIE_REL): among candidates this close it
 #: returns the simplest mesh, which may be that much slower than the fastest.
 TIE_REL = 1e-6
 TPS = (1, 2, 4, 8)

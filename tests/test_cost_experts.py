@@ -1,6 +1,6 @@
-"""The cost model of expert parallelism (cost/experts.py, cost/search.py) and the planner's choice
-of ``ep``, on a Mixtral-shaped decoder planned on meta tensors (no rank, no measurement: every
-figure is the cost model's, checked against hand-computed ones).
+"""The cost model of expert parallelism (cost/experts.py, cost/search/pricing.py) and the
+planner's choice of ``ep``, on a Mixtral-shaped decoder planned on meta tensors (no rank, no
+measurement: every figure is the cost model's, checked against hand-computed ones).
 
 The model: 2 layers of 8 experts of d 4096 x 14336 (Mixtral 8x7B's shape), bf16, 64 sequences
 of 1024 tokens on 8 H100s.

@@ -18,7 +18,10 @@ from configs import GPTConfig, build, example_inputs
 from graphpass.api import resolve_strategy
 from graphpass.cost.memory import model_state_bytes
 from graphpass.cost import search as S
-from graphpass.cost.search import Layout, NoPlanError, _shared_host_step
+from graphpass.cost.search import Layout, NoPlanError
+from graphpass.cost.search.driver import _mesh_options
+from graphpass.cost.search.pricing import _Collectives, _cuts
+from graphpass.cost.search.stages import _shared_host_step
 from graphpass.plan import Choice
 from graphpass.planner import Planner, PlanningError, parse_memory
 
@@ -136,19 +139,19 @@ def test_per_operator_choices_price_each_part_at_its_own_stage(small_planner):
     at its own stage (state is linear in the bytes), and only the ZeRO-3 part is gathered for
     the layer's forward and backward (the transient)."""
     layout = Layout.of(1, 8, 1)
-    comms = S._Collectives(small_planner.cluster, layout)
+    comms = _Collectives(small_planner.cluster, layout)
     layer = next(b for b in small_planner.blocks(layout) if b.kind == "layer")
     # The layer's operators, largest first: the MLP's two linears, then the attention's four,
     # then the two norms; each linear's weight and bias in one group.
     assert [len(op.params) for op in layer.ops] == [2] * 8
     assert sum(op.param_bytes for op in layer.ops) == layer.param_bytes
-    assert S._cuts(layer) == [1, 2, 6]  # the MLP's up (larger bias) | down | attention | norms
+    assert _cuts(layer) == [1, 2, 6]  # the MLP's up (larger bias) | down | attention | norms
 
     def priced(choice):
         return S.price(layer, choice, layout, small_planner.costing, comms)
 
     z3, z1 = priced(Choice(3)), priced(Choice(1))
-    for k in S._cuts(layer):
+    for k in _cuts(layer):
         share = sum(op.param_bytes for op in layer.ops[:k]) / layer.param_bytes
         mixed = priced(Choice(3, large_ops=k, rest_zero=1))
         assert mixed.state_bytes == pytest.approx(share * z3.state_bytes + (1 - share) * z1.state_bytes, rel=1e-12)
@@ -174,7 +177,7 @@ def test_no_mesh_is_faster_than_its_step_floor(small_planner):
         blocks = small_planner.blocks(layout)
         if blocks is None:
             continue
-        prepared = S._mesh_options(blocks, layout, costing, per_operator=False)
+        prepared = _mesh_options(blocks, layout, costing, per_operator=False)
         cand, _ = S.solve_mesh(blocks, layout, costing, math.inf, per_operator=False, prepared=prepared)
         if cand is None:
             continue
@@ -328,16 +331,16 @@ def test_plan_round_trips_and_explains(small_planner):
 def test_identical_layers_cluster_into_one_ilp(monkeypatch):
     """24 identical layers make as small a stage ILP as 4 do: the layers are one cluster of n
     blocks (next to "pre" and "post"), whatever the pipeline cut."""
-    from graphpass.cost import search as S
+    from graphpass.cost.search import driver as search_driver
 
     clusters: list[int] = []
-    real = S.solve_stage
+    real = search_driver.solve_stage
 
     def counting(blocks, indices, *args, **kwargs):
         clusters.append(len({(blocks[i].signature, blocks[i].kind) for i in indices}))
         return real(blocks, indices, *args, **kwargs)
 
-    monkeypatch.setattr(S, "solve_stage", counting)
+    monkeypatch.setattr(search_driver, "solve_stage", counting)  # where solve_mesh looks it up
     for layers in (4, 24):
         clusters.clear()
         cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=layers, n_head=4, n_embd=128)
@@ -584,6 +587,7 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
     scaled by the program's own whole-run factor, the program run for real with each collective
     swapped for its one-rank stand-in."""
     from graphpass.cost import profiler
+    from graphpass.cost.profiler.op_times import _flat_tensors
     from graphpass.passes.collectives import is_collective
     from graphpass.passes.tensor_parallel import layout as tp_layout
     from graphpass.planner import GraphProfile, driver, remeasure
@@ -602,7 +606,7 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
         if not any(n.op == "call_function" and n.target in ALONE.values() for n in gm.graph.nodes):
             return 1.0
         assert not any(is_collective(n) for n in gm.graph.nodes)
-        outputs = [t for t in profiler._flat_tensors(gm(*inputs)) if t.is_floating_point()]
+        outputs = [t for t in _flat_tensors(gm(*inputs)) if t.is_floating_point()]
         ran.append(all(bool(torch.isfinite(t).all()) for t in outputs) and bool(outputs))
         return 3.0
 

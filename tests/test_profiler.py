@@ -20,6 +20,7 @@ from graphpass.cost import profiler
 from graphpass.cost.collectives import Link, all_reduce_time
 from graphpass.cost.compute import graph_compute
 from graphpass.cost.profiler import fit_ring_all_reduce, node_times, op_key, run_profile
+from graphpass.cost.profiler import op_times, timing
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +111,7 @@ def test_a_running_jobs_ranks_profile_themselves_in_place_and_rank_0_writes(rank
 
 def test_sync_cost_is_the_median_extra_wall_time_per_segment():
     """What the step loses per blocking collective: the wall-time difference, not the wait."""
-    from graphpass.cost.profiler import _sync_s
+    from graphpass.cost.profiler.cluster import _sync_s
 
     ranks = [{"collectives": {"sync": {"wall": [1e-3, 3e-3, 2e-3]}}},
              {"collectives": {"sync": {"wall": [4e-3, 0.5e-3, 2.5e-3]}}}]
@@ -252,8 +253,8 @@ def test_node_times_measures_each_distinct_op_once_then_hits_the_cache(tmp_path,
     gm = _mlp_graph(64)
     device, cache = _cpu_device(), tmp_path / "ops.json"
     calls = []
-    real_measure = profiler._measure_node
-    monkeypatch.setattr(profiler, "_measure_node", lambda node, *a: calls.append(node.name) or real_measure(node, *a))
+    real_measure = op_times._measure_node
+    monkeypatch.setattr(op_times, "_measure_node", lambda node, *a: calls.append(node.name) or real_measure(node, *a))
 
     times = node_times(gm, device, measure=True, cache_path=cache)
     functions = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -354,7 +355,7 @@ def test_isolation_factor_is_the_whole_graphs_time_over_the_sum_of_its_ops(monke
         ran.append(all(p.grad is None for p in gm.parameters()))
         return 1.5 * op_sum
 
-    monkeypatch.setattr(profiler, "_median_s", fake_median)
+    monkeypatch.setattr(op_times, "_median_s", fake_median)
     assert profiler.isolation_factor(gm, inputs, times) == pytest.approx(1.5)
     assert ran == [True]
     # The whole graph really runs: its backward reaches every parameter.
@@ -364,7 +365,7 @@ def test_isolation_factor_is_the_whole_graphs_time_over_the_sum_of_its_ops(monke
         fn()
         return 1.0
 
-    monkeypatch.setattr(profiler, "_median_s", run_once)
+    monkeypatch.setattr(op_times, "_median_s", run_once)
     for p in gm.parameters():
         p.register_hook(lambda g, grads=grads: grads.append(g.shape))
     profiler.isolation_factor(gm, inputs, times)
@@ -406,7 +407,7 @@ def test_isolation_factor_together_agrees_not_to_run_when_one_rank_cannot(rank_p
 def test_isolation_factor_leaves_times_alone_when_the_graph_cannot_run(monkeypatch):
     gm = _mlp_graph(16)
     times = {n.name: (1e-3, 1e-3) for n in gm.graph.nodes if n.op == "call_function"}
-    monkeypatch.setattr(profiler, "_median_s", lambda *a, **k: pytest.fail("must not run the graph"))
+    monkeypatch.setattr(op_times, "_median_s", lambda *a, **k: pytest.fail("must not run the graph"))
     meta_inputs = (torch.empty(64, 16, device="meta"), torch.empty(64, 16, device="meta"))
     assert profiler.isolation_factor(gm, meta_inputs, times) == 1.0
     partial = dict(list(times.items())[1:])  # one op left to the roofline: no op sum to compare
@@ -423,10 +424,10 @@ def test_the_optimizer_is_measured_on_the_models_own_parameter_shapes(monkeypatc
         def step(self, closure=None):
             stepped.append([tuple(p.shape) for p in self.param_groups[0]["params"]])
 
-    monkeypatch.setattr(profiler.torch.optim, "AdamW", Recorder)
+    monkeypatch.setattr(timing.torch.optim, "AdamW", Recorder)
     clock = iter(range(100))
     # Each step call takes 1 s on the full shapes' measurement, 0.5 s on the quarter's.
-    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(clock) * (1.0 if len(stepped) <= 7 else 0.5))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock) * (1.0 if len(stepped) <= 7 else 0.5))
     shapes = [torch.Size([400, 10]), torch.Size([40]), torch.Size([10**6, 10])]
     per_element, per_tensor = profiler.optimizer_step_times(shapes, torch.float32, 2, max_elements=10_000)
     assert stepped[0] == [(400, 10), (40,)]  # the third would pass the cap

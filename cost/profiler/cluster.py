@@ -1,20 +1,19 @@
-"""Measure this machine: device throughput, the alpha-beta of its links, and per-op times.
+"""Profile this machine as a `Cluster`: its device's achieved rates and the alpha-beta of its links.
 
-The cost model prices a plan from a `Cluster` (figures per device and per link) and from per-node
-compute times (`graphpass.cost.compute.graph_compute`). Presets and `Cluster.local`'s defaults are
-spec-sheet or guessed figures; this module replaces them with measurements, all cached under
-`graphpass.cluster.cache_dir` (``$GRAPHPASS_CACHE_DIR``, else ``~/.cache/graphpass``):
+Presets and `Cluster.local`'s defaults are spec-sheet or guessed figures; `profile` replaces
+them with measurements (the primitives are `graphpass.cost.profiler.timing`'s):
 
-* **Device** (`profile`): large square matmuls per dtype give achieved TFLOP/s (best over a few
-  sizes, median of repeats after warmup); a large tensor copy gives achieved memory bandwidth
-  (bytes read plus written). The `DeviceSpec` records these *achieved* rates with
-  ``compute_efficiency = memory_efficiency = 1.0``, so the roofline applies no further discount.
+* **Device** (`profile`): achieved matmul TFLOP/s per dtype and copy bandwidth
+  (`graphpass.cost.profiler.timing._measure_device`). The `DeviceSpec` records these *achieved*
+  rates with ``compute_efficiency = memory_efficiency = 1.0``, so the roofline applies no
+  further discount.
 * **Contention** (`profile`, CPU, ``world_size > 1``): each rank times an MLP sub-layer's
   forward and backward alone, then with every rank running it at once, each repeat as long as
   its slowest rank (a synchronous step waits for it); that slowdown is
   ``DeviceSpec.contention``, by which the planner scales op times that one process measured
-  (`node_times`). An AdamW step over 4M parameters measured alike (memory-bound: DRAM
-  is what the ranks share most) gives ``DeviceSpec.memory_contention`` for optimizer steps.
+  (`graphpass.cost.profiler.op_times.node_times`). An AdamW step over 4M parameters measured
+  alike (memory-bound: DRAM is what the ranks share most) gives
+  ``DeviceSpec.memory_contention`` for optimizer steps.
 * **Links** (`profile`, ``world_size > 1``): ``world_size`` local ranks
   (`graphpass.runtime.launch.launch`, gloo on CPU, nccl on GPU) time ``all_reduce`` over a ladder
   of sizes: median of repeats after warmup on each rank, the slowest rank's median per size. On
@@ -30,32 +29,14 @@ spec-sheet or guessed figures; this module replaces them with measurements, all 
   what a collective the step waits for costs beyond the fit (the ranks arrive apart, gloo's
   threads wake; `_measure_sync`). One machine
   is one node: the measured link is both ``intra_node`` and ``inter_node``. The cluster goes to
-  `graphpass.cluster.profile_path` (``clusters/<device>-<world_size>.json``), where
-  `Cluster.local` picks it up.
-* **Per-op times** (`node_times`): every ``call_function`` node of a captured graph is keyed by
-  `op_key` (op overload, input shapes, strides, dtypes, which inputs need a gradient, the
-  non-tensor arguments, the device); keys found in ``ops/<device>.json`` are returned, and with
-  ``measure=True`` on this machine's device the missing ones are run in isolation on random inputs
-  of the fake shapes, forward and backward, and written back. Identical keys are measured once, so
-  a 96-layer model measures one layer's ops. Views cost 0 and are never measured. Whatever stays
-  unpriced is logged at WARNING (the roofline prices it): never silently.
-  `isolation_factor` then runs the whole graph once and scales the isolated times to what they
-  take in sequence.
+  `graphpass.cluster.profile_path` (``clusters/<device>-<world_size>.json`` under
+  `graphpass.cluster.cache_dir`), where `Cluster.local` picks it up.
 
 **Threads (CPU).** A CPU `DeviceSpec` is one rank's share of the host. `launch` gives each rank
 ``os.cpu_count() // world_size`` torch threads (1 each for 2 ranks on this 2-core machine), and
 device figures for ``world_size > 1`` are measured on all ranks at once, so they include the
 contention for cores and DRAM that training sees; the slowest rank's figure is kept. With
-``world_size == 1`` the device is measured in this process with its current thread count. Per-op
-times depend on the thread count too, so a CPU `op_key` names it (``cpu/1t``): a cache measured
-with 1 thread is not used by a process running 2.
-
-Example::
-
-    cluster = graphpass.profile(world_size=2)        # writes clusters/cpu-2.json; logs a summary
-    Cluster.local(2) == cluster                      # later jobs load it
-    times = node_times(gm, cluster.device, measure=True)
-    costs = graph_compute(gm, cluster.device, "fp32", measured=times)
+``world_size == 1`` the device is measured in this process with its current thread count.
 """
 
 from __future__ import annotations
@@ -63,24 +44,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import logging
 import math
 import os
 import pathlib
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
 
-from graphpass import meta
 from graphpass.cluster import (
     Cluster,
     DeviceSpec,
@@ -89,40 +65,27 @@ from graphpass.cluster import (
     _PCIE,
     _PRESETS,
     _preset_for_gpu,
-    cache_dir,
-    device_slug,
     profile_path,
 )
 from graphpass.cost.collectives import Link, all_gather_time, reduce_scatter_time
-from graphpass.cost.compute import _VIEWS
-from graphpass.grads import grad_requiring_nodes
+from graphpass.cost.profiler.timing import (
+    _TORCH_DTYPES,
+    GiB,
+    KiB,
+    _budget,
+    _measure_device,
+    _median_s,
+    _optimizer_step,
+    _time_once_s,
+    _write_atomic,
+)
 from graphpass.progress import Progress
 from graphpass.units import format_bytes
-from graphpass.ops import op_base
 
-__all__ = [
-    "ProfileReport",
-    "fit_ring_all_reduce",
-    "is_this_machine",
-    "isolation_factor",
-    "node_times",
-    "op_cache_path",
-    "op_key",
-    "optimizer_step_times",
-    "profile",
-    "profile_path",
-    "run_profile",
-    "together_median_s",
-]
+__all__ = ["ProfileReport", "fit_ring_all_reduce", "profile", "profile_path", "run_profile"]
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "tf32": torch.float32,  # fp32 storage, TF32 tensor-core matmuls (CUDA only)
-}
 _CPU_DTYPES = ("fp32",)
 _CUDA_DTYPES = ("bf16", "fp16", "fp32", "tf32")
 # A dtype left unmeasured takes the measured rate of the first of these that was measured
@@ -133,162 +96,6 @@ _STAND_INS = {
     "tf32": ("fp32",),
     "fp32": ("tf32", "bf16", "fp16"),
 }
-
-
-@dataclass(frozen=True)
-class _Budget:
-    """How much to measure: matmul sizes, copy size, all_reduce ladder, repeats."""
-
-    matmul_sizes: tuple[int, ...]
-    copy_bytes: int
-    ladder_bytes: tuple[int, ...]
-    warmup: int
-    repeats: int
-
-
-KiB, MiB, GiB = 2**10, 2**20, 2**30
-
-
-def _budget(kind: str, quick: bool, world_size: int) -> _Budget:
-    if kind == "cuda":
-        if quick:
-            return _Budget((4096,), 256 * MiB, (64 * KiB, 4 * MiB, 64 * MiB), 2, 5)
-        return _Budget((4096, 8192), GiB, tuple(64 * KiB * 4**i for i in range(7)), 5, 20)
-    if quick:
-        # 512^3 fp32 is ~2 ms on one core here; 64 MiB copies already run at DRAM speed here.
-        return _Budget((512,), 64 * MiB, (4 * KiB, 64 * KiB, MiB, 4 * MiB), 2, 9)
-    # A copy must not fit in the last-level cache (480 MiB on this VM's Xeon) to measure DRAM;
-    # cap it at an eighth of each rank's RAM share.
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    copy_bytes = int(min(max(256 * MiB, 2 * _last_level_cache_bytes()), ram // (8 * world_size)))
-    # 4 KiB ... 16 MiB in steps of 4: latency-bound to bandwidth-bound on loopback TCP.
-    return _Budget((1024, 2048), copy_bytes, tuple(4 * KiB * 4**i for i in range(7)), 5, 20)
-
-
-def _last_level_cache_bytes() -> int:
-    """Size of the largest CPU cache sysfs reports (0 when it reports none)."""
-    best = 0
-    for path in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = path.read_text().strip().upper()
-            scale = {"K": KiB, "M": MiB, "G": GiB}.get(text[-1:], 1)
-            best = max(best, int(text.rstrip("KMG")) * scale)
-        except (OSError, ValueError):
-            continue
-    return best
-
-
-# --------------------------------------------------------------------------- timing
-
-
-def _sync(kind: str) -> None:
-    if kind == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time_once_s(fn: Callable[[], Any], kind: str) -> float:
-    if kind == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    start_s = time.perf_counter()
-    fn()
-    return time.perf_counter() - start_s
-
-
-def _median_s(fn: Callable[[], Any], kind: str, *, warmup: int, repeats: int) -> float:
-    """Median of ``repeats`` timed calls after ``warmup`` untimed ones. The median, not the mean
-    or the minimum: a 2-core machine shares its cores with the OS, and single outliers are common."""
-    for _ in range(warmup):
-        fn()
-    _sync(kind)
-    return statistics.median(_time_once_s(fn, kind) for _ in range(repeats))
-
-
-def together_median_s(fn: Callable[[], Any], kind: str, *, warmup: int, repeats: int) -> float:
-    """`_median_s` with every rank of the running default group calling ``fn`` at once (all must
-    call this, in the same order): each repeat starts on a barrier and counts as long as its
-    slowest rank, as a synchronous step does; every rank gets the median of those.
-
-    On a shared host this is the contention the ranks' step sees on the work itself: the
-    profile's probes (`_measure_contention`) stand in for it when one process plans, and the
-    model's own forward and backward slowed 1.04x at a local batch of 4 and 1.21x at 8 with two
-    ranks here, where the probes said 1.06x (compute) and 1.38x (memory-bound)."""
-    for _ in range(warmup):
-        fn()
-    _sync(kind)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        times.append(_time_once_s(fn, kind))
-    slowest = torch.tensor(times, dtype=torch.float64, device="cuda" if kind == "cuda" else "cpu")
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
-
-
-def _adaptive_median_s(fn: Callable[[], Any], kind: str, *, budget_s: float = 0.02,
-                       min_repeats: int = 3, max_repeats: int = 25) -> float:
-    """Median timing whose repeat count fits ``budget_s``: many repeats for µs ops, few for slow ones."""
-    first_s = _time_once_s(fn, kind)  # also the warmup (allocator, kernel selection)
-    repeats = int(min(max_repeats, max(min_repeats, budget_s / max(first_s, 1e-7))))
-    return _median_s(fn, kind, warmup=1, repeats=repeats)
-
-
-# --------------------------------------------------------------------------- device
-
-
-def _matmul_tflops(dtype: str, sizes: Sequence[int], device: torch.device, budget: _Budget) -> float:
-    kind = device.type
-    torch_dtype = _TORCH_DTYPES[dtype]
-    best = 0.0
-    previous_tf32 = torch.backends.cuda.matmul.allow_tf32 if kind == "cuda" else None
-    try:
-        if kind == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-        for n in sizes:
-            a = torch.randn(n, n, dtype=torch_dtype, device=device)
-            b = torch.randn(n, n, dtype=torch_dtype, device=device)
-            out = torch.empty(n, n, dtype=torch_dtype, device=device)
-            seconds = _median_s(lambda: torch.mm(a, b, out=out), kind,
-                                warmup=budget.warmup, repeats=budget.repeats)
-            best = max(best, 2.0 * n**3 / seconds / 1e12)
-            del a, b, out
-    finally:
-        if kind == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = previous_tf32
-    return best
-
-
-def _copy_gbps(num_bytes: int, device: torch.device, budget: _Budget) -> float:
-    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    # A copy reads the source and writes the destination: 2 x its size crosses the memory bus.
-    seconds = _median_s(lambda: dst.copy_(src), device.type,
-                        warmup=max(1, budget.warmup // 2), repeats=max(3, budget.repeats // 4))
-    return 2.0 * src.nbytes / seconds / 1e9
-
-
-def _measure_device(kind: str, dtypes: Sequence[str], quick: bool, world_size: int) -> dict[str, Any]:
-    """Achieved TFLOP/s per dtype and copy GB/s of this process's device (picklable result)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    budget = _budget(kind, quick, world_size)
-    tflops = {}
-    with Progress(len(dtypes) + 1, "profiling the device") as bar:
-        for dtype in dtypes:
-            bar.step(f"profiling {dtype} matmuls on {kind}")
-            tflops[dtype] = _matmul_tflops(dtype, budget.matmul_sizes, device, budget)
-        bar.step(f"profiling {kind} memory bandwidth")
-        bandwidth = _copy_gbps(budget.copy_bytes, device, budget)
-    return {
-        "tflops": tflops,
-        "memory_bandwidth_gbps": bandwidth,
-        "threads": torch.get_num_threads(),
-        "matmul_sizes": budget.matmul_sizes,
-        "copy_bytes": budget.copy_bytes,
-    }
 
 
 # --------------------------------------------------------------------------- links
@@ -381,41 +188,6 @@ def _layer_work(rows: int, width: int) -> Callable[[], None]:
         torch.nn.functional.layer_norm(h @ w2 + x, (width,), gamma).sum().backward()
 
     return run
-
-
-def _optimizer_step(sizes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32, states: int = 2,
-                    device: str = "cpu") -> Callable[[], Any]:
-    """One optimizer step over random parameters of ``sizes`` with random gradients: AdamW
-    (foreach, the default implementation) for 2 states, SGD with momentum for 1, plain SGD for 0."""
-    params = [torch.nn.Parameter(torch.randn(size, dtype=dtype, device=device)) for size in sizes]
-    for param in params:
-        param.grad = torch.randn_like(param)
-    if states >= 2:
-        return torch.optim.AdamW(params, lr=1e-4).step
-    return torch.optim.SGD(params, lr=1e-4, momentum=0.9 if states == 1 else 0.0).step
-
-
-def optimizer_step_times(shapes: Sequence[torch.Size], dtype: torch.dtype, states: int, device: str = "cpu",
-                         max_elements: int = 2**23, *, together: bool = False) -> tuple[float, float]:
-    """(seconds per parameter element, seconds per parameter tensor) of one optimizer step on
-    this machine (`_optimizer_step`) over tensors of a model's parameter ``shapes`` (the first
-    ones up to ``max_elements``), and again over the same tensors a quarter the size (dim 0 cut,
-    as ZeRO's shards are): the difference is the per-element part, the rest per tensor.
-    ``together``: every rank of the running group steps at once (`together_median_s`)."""
-    chosen, total = [], 0
-    for shape in shapes:
-        if chosen and total + math.prod(shape) > max_elements:
-            break
-        chosen.append(tuple(shape) or (1,))
-        total += math.prod(chosen[-1])
-    quarter = [(max(1, size[0] // 4), *size[1:]) for size in chosen]
-    timed = together_median_s if together else _median_s
-    whole_s, quarter_s = (timed(_optimizer_step(sizes, dtype, states, device), device, warmup=2, repeats=5)
-                          for sizes in (chosen, quarter))
-    fewer = total - sum(math.prod(size) for size in quarter)
-    per_element = max(0.0, whole_s - quarter_s) / fewer if fewer > 0 else whole_s / max(total, 1)
-    per_tensor = max(0.0, whole_s - per_element * total) / len(chosen)
-    return per_element, per_tensor
 
 
 def _measure_contention(quick: bool) -> dict[str, list[tuple[float, list[float]]]]:
@@ -902,387 +674,3 @@ def profile(
     report = run_profile(cluster, world_size=world_size, path=path, dtypes=dtypes, quick=quick)
     logger.info("%s", report.summary())
     return report.cluster
-
-
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-# --------------------------------------------------------------------------- per-op times
-
-_CACHE_VERSION = 1
-# Integer inputs index into another input: (op names, how to find the bound from the fake inputs).
-_CLASS_DIM_OPS = frozenset({"cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss_nd",
-                            "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward"})
-_MAX_REPORTED = 5
-
-
-def op_cache_path(device: DeviceSpec) -> pathlib.Path:
-    """Where per-op times of ``device`` are cached: ``cache_dir() / "ops" / "<device slug>.json"``."""
-    return cache_dir() / "ops" / f"{device_slug(device.name)}.json"
-
-
-def _device_tag(device: DeviceSpec) -> str:
-    # A CPU op's time depends on the threads it may use (see the module docstring).
-    return f"{device.name}/{torch.get_num_threads()}t" if device.kind == "cpu" else device.name
-
-
-def _target_name(target: Any) -> str:
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(target)  # "aten.linear.default": the overload is part of the name
-    module = getattr(target, "__module__", None) or ""
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
-    return f"{module}.{name}" if module else name
-
-
-def _fmt_tensor(t: torch.Tensor) -> str:
-    text = f"{str(t.dtype).removeprefix('torch.')}[{','.join(str(int(s)) for s in t.shape)}]"
-    if not t.is_contiguous():  # a transposed operand can run a different kernel
-        text += f"s({','.join(str(int(s)) for s in t.stride())})"
-    return text
-
-
-def _fmt_arg(value: Any, grad_nodes: Collection[fx.Node]) -> str:
-    if isinstance(value, fx.Node):
-        val = value.meta.get(meta.VAL)
-        text = _fmt_arg(val, ()) if val is not None else f"?{value.name}"
-        return text + ("+grad" if value in grad_nodes else "")
-    if isinstance(value, torch.Tensor):
-        return _fmt_tensor(value)
-    if isinstance(value, (list, tuple)):
-        inner = ",".join(_fmt_arg(v, grad_nodes) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}={_fmt_arg(v, grad_nodes)}" for k, v in sorted(value.items())) + "}"
-    return repr(value)
-
-
-def op_key(node: fx.Node, device: DeviceSpec, grad_nodes: Collection[fx.Node] | None = None) -> str:
-    """A stable string naming what one op's time depends on.
-
-    ``"<op overload>(<args>; <kwargs>) @<device>"``, each tensor input as dtype, shape (and stride
-    when not contiguous) with ``+grad`` when it needs a gradient, every non-tensor argument (dims,
-    causal flags, reductions) by ``repr``. Two nodes with the same key cost the same.
-
-    Args:
-        node: A ``call_function`` node whose inputs carry fake values.
-        device: The device the time is for; a CPU key also names the current torch thread count.
-        grad_nodes: `graphpass.grads.grad_requiring_nodes` of the node's graph (computed
-            when None; pass it when keying many nodes).
-
-    Example: ``aten.addmm.default(f32[64]+grad,f32[8,16],f32[16,64]s(1,16)+grad; ) @cpu/2t``.
-    """
-    if grad_nodes is None:
-        grad_nodes = grad_requiring_nodes(node.graph.owning_module)
-    args = ",".join(_fmt_arg(a, grad_nodes) for a in node.args)
-    kwargs = ",".join(f"{k}={_fmt_arg(v, grad_nodes)}" for k, v in sorted(node.kwargs.items()))
-    return f"{_target_name(node.target)}({args}; {kwargs}) @{_device_tag(device)}"
-
-
-def _read_cache(path: pathlib.Path) -> dict[str, tuple[float, float]]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        if data.get("version") != _CACHE_VERSION:
-            raise ValueError(f"version {data.get('version')!r}, expected {_CACHE_VERSION}")
-        return {k: (float(f), float(b)) for k, (f, b) in data["times"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        logger.warning("ignoring unreadable op-time cache %s: %s", path, exc)
-        return {}
-
-
-def _write_cache(path: pathlib.Path, device: DeviceSpec, new: dict[str, tuple[float, float]]) -> None:
-    # Merge with what is on disk now: another process (rank) may have written meanwhile.
-    merged = {**_read_cache(path), **new}
-    text = json.dumps({"version": _CACHE_VERSION, "device": device.name,
-                       "times": {k: list(v) for k, v in sorted(merged.items())}}, indent=1)
-    _write_atomic(path, text)
-
-
-def is_this_machine(device: DeviceSpec) -> bool:
-    """Whether ``device`` names this machine's CPU or one of its GPUs (so ops can be measured)."""
-    if device.kind == "cpu":
-        return device.name == "cpu"  # Cluster.local and profile name every CPU "cpu"
-    if not torch.cuda.is_available():
-        return False
-    names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
-    return device.name in names or device.name in {_preset_for_gpu(n) for n in names}
-
-
-def _index_bound(node: fx.Node) -> int | None:
-    """The exclusive upper bound of ``node``'s integer inputs when they index another input."""
-    name = op_base(node)
-    floats = [v for v in (a.meta.get(meta.VAL) for a in node.all_input_nodes)
-              if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    if not floats:
-        return None
-    if name == "embedding":
-        table = next((v for v in floats if v.dim() == 2), None)
-        return int(table.shape[0]) if table is not None else None
-    if name in _CLASS_DIM_OPS:
-        logits = floats[0]
-        return int(logits.shape[1] if logits.dim() >= 2 else logits.shape[0])
-    return None
-
-
-def _materialise(val: torch.Tensor, device: torch.device, needs_grad: bool, bound: int | None) -> torch.Tensor:
-    """A real tensor with ``val``'s shape, stride and dtype: random floats, valid indices."""
-    shape, stride = tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride())
-    strided = not val.is_contiguous() and all(shape)
-    # A non-contiguous input (a transposed weight, an expanded bias) keeps its strides: it can
-    # select another kernel. Its storage spans 1 + sum((size - 1) * stride) elements.
-    size = (1 + sum((s - 1) * st for s, st in zip(shape, stride)),) if strided else shape
-    if val.is_floating_point() or val.is_complex():
-        base = torch.randn(size, dtype=val.dtype, device=device)
-    elif val.dtype == torch.bool:
-        base = torch.ones(size, dtype=torch.bool, device=device)
-    elif bound is not None and bound > 0:
-        base = torch.randint(0, bound, size, dtype=val.dtype, device=device)
-    else:
-        base = torch.zeros(size, dtype=val.dtype, device=device)  # a valid index for most ops
-    base.requires_grad_(needs_grad)
-    return base.as_strided(shape, stride) if strided else base
-
-
-def _measure_node(node: fx.Node, grad_nodes: Collection[fx.Node], device: torch.device) -> tuple[float, float]:
-    """``(forward_s, backward_s)`` of one node run in isolation on random inputs of its shapes.
-
-    Backward is ``torch.autograd.grad(outputs, inputs, grad_outputs=randn_like(outputs))`` (the
-    gradient of ``(out * randn_like(out)).sum()`` without that extra op) over the float inputs that
-    need a gradient; 0 when none does.
-    """
-    bound = _index_bound(node)
-    grad_inputs: list[torch.Tensor] = []
-
-    def real(arg: fx.Node) -> Any:
-        val = arg.meta.get(meta.VAL)
-        if not isinstance(val, torch.Tensor):
-            return val  # ints, SymInt specialised values, None
-        needs_grad = arg in grad_nodes and (val.is_floating_point() or val.is_complex())
-        tensor = _materialise(val, device, needs_grad, bound)
-        if needs_grad:
-            grad_inputs.append(tensor)
-        return tensor
-
-    args = fx.node.map_arg(node.args, real)
-    kwargs = fx.node.map_arg(node.kwargs, real)
-    target = node.target
-
-    def forward() -> Any:
-        return target(*args, **kwargs)
-
-    forward_s = _adaptive_median_s(forward, device.type)
-    if not grad_inputs:
-        return forward_s, 0.0
-    out = forward()
-    outputs = [t for t in _flat_tensors(out) if t.requires_grad]
-    if not outputs:
-        return forward_s, 0.0
-    grad_outputs = [torch.randn_like(t) for t in outputs]
-
-    def backward() -> Any:
-        return torch.autograd.grad(outputs, grad_inputs, grad_outputs, retain_graph=True, allow_unused=True)
-
-    # Each autograd.grad call pays the engine's start-up (~30 us here), which a whole-graph
-    # backward pays once, not per node: subtract it, keeping at least a tenth of the reading.
-    measured_s = _adaptive_median_s(backward, device.type)
-    return forward_s, max(measured_s - _autograd_overhead_s(device), 0.1 * measured_s)
-
-
-_AUTOGRAD_OVERHEAD_S: dict[str, float] = {}
-
-
-def _autograd_overhead_s(device: torch.device) -> float:
-    """Time of ``autograd.grad`` through one view of a 1-element tensor: the engine's fixed cost."""
-    if device.type not in _AUTOGRAD_OVERHEAD_S:
-        x = torch.ones(1, device=device, requires_grad=True)
-        y = x.view(1)
-        g = torch.ones(1, device=device)
-        _AUTOGRAD_OVERHEAD_S[device.type] = _adaptive_median_s(
-            lambda: torch.autograd.grad(y, x, g, retain_graph=True), device.type, min_repeats=15
-        )
-    return _AUTOGRAD_OVERHEAD_S[device.type]
-
-
-def _flat_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat_tensors(v)]
-    return []
-
-
-def node_times(
-    gm: fx.GraphModule,
-    device: DeviceSpec,
-    *,
-    measure: bool = False,
-    cache_path: str | os.PathLike | None = None,
-    skip: Callable[[fx.Node], bool] | None = None,
-    together: bool = False,
-) -> dict[str, tuple[float, float]]:
-    """Profiled ``(forward_s, backward_s)`` per ``call_function`` node, for `graph_compute(measured=)`.
-
-    Views (`graphpass.cost.compute`'s ``_VIEWS``) cost ``(0, 0)``. Other nodes get their cached time
-    by `op_key`; with ``measure=True`` and ``device`` this machine's device, missing keys are run
-    (each distinct key once), cached and returned. Ops that fail in isolation are logged and left
-    out. Every node left out is reported in one WARNING: the roofline model prices it.
-
-    Args:
-        gm: The IR; every tensor node carries a fake value (a meta-device capture works).
-        device: The device the times are for (its name keys the cache).
-        measure: Run the ops missing from the cache on this machine.
-        cache_path: The JSON cache; default `op_cache_path(device)`.
-        skip: Nodes neither timed nor reported (a rank program's collectives, which the
-            transition table prices).
-        together: Every rank of the running default group calls this with the same graph (as
-            `isolation_factor`'s ``together`` does): rank 0 measures what the cache lacks while
-            the others wait, then they read the cache it wrote, so every rank gets the same
-            times, each op timed alone as everywhere else (ranks timing ops at once would each
-            see a different share of the host).
-
-    Returns:
-        ``{node name: (forward_s, backward_s)}`` for the nodes with a profiled (or view) time.
-    """
-    if together and measure:
-        first = dist.get_rank() == 0
-        times = node_times(gm, device, measure=True, cache_path=cache_path, skip=skip) if first else None
-        _wait_for_rank_0()
-        if first:
-            return times
-        measure = False
-    path = pathlib.Path(cache_path) if cache_path is not None else op_cache_path(device)
-    cache = _read_cache(path)
-    grad_nodes = grad_requiring_nodes(gm)
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not (skip and skip(n))]
-    times: dict[str, tuple[float, float]] = {}
-    pending: dict[str, list[fx.Node]] = {}
-    for node in nodes:
-        if op_base(node) in _VIEWS:
-            times[node.name] = (0.0, 0.0)
-            continue
-        key = op_key(node, device, grad_nodes)
-        if key in cache:
-            times[node.name] = cache[key]
-        else:
-            pending.setdefault(key, []).append(node)
-    if pending and measure:
-        if is_this_machine(device):
-            _measure_pending(pending, times, grad_nodes, device, path)
-        else:
-            logger.warning(
-                "node_times(measure=True): %r is not this machine's device; using cached times only",
-                device.name,
-            )
-    missing = [n for group in pending.values() for n in group]
-    if missing:
-        listed = ", ".join(f"{n.name} ({op_base(n)})" for n in missing[:_MAX_REPORTED])
-        more = f", ... {len(missing) - _MAX_REPORTED} more" if len(missing) > _MAX_REPORTED else ""
-        logger.warning(
-            "%d of %d nodes have no profiled time on %s; priced by the roofline model: %s%s",
-            len(missing), len(nodes), device.name, listed, more,
-        )
-    return times
-
-
-#: How long ranks wait for rank 0 to time a graph's ops (`node_times` ``together``): minutes
-#: for a large graph's first measurement, beyond a process group's usual collective timeout.
-_MEASURING_TIMEOUT = datetime.timedelta(hours=1)
-
-
-def _wait_for_rank_0() -> None:
-    """A barrier that outlasts rank 0's op measurement (gloo's monitored barrier takes its own
-    timeout; other backends wait as long as their group's timeout)."""
-    if "gloo" in str(dist.get_backend()):
-        dist.monitored_barrier(timeout=_MEASURING_TIMEOUT)
-    else:
-        dist.barrier()
-
-
-def _measure_pending(pending: dict[str, list[fx.Node]], times: dict[str, tuple[float, float]],
-                     grad_nodes: Collection[fx.Node], device: DeviceSpec, path: pathlib.Path) -> None:
-    """Measures one node per pending key, fills ``times``, removes the measured keys from ``pending``
-    and writes them to the cache."""
-    torch_device = torch.device("cuda", torch.cuda.current_device()) if device.kind == "cuda" else torch.device("cpu")
-    measured: dict[str, tuple[float, float]] = {}
-    failed: dict[str, str] = {}
-    start_s = time.perf_counter()
-    with Progress(len(pending), "timing ops") as bar:
-        for i, (key, group) in enumerate(pending.items(), start=1):
-            bar.step(f"timing op {i}/{len(pending)} {op_base(group[0])}")
-            try:
-                measured[key] = _measure_node(group[0], grad_nodes, torch_device)
-            except Exception as exc:  # noqa: BLE001 - reported below; the roofline prices the node
-                failed[group[0].name] = f"{op_base(group[0])}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    for key, value in measured.items():
-        for node in pending.pop(key):
-            times[node.name] = value
-    if measured:
-        _write_cache(path, device, measured)
-    logger.info("measured %d distinct ops on %s in %.2f s -> %s",
-                len(measured), device.name, time.perf_counter() - start_s, path)
-    if failed:
-        logger.warning(
-            "%d ops could not run in isolation on %s (left to the roofline): %s",
-            len(failed), device.name, "; ".join(f"{k}: {v}" for k, v in list(failed.items())[:_MAX_REPORTED]),
-        )
-
-
-def isolation_factor(gm: fx.GraphModule, inputs: Sequence[torch.Tensor],
-                     times: dict[str, tuple[float, float]], *, together: bool = False) -> float:
-    """How much longer the whole graph's forward and backward takes than the sum of its ops'
-    isolated `node_times` (>= 1 expected: caches shared between ops, autograd bookkeeping).
-
-    Ops measured one at a time run on warm inputs with nothing else in the caches; in a step each
-    reads what the previous one left. The graph runs for real in this process (median of 5 after
-    2 warm-ups), so only where every parameter, buffer and input is a real tensor on this
-    machine's device and every op has a profiled time; elsewhere 1.0 (logged).
-
-    ``together``: every rank of the running default group calls this on its copy of the graph
-    at once and the graph is timed on all of them together (`together_median_s`), so the factor
-    also holds the ranks' contention for the host; the ranks agree first that every one of them
-    can run it (else all return 1.0), and all time the graph alike (their factors differ only as
-    their ``times`` do).
-    """
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    tensors = [*gm.parameters(), *gm.buffers(), *inputs]
-    why = None
-    if any(n.name not in times for n in nodes):
-        why = "not every op has a profiled time"
-    elif any(t.is_meta or isinstance(t, FakeTensor) for t in tensors):
-        why = "the graph holds meta or fake tensors and cannot run"
-    op_sum = 0.0 if why else sum(f + b for f, b in (times[n.name] for n in nodes))
-    kind = tensors[0].device.type if tensors else "cpu"
-    runnable = why is None and op_sum > 0
-    if together:
-        agreed = torch.tensor([int(runnable)], device="cuda" if kind == "cuda" else "cpu")
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if runnable and not agreed.item():
-            why = "another rank cannot run the graph"
-        runnable = bool(agreed.item())
-    if not runnable:
-        if why:
-            logger.info("isolation factor: %s; op times left unscaled", why)
-        return 1.0
-
-    def step() -> None:
-        out = [t for t in _flat_tensors(gm(*inputs)) if t.requires_grad]
-        if out:
-            torch.autograd.backward(out, [torch.ones_like(t) for t in out])
-        for p in gm.parameters():
-            p.grad = None
-
-    whole = (together_median_s if together else _median_s)(step, kind, warmup=2, repeats=5)
-    factor = whole / op_sum
-    logger.info("isolation factor %.3f: the whole graph took %.1f ms%s, its ops alone %.1f ms",
-                factor, whole * 1e3, " on every rank at once" if together else "", op_sum * 1e3)
-    return factor

@@ -1,0 +1,449 @@
+"""Pricing: one block under one :class:`~graphpass.plan.Choice` on one mesh, as the terms of the
+stage ILP (:class:`Priced`, :mod:`graphpass.cost.search.stages`). Torch-free.
+
+The options (:func:`choices_for`) are a ZeRO stage 0-3 inside ``dp``, OSDP operator splitting
+(ZeRO-3 only) and activation recomputation (repeated layers only) for the whole block, and
+per-operator choices that give a block's largest operators a higher ZeRO stage than the rest.
+
+What runs where it is priced: every data-parallel movement and memory effect comes from the
+transition table (:mod:`graphpass.transitions`), the one the emitter inserts from: ZeRO-1/2 keep
+shards between steps and gather the full weights once per step (their state is ``P + P/dp``
+weights), ZeRO-3 gathers in every forward and again in backward, gradients of dp and ZeRO-1
+are reduced once per step (held back between microbatches), ZeRO-2/3's every microbatch.
+Every collective is priced by :func:`graphpass.cost.collectives.collective_time` on the group's
+real ranks (flat ring on the slowest link it spans, or hierarchical for all-reduce when that is
+cheaper).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from graphpass.cluster import Cluster
+from graphpass.plan import Choice
+from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
+from graphpass.cost.collectives import collective_time, sync_time
+from graphpass.cost.experts import imbalance as expert_imbalance
+from graphpass.cost.search.blocks import LAYER, BlockCost
+from graphpass.cost.search.layouts import Layout, local_batch
+
+#: Per-operator choices divide a block's operators (largest first) at most at this many sizes.
+_MAX_CUTS = 3
+
+
+@dataclass(frozen=True)
+class Costing:
+    """Everything pricing needs besides the blocks.
+
+    Attributes:
+        cluster: devices and links.
+        batch: global batch (samples) of the reference measurement.
+        memory_limit_bytes: per-device budget.
+        grad_bytes_per_param: gradient bytes per parameter element.
+        optimizer_bytes_per_param: optimizer-state bytes per element (Adam fp32: 8; mixed
+            precision with an fp32 master copy: 12).
+        overlap: fraction of data-parallel communication that hides behind compute when there is
+            compute to hide behind (1 on GPUs with separate copy/NCCL streams; on CPU gloo shares
+            the cores with compute, so less).
+        optimizer_s_per_param: measured optimizer-step seconds per parameter element on this
+            machine (None: priced as memory traffic, ``2p + g + 2o`` bytes at the bandwidth).
+        optimizer_s_per_tensor: measured seconds per parameter tensor of the same step (the
+            per-tensor work of a foreach optimizer; ZeRO shards keep one tensor per parameter).
+        bucket_cap_bytes: gradient all-reduce bucket size of pure data parallelism
+            (``Plan.bucket_cap_bytes``): one collective's latency per bucket, not per block.
+        host_contention: how many times longer the block times are than one rank alone would
+            take, because they were measured or scaled for every rank of a shared host (CPU
+            ranks sharing cores and DRAM) computing at once; 1 where ranks share nothing (GPUs).
+        host_oversubscription: the part of ``host_contention`` that is ranks' threads outnumbering
+            the host's cores (``ranks x threads / cores``, at least 1): a pipeline's ramps, where
+            few stages are busy, give it back
+            (:func:`~graphpass.cost.search.stages._shared_host_step`); the rest (shared DRAM and
+            caches) stays.
+        expert_loads: the share of routed rows each expert of a Mixture-of-Experts layer
+            receives (measured or :func:`graphpass.cost.experts.zipf_loads`); None: balanced.
+            Under ``ep`` the slowest rank's experts set the pace (:mod:`graphpass.cost.experts`).
+        capacity_factor: the MoE layers' capacity factor (None: dropless): each expert computes
+            at most ``cf / E`` of the routed rows.
+    """
+
+    cluster: Cluster
+    batch: int
+    memory_limit_bytes: float
+    grad_bytes_per_param: float
+    optimizer_bytes_per_param: float
+    overlap: float = 1.0
+    optimizer_s_per_param: float | None = None
+    optimizer_s_per_tensor: float = 0.0
+    bucket_cap_bytes: float = 25 * 2**20  # DDP's default, as Plan's
+    host_contention: float = 1.0
+    host_oversubscription: float = 1.0
+    expert_loads: tuple[float, ...] | None = None
+    capacity_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One block under one choice on one mesh: the terms of the stage ILP."""
+
+    time_s: float  # one microbatch: compute + recompute + tensor-parallel collectives
+    optimizer_s: float  # one optimizer step over this block's (shard of) state
+    dp_comm_s: float  # data-parallel collectives of one step
+    window_s: float  # compute that dp communication can overlap with
+    state_bytes: float  # parameters, gradients, optimizer state and gathered ZeRO-1/2 weights
+    act_bytes: float  # activations one microbatch keeps until its backward
+    transient_bytes: float  # alive only while this block runs
+    tp_comm_s: float = 0.0  # part of time_s spent in tensor-parallel collectives
+    grad_bytes: float = 0.0  # the gradients in state_bytes: they exist only once backward made them
+    held_bytes: float = 0.0  # gradients held from the step's earlier microbatches (accumulation)
+    start_bytes: float = 0.0  # the loss's backward working set, on top of every activation
+    bucket_bytes: float = 0.0  # gradients bucketed for data-parallel reduction (a second copy while filled)
+
+    def start_peak_bytes(self, flight: int) -> float:
+        """At the start of backward: state without this step's new gradients (those held from
+        earlier microbatches stay), every activation in flight, the loss's gradients."""
+        return self.state_bytes - self.grad_bytes + self.held_bytes + flight * self.act_bytes + self.start_bytes
+
+    def end_peak_bytes(self) -> float:
+        """At the end of backward: the whole state, gradients included; activations freed (plus
+        one bucket being filled: `_bucket_spike`)."""
+        return self.state_bytes
+
+
+def _bucket_spike(bucketed: float, costing: Costing) -> float:
+    """The end of backward's extra copy: the gradient bucket being filled, at most a bucket."""
+    return min(costing.bucket_cap_bytes, bucketed)
+
+
+class _Collectives:
+    """Memoised collective times for one mesh, on rank 0's groups (a pipeline neighbour pair for
+    ``pp``)."""
+
+    def __init__(self, cluster: Cluster, layout: Layout):
+        self.cluster = cluster
+        mesh = layout.mesh
+        self.groups = {axis: mesh.group_ranks(axis) for axis in ("dp", "tp", "ep", "edp")}
+        self.groups["pp"] = mesh.group_ranks("pp")[:2]
+        self.memo: dict[tuple[str, str, float], float] = {}
+        self.syncs: dict[str, float] = {}
+
+    def latency(self, axis: str, kind: str) -> float:
+        """The size-independent part of one collective (its time for one byte)."""
+        return self.time(axis, kind, 1.0)
+
+    def time(self, axis: str, kind: str, size: float, blocking: bool = False) -> float:
+        """One ``kind`` collective of ``size`` bytes over ``axis``; a ``blocking`` one (the step
+        waits for it where it runs) also pays the link's synchronisation cost."""
+        group = self._group(axis)
+        if len(group) == 1 or size <= 0:
+            return 0.0
+        key = (axis, kind, size)
+        if key not in self.memo:
+            self.memo[key] = collective_time(kind, size, group, self.cluster)
+        return self.memo[key] + (self.sync(axis) if blocking else 0.0)
+
+    def sync(self, axis: str) -> float:
+        """The synchronisation cost of one blocking collective over ``axis`` (``sync_time``)."""
+        if axis not in self.syncs:
+            self.syncs[axis] = sync_time(self._group(axis), self.cluster)
+        return self.syncs[axis]
+
+    def _group(self, axis: str) -> Sequence[int]:
+        return self.groups[axis]
+
+
+def transition_s(name: str, size: float, layout: Layout, costing: Costing, backward: bool = True) -> float:
+    """Seconds of the transition-table entry ``name`` (`graphpass.transitions.TABLE`) on a full
+    tensor of ``size`` bytes over its axis of ``layout``'s mesh: its collectives, each blocking
+    one with the link's synchronisation, and its local copies read and written at the device's
+    memory bandwidth, as :func:`price` prices a block's; ``backward=False`` leaves out the
+    backward part (a value that needs no gradient)."""
+    entry = TABLE[name]
+    comms = _Collectives(costing.cluster, layout)
+    n = layout.mesh[entry.axis] if entry.axis in layout.mesh else 1
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
+    moved = sum(comms.time(entry.axis, m.kind, m.factor * size, m.blocking) for m in entry.collectives
+                if backward or m.phase == FORWARD)
+    copied = sum(2 * c.bytes(size, n) / bandwidth for c in entry.copies if backward or c.phase == FORWARD)
+    return moved + copied
+
+
+def _cuts(block: BlockCost) -> list[int]:
+    """Where a per-operator choice may divide the block's operators (largest first): after each
+    operator that is strictly larger than the next, so operators of one size share a stage (a
+    layer's norms, its equal MLP matrices). At most ``_MAX_CUTS``: the options grow with them."""
+    sizes = [o.param_bytes for o in block.ops]
+    cuts = [k for k in range(1, len(sizes)) if sizes[k - 1] > sizes[k]]
+    return cuts[:_MAX_CUTS]
+
+
+def choices_for(block: BlockCost, layout: Layout, costing: Costing, per_operator: bool = True) -> list[Choice]:
+    """The options the ILP may pick for ``block`` on ``mesh``: a ZeRO stage, split and recompute
+    for the whole block, and with ``per_operator`` also (OSDP) a higher stage for its largest
+    operators' parameters than for the rest (:attr:`Choice.large_ops`)."""
+    zeros = (0, 1, 2, 3) if layout.mesh.dp > 1 else (0,)
+    recomputes = (False, True) if block.kind == LAYER else (False,)
+
+    def splits(zero: int, split_count: int) -> list[int]:
+        # Split with tp: not in the runtime.
+        return [1, 2, 4] if zero == 3 and layout.mesh.tp == 1 and split_count else [1]
+
+    out = []
+    for zero in zeros:
+        for split in splits(zero, block.split_count):
+            for recompute in recomputes:
+                out.append(Choice(zero, split, recompute))
+    if not per_operator or block.expert_params > 0:  # experts keep one stage with their block
+        return out
+    for k in _cuts(block):
+        large_splits = sum(1 for o in block.ops[:k] if o.split_bytes)
+        for zero in zeros:
+            for rest_zero in (z for z in zeros if z < zero):
+                for split in splits(zero, large_splits):
+                    for recompute in recomputes:
+                        out.append(Choice(zero, split, recompute, large_ops=k, rest_zero=rest_zero))
+    return out
+
+
+def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, comms: _Collectives,
+             axis: str = "dp") -> float:
+    """Time of a data-parallel table entry's movements in one step of ``m`` microbatches over
+    ``axis`` (``dp``, or ``edp`` for experts): its all-gathers move the weights, its reductions
+    the gradients."""
+    total = 0.0
+    for move in entry.collectives:
+        size = (weight_bytes if move.kind == "all_gather" else grad_bytes) * move.factor
+        total += (m if move.per == PER_MICROBATCH else 1) * comms.time(axis, move.kind, size, move.blocking)
+    return total
+
+
+def _copied_bytes(entry: Transition, weight_bytes: float, grad_bytes: float, n: int, m: int) -> float:
+    """Bytes read plus written by a data-parallel table entry's local copies (``Transition.copies``)
+    on ``n`` ranks in one step of ``m`` microbatches: forward's copy the weights, backward's
+    the gradients."""
+    total = 0.0
+    for copy in entry.copies:
+        size = weight_bytes if copy.phase == FORWARD else grad_bytes
+        total += (m if copy.per == PER_MICROBATCH else 1) * 2 * copy.bytes(size, n)
+    return total
+
+
+@dataclass
+class _Params:
+    """One group of a block's parameters under its ZeRO stage: what it keeps and moves."""
+
+    state: float = 0.0
+    grads: float = 0.0
+    held: float = 0.0
+    bucket: float = 0.0
+    dp_comm: float = 0.0
+    transient: float = 0.0
+    optimizer_s: float = 0.0
+    copied: float = 0.0  # bytes its collectives' local copies read and write in a step
+
+
+def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int, axis: str, layout: Layout,
+                 costing: Costing, comms: _Collectives, split: tuple[float, int, int] = (0.0, 0, 1),
+                 divisor: int | None = None) -> _Params:
+    """``params`` elements (``p_bytes``, ``tensors`` tensors) synchronised over ``n`` ranks of
+    ``axis`` at ZeRO stage ``zero``; ``split``: (bytes, linears, parts) of OSDP slices."""
+    m = layout.microbatches
+    g_bytes = params * costing.grad_bytes_per_param
+    o_bytes = params * costing.optimizer_bytes_per_param
+    entry = transition("all_reduce_grads") if zero == 0 else transition("all_gather_params", stage=zero)
+    out = _Params()
+    # State kept all step: the weights (ZeRO: this rank's shard), gradients (full-size below
+    # stage 2), optimizer state, and what the table keeps alive through the step: ZeRO-1/2's
+    # gathered weights, data parallelism's gradient buckets (their buffers stay between steps).
+    out.grads = g_bytes / n if zero >= 2 else g_bytes
+    weights = (p_bytes / n if zero else p_bytes) + (entry.step * p_bytes if zero else 0.0)
+    out.state = weights + out.grads + (o_bytes / n if zero >= 1 else o_bytes)
+    # Gradients that meet the activations: the resident buckets' buffers, and those accumulated
+    # over the step's microbatches (buckets hold full ones below ZeRO-2, stages 2/3 sum shards)
+    # from the second microbatch on. Expert gradients pass through a bucket even where their
+    # group is one rank (ep = dp): it divides them by dp.
+    synced = n > 1 or axis == "edp"
+    bucketed = zero == 0 and synced
+    out.held = max(entry.step * out.grads if bucketed else 0.0, out.grads if m > 1 else 0.0)
+    # A bucket is filled from autograd's gradients, which live until it is: once more its size.
+    out.bucket = entry.transient * out.grads if bucketed else 0.0
+    if zero == 0:
+        # Gradients travel in shared buckets: the latency is charged per bucket in compose().
+        out.dp_comm = max(0.0, _moved_s(entry, p_bytes, g_bytes, m, comms, axis) - comms.latency(axis, "all_reduce"))
+    elif zero < 3:
+        out.dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms, axis)
+    else:
+        split_bytes, split_count, k = split
+        rest = p_bytes - (split_bytes if k > 1 else 0.0)
+        slices = split_count * k if k > 1 else 0
+        # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
+        split_grads = g_bytes * split_bytes / p_bytes if slices and p_bytes else 0.0
+        out.dp_comm = _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis)
+        if slices:
+            out.dp_comm += slices * _moved_s(entry, split_bytes / slices, split_grads / slices, m, comms, axis)
+        largest = rest + (split_bytes / slices if slices else 0.0)
+        out.transient = entry.transient * largest * (1.0 if p_bytes else 0.0)
+    # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
+    # and writes weights and state, reads gradients).
+    share = 1 / n if zero >= 1 else 1.0
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
+    if costing.optimizer_s_per_param is not None:
+        out.optimizer_s = share * params * costing.optimizer_s_per_param + tensors * costing.optimizer_s_per_tensor
+    else:
+        out.optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
+    out.copied = _copied_bytes(entry, p_bytes, g_bytes, n, m) if synced else 0.0
+    return out
+
+
+def _exchange_s(block: BlockCost, layout: Layout, scale: float, slowest: float, comms: _Collectives,
+                bandwidth: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch's expert exchanges (the ``ep`` entries of
+    the table, blocking), their copies included; the slowest rank receives ``slowest`` times the
+    balanced rows."""
+    forward = backward = 0.0
+    for name, size in block.exchanges:
+        entry = TABLE[name]
+        size = size * scale * (slowest if name != "ep token counts" else 1.0)
+        for move in entry.collectives:
+            moved = comms.time("ep", move.kind, move.factor * size, move.blocking)
+            if move.phase == FORWARD:
+                forward += moved
+            else:
+                backward += moved
+        for phase, copied, _ in entry.copied(size, layout.mesh.ep):
+            if phase == FORWARD:
+                forward += 2 * copied / bandwidth
+            else:
+                backward += 2 * copied / bandwidth
+    return forward, backward
+
+
+def ep_all_to_all(blocks: Sequence[BlockCost], layout: Layout, costing: Costing) -> str:
+    """How the runtime should run the experts' exchanges on ``layout`` (``Plan.ep_all_to_all``):
+    ``"hierarchical"`` where the link model prices the two-level all-to-all below the flat one
+    for the largest exchange of one microbatch (the pricing above takes the cheaper already),
+    else ``"flat"``."""
+    group = layout.mesh.group_ranks("ep")
+    sizes = [size for b in blocks for name, size in b.exchanges if name == "ep dispatch"]
+    if layout.mesh.ep == 1 or not sizes:
+        return "flat"
+    size = max(sizes) * local_batch(layout, costing.batch) / costing.batch
+    flat = collective_time("all_to_all", size, group, costing.cluster, algorithm="ring")
+    return "hierarchical" if collective_time("all_to_all", size, group, costing.cluster) < flat else "flat"
+
+
+def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, comms: _Collectives) -> Priced:
+    """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (:mod:`graphpass.cost.search.stages`)."""
+    b = local_batch(layout, costing.batch)
+    scale = b / costing.batch
+    forward_s, backward_s = block.times[b]
+    dp, ep, m = layout.mesh.dp, layout.mesh.ep, layout.microbatches
+
+    bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
+    # Tensor-parallel collectives, and their local copies (read and written) as compute.
+    tp_forward = tp_backward = 0.0
+    for phase, kind, size, blocking in block.tp_traffic:
+        moved = comms.time("tp", kind, size * scale, blocking)
+        if phase == FORWARD:
+            tp_forward += moved
+        else:
+            tp_backward += moved
+    for phase, size in block.tp_copies:
+        copied = 2 * size * scale / bandwidth
+        if phase == FORWARD:
+            forward_s += copied
+        else:
+            backward_s += copied
+    expert = ep > 1 and block.expert_params > 0
+    exchange_forward = exchange_backward = 0.0
+    if block.expert_params > 0 and (expert or costing.capacity_factor is not None):
+        # Experts sharded over ep: the slowest rank's experts compute (and receive) the most
+        # rows; a capacity bounds what each expert computes; the exchanges move the rows there
+        # and back, blocking (cost/experts.py).
+        slowest = expert_imbalance(costing.expert_loads, ep, capacity_factor=costing.capacity_factor)
+        expert_forward, expert_backward = block.expert_times[b]
+        forward_s += (slowest - 1.0) * expert_forward
+        backward_s += (slowest - 1.0) * expert_backward
+        if expert:
+            exchange_forward, exchange_backward = _exchange_s(block, layout, scale, slowest, comms, bandwidth)
+    # A recomputed layer runs its compute again, not its exchanges (collectives stay outside
+    # the recomputed regions, their outputs saved).
+    recompute_s = (forward_s + tp_forward) if choice.recompute else 0.0
+    forward_s += exchange_forward
+    backward_s += exchange_backward
+    time_s = forward_s + backward_s + tp_forward + tp_backward + recompute_s
+
+    zero = choice.zero
+    parts = _dense_parts(block, choice, expert)
+    groups = [_param_terms(params, p_bytes, tensors, part_zero, dp, "dp", layout, costing, comms, split)
+              for params, p_bytes, tensors, part_zero, split in parts]
+    if expert:
+        # Each rank holds 1/ep of the experts, synchronised (or ZeRO-sharded) over the dp/ep
+        # ranks holding the same ones; a group of one rank has nothing to shard.
+        edp = dp // ep
+        groups.append(_param_terms(block.expert_params / ep, block.expert_param_bytes / ep, 0,
+                                   zero if edp > 1 else 0, edp, "edp", layout, costing, comms))
+    saved = block.saved_bytes * scale
+    act = block.input_bytes * scale if choice.recompute else saved
+    if expert and choice.recompute:  # the dispatched rows, an exchange's output, stay saved
+        act += sum(size for name, size in block.exchanges if name == "ep dispatch") * scale
+    transient = (saved + block.backward_bytes * scale if choice.recompute else 0.0) + sum(g.transient for g in groups)
+    # The compute a stage's collectives overlap with: backward for gradient all-reduces (dp,
+    # ZeRO-1's once per step), every forward and backward for ZeRO-2/3's per-microbatch
+    # movements. Operators of one block at different stages share it by parameter bytes.
+    def window_of(z: int) -> float:
+        return backward_s if z <= 1 else m * (forward_s + backward_s)
+
+    total = sum(p_bytes for _, p_bytes, _, _, _ in parts)
+    window = (sum(p_bytes * window_of(z) for _, p_bytes, _, z, _ in parts) / total
+              if choice.mixed and total > 0 else window_of(zero))
+    # The data-parallel collectives' local copies, per microbatch.
+    time_s += sum(g.copied for g in groups) / bandwidth / m
+    return Priced(time_s, sum(g.optimizer_s for g in groups), sum(g.dp_comm for g in groups),
+                  costing.overlap * window, sum(g.state for g in groups), act, transient,
+                  tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=sum(g.grads for g in groups),
+                  held_bytes=sum(g.held for g in groups), bucket_bytes=sum(g.bucket for g in groups),
+                  start_bytes=block.backward_bytes * scale if block.backward_starts_here else 0.0)
+
+
+def _dense_parts(block: BlockCost, choice: Choice, expert: bool) -> list[tuple[float, float, int, int, tuple[float, int, int]]]:
+    """``(elements, bytes, tensors, zero, split)`` of each part of the block's dense parameters
+    that ``choice`` synchronises as one: all of them, or under a per-operator choice its
+    ``large_ops`` largest operators' (at ``zero``, with the split) and the rest's (at
+    ``rest_zero``). The runtime gathers a layer's parameters by stage, so each part is one
+    group (``passes.shard_parameters``)."""
+    params = block.params - (block.expert_params if expert else 0.0)
+    p_bytes = block.param_bytes - (block.expert_param_bytes if expert else 0.0)
+    if not choice.mixed:
+        return [(params, p_bytes, block.tensors, choice.zero, (block.split_bytes, block.split_count, choice.split))]
+    large = block.ops[:choice.large_ops]
+    elements, large_bytes = sum(o.elements for o in large), sum(o.param_bytes for o in large)
+    tensors = sum(o.tensors for o in large)
+    split = (sum(o.split_bytes for o in large), sum(1 for o in large if o.split_bytes), choice.split)
+    return [(elements, large_bytes, tensors, choice.zero, split),
+            (params - elements, p_bytes - large_bytes, block.tensors - tensors, choice.rest_zero, (0.0, 0, 1))]
+
+
+class _Prices:
+    """:func:`price` on one mesh, once per distinct block and choice: a model's identical layers
+    (equal but for name and index) share their prices, so 96 layers are priced as one."""
+
+    def __init__(self, layout: Layout, costing: Costing):
+        self.layout, self.costing = layout, costing
+        self.comms = _Collectives(costing.cluster, layout)
+        self._keys: dict[int, str] = {}
+        self._cache: dict[tuple[str, Choice], Priced] = {}
+
+    def key(self, block: BlockCost) -> str:
+        """Equal for blocks equal but for their name, layer index and node names."""
+        key = self._keys.get(id(block))
+        if key is None:
+            ops = tuple((o.elements, o.param_bytes, o.tensors, o.split_bytes) for o in block.ops)
+            key = self._keys[id(block)] = repr(replace(block, name="", layer=None, ops=ops))
+        return key
+
+    def __call__(self, block: BlockCost, choice: Choice) -> Priced:
+        key = self.key(block)
+        if (key, choice) not in self._cache:
+            self._cache[key, choice] = price(block, choice, self.layout, self.costing, self.comms)
+        return self._cache[key, choice]

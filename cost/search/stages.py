@@ -1,0 +1,348 @@
+r"""Pipeline stages and the per-block strategy ILP of one mesh, and the step time of an
+assignment. Torch-free.
+
+**Stages** (:func:`partition`): contiguous blocks per stage by dynamic programming, minimising
+the slowest stage's compute, subject to a lower bound on each stage's memory (its blocks at
+their smallest choice, times the microbatches the stage keeps in flight under 1F1B).
+
+**Per-block choices** (:func:`solve_stage`): ZeRO stage 0-3 inside ``dp``, OSDP operator
+splitting (ZeRO-3 only), activation recomputation (repeated layers only), by an ILP over
+*clusters* of identical blocks: integer ``n[c, o]`` counts how many blocks of cluster ``c``
+take option ``o``, so a 96-layer model is as small a problem as a 1-layer one.
+
+.. math::
+
+    \min \sum_{c,o} n_{c,o} (m\,t_o + u_o) + E
+    \quad\text{s.t.}\quad \sum_o n_{c,o} = |c|,\qquad
+    E \ge \sum_{c,o} n_{c,o} (d_o - w_o),\ E \ge 0,
+
+    \sum_{c,o} n_{c,o} (s_o - g_o + h_o + f\,a_o + b_o) \le M,\qquad
+    \sum_{c,o} n_{c,o}\, s_o \le M,
+
+    \sum_{c,o} n_{c,o} (s_o + f\,a_o) + r_{c,o}\, z_{c,o} \le M \ \ \forall c, o,
+    \qquad n_{c,o} \le |c|\, z_{c,o},\ z \in \{0, 1\}
+
+with, per block and option (:class:`~graphpass.cost.search.pricing.Priced`): ``t`` the time of
+one microbatch (forward, backward, recomputed forward, tensor-parallel collectives, which sit on
+the critical path), ``u`` the optimizer step, ``d`` the data-parallel collectives of one step
+and ``w`` the compute they overlap with (``E`` is the exposed communication), ``s`` the model
+state kept all step, ``a`` the activations one microbatch keeps until its backward, ``f`` the
+microbatches in flight, and ``r`` the transient bytes alive only while the block runs (ZeRO-3's
+gathered weights and their full gradients, a recomputed layer's rematerialised activations and
+its backward's working set). ``z`` marks the options in use, so the peak includes the largest
+transient actually chosen, not the sum. The first two rows are the two ends of backward: at its
+start every activation is alive but the step's gradients do not exist yet (``g`` the gradients
+in ``s``; ``h`` those held from earlier microbatches when accumulating; ``b`` the loss's
+gradients, the post block's backward working set); at its end every gradient exists and the
+activations are freed. In between, backward frees a layer's activations as it makes its
+gradients, so the sum is largest at one of the ends. The transient rows keep both,
+conservatively.
+
+**Step time** (:func:`compose`) of a mesh with ``p`` stages of per-microbatch time ``t_s``
+(1F1B / GPipe): ``sum_s t_s + (m - 1) max_s t_s + max_s (E_s + u_s)``; for ``p = 1`` that is
+``m t + E + u``. Interleaved 1F1B with ``v`` stages per rank (rank ``r`` runs ``T_r``, the sum
+of its stages' times): ``m max_r T_r + (p - 1) max_c t_c + max_r (E_r + u_r)`` (Narayanan et al.
+2021; it assumes the microbatches fill whole rounds of ``p``); zero-bubble (ZB1P) the same with
+the bubble term times ``ZERO_BUBBLE_SHARE`` (:func:`graphpass.cost.memory.zero_bubble_fraction`).
+Every stage but the last also pays the send of its output and the return of its gradient. A
+stage's microbatches in flight follow its schedule
+(:func:`graphpass.cost.memory.in_flight_microbatches`; zero-bubble also keeps output gradients
+for its deferred weight gradients, :func:`graphpass.cost.memory.deferred_weight_gradients`); the
+search enumerates 1F1B pipelines, and prices GPipe, interleaved and zero-bubble ones for a given
+Strategy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from graphpass.plan import Choice
+from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
+from graphpass.cost.search.blocks import LAYER, POST, BlockCost
+from graphpass.cost.search.layouts import Layout, local_batch
+from graphpass.cost.search.pricing import Costing, Priced, _bucket_spike, _Collectives, _dense_parts, _Prices
+
+#: Weight of hidden data-parallel communication in the ILP objective: breaks ties between choices
+#: whose step time is equal (everything overlapped) in favour of the one that moves fewer bytes.
+_TIE_BREAK = 1e-3
+#: MILP backend of the stage ILP. SCIP, not HiGHS: HiGHS 1.12 prints a debug line to stdout from
+#: inside its MIP solver (transformNewIntegerFeasibleSolution) that no option silences, and these
+#: problems are a few dozen integer variables, where SCIP is as fast.
+_STAGE_BACKEND = "SCIP"
+
+
+@dataclass
+class Candidate:
+    """A priced mesh + stages + per-block choices."""
+
+    layout: Layout
+    stages: list[list[int]]
+    choices: list[Choice]
+    priced: list[Priced]
+    stage_times_s: list[float]  # per pp rank: one microbatch through its stages
+    stage_peaks_bytes: list[float]  # per pp rank
+    step_time_s: float
+    exposed_comm_s: float
+    optimal: bool = True
+    gap: float = 0.0
+    how: str = "ilp"
+    #: (label, step time, peak) of the uniform baselines priced on this mesh, for explain().
+    uniform: list[tuple[str, float, float]] = field(default_factory=list)
+    #: the slowest tail after the schedule: exposed data-parallel communication + optimizer step.
+    tail_s: float = 0.0
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.stage_peaks_bytes)
+
+
+def _stage_flight(layout: Layout, stage: int) -> float:
+    if layout.mesh.pp == 1:
+        return 1
+    return in_flight_microbatches(layout.mesh.pp, layout.microbatches, stage, layout.schedule, layout.virtual_stages)
+
+
+def partition(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, comms: _Collectives,
+              options: Sequence[Sequence[tuple[Choice, Priced]]]) -> list[list[int]] | None:
+    """Contiguous stages minimising the slowest stage's fastest-choice time, each stage's memory
+    lower bound within the budget; None when no split fits."""
+    n, p = len(blocks), layout.num_stages
+    if p == 1:
+        return [list(range(n))]
+    fastest = [min(pr.time_s for _, pr in opts) for opts in options]
+    prefix = [0.0]
+    for t in fastest:
+        prefix.append(prefix[-1] + t)
+    limit = costing.memory_limit_bytes
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(p + 1)]
+    cut = [[-1] * (n + 1) for _ in range(p + 1)]
+    best[0][0] = 0.0
+    for s in range(1, p + 1):
+        flight = _stage_flight(layout, s - 1)
+        start_floor = [min(pr.start_peak_bytes(flight) for _, pr in opts) for opts in options]
+        end_floor = [min(pr.end_peak_bytes() for _, pr in opts) for opts in options]
+        base_floor = [min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options]
+        spike = [min(pr.transient_bytes for _, pr in opts) for opts in options]
+        for j in range(s, n - (p - s) + 1):
+            start = end = base = peak = 0.0
+            for i in range(j - 1, s - 2, -1):  # stage s covers blocks i..j-1
+                start += start_floor[i]
+                end += end_floor[i]
+                base += base_floor[i]
+                peak = max(peak, spike[i])
+                if max(start, end, base + peak if peak > 0 else 0.0) > limit:
+                    break
+                if best[s - 1][i] == inf:
+                    continue
+                value = max(best[s - 1][i], prefix[j] - prefix[i])
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    if best[p][n] == inf:
+        return None
+    stages, j = [], n
+    for s in range(p, 0, -1):
+        i = cut[s][j]
+        stages.append(list(range(i, j)))
+        j = i
+    return stages[::-1]
+
+
+def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Sequence[Sequence[tuple[Choice, Priced]]],
+                layout: Layout, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
+    """The clustered stage ILP; returns block index -> option index, optimality, gap (None: infeasible)."""
+    from ortools.linear_solver import pywraplp
+
+    clusters: dict[str, list[int]] = {}
+    for i in indices:
+        clusters.setdefault(blocks[i].signature + f"|{blocks[i].kind}", []).append(i)
+    solver = pywraplp.Solver.CreateSolver(_STAGE_BACKEND)
+    solver.SuppressOutput()
+    inf = solver.infinity()
+    m = layout.microbatches
+    limit = costing.memory_limit_bytes
+    mem_scale = 1.0 / max(limit, 1.0)
+    counts, used = {}, {}
+    objective = solver.Objective()
+    exposed = solver.NumVar(0.0, inf, "exposed")
+    objective.SetCoefficient(exposed, 1.0)
+    comm_row = solver.Constraint(-inf, 0.0)
+    comm_row.SetCoefficient(exposed, -1.0)
+    start_row = solver.Constraint(-inf, 1.0)  # the start of backward: every activation alive
+    # The end of backward: every gradient made, and the bucket being filled at its largest.
+    spike = _bucket_spike(sum(max(pr.bucket_bytes for _, pr in options[i]) for i in indices), costing)
+    end_row = solver.Constraint(-inf, 1.0 - spike * mem_scale)
+    for key, members in clusters.items():
+        rep = members[0]
+        pick = solver.Constraint(len(members), len(members))
+        for o, (_, pr) in enumerate(options[rep]):
+            n = solver.IntVar(0, len(members), f"n[{key},{o}]")
+            counts[key, o] = n
+            pick.SetCoefficient(n, 1.0)
+            # Ties (communication fully hidden) go to the option that communicates least.
+            objective.SetCoefficient(n, m * pr.time_s + pr.optimizer_s + _TIE_BREAK * pr.dp_comm_s)
+            comm_row.SetCoefficient(n, pr.dp_comm_s - pr.window_s)
+            start_row.SetCoefficient(n, pr.start_peak_bytes(flight) * mem_scale)
+            end_row.SetCoefficient(n, pr.end_peak_bytes() * mem_scale)
+            if pr.transient_bytes > 0:
+                used[key, o] = solver.BoolVar(f"z[{key},{o}]")
+                link = solver.Constraint(-inf, 0.0)
+                link.SetCoefficient(n, 1.0)
+                link.SetCoefficient(used[key, o], -float(len(members)))
+    for (key, o), z in used.items():
+        row = solver.Constraint(-inf, 1.0)
+        layer_transient = blocks[clusters[key][0]].kind == LAYER
+        for (k2, o2), n in counts.items():
+            pr = options[clusters[k2][0]][o2][1]
+            # A layer's transient (in its backward) never meets the post block's activations:
+            # backward frees them before it reaches any layer.
+            act = 0.0 if layer_transient and blocks[clusters[k2][0]].kind == POST else pr.act_bytes
+            row.SetCoefficient(n, (pr.state_bytes + flight * act) * mem_scale)
+        row.SetCoefficient(z, options[clusters[key][0]][o][1].transient_bytes * mem_scale)
+    objective.SetMinimization()
+    if math.isfinite(deadline):
+        solver.SetTimeLimit(max(1, int(1000 * max(0.05, deadline - time.perf_counter()))))
+    status = solver.Solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return None
+    assignment: dict[int, int] = {}
+    for key, members in clusters.items():
+        queue = list(members)
+        for o in range(len(options[members[0]])):
+            for _ in range(int(round(counts[key, o].solution_value()))):
+                assignment[queue.pop(0)] = o
+    optimal = status == pywraplp.Solver.OPTIMAL
+    value = objective.Value()
+    gap = 0.0 if optimal else max(0.0, value - objective.BestBound()) / max(abs(value), 1e-12)
+    return assignment, optimal, gap
+
+
+# -------------------------------------------------------------------------------- composition
+
+
+def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Sequence[Priced], flight: int,
+                costing: Costing) -> float:
+    """The largest of: the start of backward (every activation, no new gradient yet, the loss's
+    gradients), the end of backward (every gradient, no activation), and each transient with
+    the state and activations it may meet (a layer's transient comes after backward freed the
+    post block's activations)."""
+    start = sum(priced[i].start_peak_bytes(flight) for i in indices)
+    end = sum(priced[i].end_peak_bytes() for i in indices) + _bucket_spike(sum(priced[i].bucket_bytes for i in indices), costing)
+    base = sum(priced[i].state_bytes + flight * priced[i].act_bytes for i in indices)
+    post = sum(flight * priced[i].act_bytes for i in indices if blocks[i].kind == POST)
+    spikes = [priced[i].transient_bytes - (post if blocks[i].kind == LAYER else 0.0)
+              for i in indices if priced[i].transient_bytes > 0]
+    return max(start, end, base + max(spikes, default=-math.inf))
+
+
+def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]], choices: list[Choice],
+            priced: list[Priced], costing: Costing, comms: _Collectives, how: str,
+            optimal: bool = True, gap: float = 0.0) -> Candidate:
+    """Step time and per-stage peaks of a full assignment (the formula in the module docstring)."""
+    b = local_batch(layout, costing.batch)
+    scale = b / costing.batch
+    chunk_times = []
+    for s, indices in enumerate(stages):
+        t = sum(priced[i].time_s for i in indices)
+        if s + 1 < len(stages):  # activation forward, its gradient back
+            t += 2 * comms.time("pp", "send_recv", blocks[indices[-1]].output_bytes * scale)
+        chunk_times.append(t)
+    # What each pp rank runs: one stage, or several under an interleaved schedule.
+    ranks = [[s for s in range(len(stages)) if layout.rank_of(s) == r] for r in range(min(layout.mesh.pp, len(stages)))]
+    stage_times, tails, peaks, exposed = [], [], [], []
+    m = layout.microbatches
+    for held in ranks:
+        indices = [i for s in held for i in stages[s]]
+        # The end of backward waits for every asynchronous data-parallel collective at once.
+        comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
+            blocks, indices, choices, layout, costing, comms) + comms.sync("dp")
+        tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
+        exposed.append(max(0.0, comm))
+        stage_times.append(sum(chunk_times[s] for s in held))
+        peak = _stage_peak(blocks, indices, priced, _stage_flight(layout, held[0]), costing)
+        if layout.schedule == "zero_bubble":  # weight gradients deferred past the input gradients
+            split = [i for s in held if s > 0 for i in stages[s]]  # stage 0 runs whole backwards
+            peak += deferred_weight_gradients(layout.mesh.pp, m, held[0], layout.virtual_stages) * scale * sum(
+                blocks[i].weight_grad_bytes for i in split)
+        peaks.append(peak)
+    if layout.schedule == "zero_bubble":
+        # ZB1P (Qi et al. 2024): deferred weight-gradient backwards fill all but the forwards'
+        # share of the interleaved bubble.
+        path = m * max(stage_times) + ZERO_BUBBLE_SHARE * (layout.mesh.pp - 1) * max(chunk_times)
+    elif layout.virtual_stages > 1:
+        # Interleaved 1F1B (Narayanan et al. 2021, section 2.2): the bubble shrinks to p - 1
+        # chunk times, at the price of v times as many sends (in the chunk times above).
+        path = m * max(stage_times) + (layout.mesh.pp - 1) * max(chunk_times)
+    else:  # GPipe and 1F1B: the same bubble, (p - 1) stage times when the stages are equal
+        path = sum(stage_times) + (m - 1) * max(stage_times)
+    # Zero-bubble's deferred weight gradients keep the ramps' idle stages busy but for the
+    # forwards' share.
+    fill = 1.0 - ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 0.0
+    step = _shared_host_step(path, layout.mesh.pp, m * layout.virtual_stages, costing.host_contention,
+                             costing.host_oversubscription, fill) + max(tails)
+    return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how,
+                     tail_s=max(tails))
+
+
+def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float,
+                      fill: float = 0.0) -> float:
+    """A pipeline's schedule time ``path`` (priced with stage times that hold the contention
+    ``contention`` of every rank of a shared host computing at once) for the concurrency the
+    schedule really has. Its ``units + pp - 1`` slots (``units`` microbatch chunks per rank:
+    ``m``, or ``m * v`` interleaved) keep ``k = 1, 2, .., pp, .., 2, 1`` stages busy; a slot
+    with ``k`` of ``pp`` stages busy has ``k / pp`` of the ranks' threads on the cores, so the
+    cores' share of the contention (``oversubscription``, the threads over the cores with every
+    rank busy) falls to ``max(1, oversubscription * k / pp)`` while the rest (shared DRAM and
+    caches, ``contention / oversubscription``) stays. ``fill``: the share of a ramp's idle
+    stages that other work keeps busy anyway (zero-bubble's deferred weight gradients), so
+    ``k + fill (pp - k)`` count as busy. With ``contention`` 1 (GPUs share nothing) or no more
+    threads than cores, that is ``path``.
+
+    Measured on 4 CPU ranks over 2 cores (contention 2.2-2.3, oversubscription 2): pp 4 1F1B
+    m 4 took 492-541 ms where ``path`` at full contention predicted 844 ms
+    (bench/results/cpu-fidelity-pipeline.txt)."""
+    oversubscription = min(max(1.0, oversubscription), max(1.0, contention))
+    if oversubscription <= 1.0:
+        return path
+    slots = units + pp - 1
+    busy = [min(j + 1, pp, units, slots - j) for j in range(slots)]
+    return path * sum(max(1.0, oversubscription * (k + fill * (pp - k)) / pp) for k in busy) / (slots * oversubscription)
+
+
+def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], layout: Layout,
+                    costing: Costing, comms: _Collectives) -> float:
+    """One all-reduce latency per gradient bucket of the stage's pure data-parallel blocks (ZeRO
+    stages reduce per parameter group: their latency is in each block's price)."""
+    grads = sum(params * costing.grad_bytes_per_param for i in indices
+                for params, _, _, zero, _ in _dense_parts(blocks[i], choices[i], False) if zero == 0)
+    if grads <= 0 or layout.mesh.dp == 1:
+        return 0.0
+    return math.ceil(grads / costing.bucket_cap_bytes) * comms.latency("dp", "all_reduce")
+
+
+def uniform_choices(blocks: Sequence[BlockCost], choice: Choice) -> list[Choice]:
+    """``choice`` on every block, with recompute only where it applies (repeated layers) and
+    split only where there is something to split."""
+    return [
+        replace(choice, recompute=choice.recompute and b.kind == LAYER,
+                split=choice.split if b.split_count else 1)
+        for b in blocks
+    ]
+
+
+def evaluate(blocks: Sequence[BlockCost], layout: Layout, choices: list[Choice], costing: Costing,
+             stages: list[list[int]] | None = None, prices: _Prices | None = None) -> Candidate | None:
+    """Price one fixed assignment (a uniform baseline) on ``mesh``; stages by :func:`partition`
+    unless given. None when no stage split exists at all."""
+    prices = prices or _Prices(layout, costing)
+    comms = prices.comms
+    priced = [prices(b, c) for b, c in zip(blocks, choices)]
+    if stages is None:
+        stages = partition(blocks, layout, replace(costing, memory_limit_bytes=math.inf), comms,
+                           [[(c, p)] for c, p in zip(choices, priced)])
+        if stages is None:
+            return None
+    return compose(blocks, layout, stages, choices, priced, costing, comms, "fixed")
