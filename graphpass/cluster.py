@@ -535,7 +535,7 @@ class Cluster:
             return None
         ep = mesh.ep
         aligned = [d for d in range(2, mesh.dp) if mesh.dp % d == 0 and d % ep == 0
-                   and not self.crosses_nodes(Mesh({**dict(mesh), DP_SHARD: d}), DP_SHARD)]
+                   and not self.crosses_nodes(mesh.with_dp_shard(d), DP_SHARD)]
         if not aligned:
             return None  # every sharded group spans nodes (e.g. tp fills a node): nothing better to say
         intra, inter = self.intra_node, self.inter_node

@@ -211,6 +211,12 @@ class Mesh(Mapping):
     def dp_shard(self) -> int:
         return self.size(DP_SHARD)
 
+    def with_dp_shard(self, shard: int) -> "Mesh":
+        """This mesh with ZeRO sharded inside groups of ``shard`` dp ranks (HSDP)."""
+        items = [(a, n) for a, n in self._axes if a != DP_SHARD]
+        at = [a for a, _ in items].index("dp") + 1
+        return Mesh(items[:at] + [(DP_SHARD, shard)] + items[at:])
+
     def zero_axis(self, expert: bool = False) -> str:
         """The axis ZeRO shards a parameter over: ``dp_shard`` (all of ``dp`` without HSDP); for
         an expert weight sharded over ``ep``, the ranks of that group holding the same experts."""

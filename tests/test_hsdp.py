@@ -114,3 +114,30 @@ def test_groups_spanning_nodes_are_warned_naming_the_links():
     # tp 2 x dp_shard 2 fills a node of 4: aligned; with tp 4 every dp group spans nodes, nothing better exists
     assert cluster.hsdp_warning(gp.Strategy(dp=6, tp=2, zero=3, dp_shard=2).mesh) is None
     assert cluster.hsdp_warning(gp.Strategy(dp=3, tp=4, zero=3).mesh) is None
+
+
+def test_the_planner_offers_hsdp_where_dp_spans_nodes_and_prices_both_levels():
+    """On 4 nodes of 8, every mesh whose dp groups span nodes also comes with dp_shard = the
+    ranks of a node; priced, HSDP's ZeRO-3 moves the gathers and reduce-scatters onto NVLink
+    (less dp time than ZeRO-3 over all 32 ranks on InfiniBand) and keeps 4x the sharded state."""
+    import torch
+
+    from graphpass.cost.search import meshes
+    from graphpass.planner import Planner
+
+    cluster = gp.Cluster.preset("a100-80g", nodes=4, gpus_per_node=8)
+    layouts = meshes(cluster, 64, (1, 2), num_blocks=4)
+    hsdp = {(lay.mesh.dp, lay.mesh.tp, lay.mesh.dp_shard) for lay in layouts if "dp_shard" in lay.mesh}
+    assert (32, 1, 8) in hsdp and (16, 2, 4) in hsdp, hsdp
+    assert not any("dp_shard" in lay.mesh for lay in meshes(gp.Cluster.preset("a100-80g", 1, 8), 64, (1, 2), 4))
+
+    model = zoo.build("gpt")
+    idx = torch.zeros(64, zoo.SEQ, dtype=torch.long)
+    planner = Planner(model, cluster, (idx, idx))
+    flat = planner.price(gp.Strategy(dp=32, zero=3))
+    nodes = planner.price(gp.Strategy(dp=32, zero=3, dp_shard=8))
+    assert nodes.mesh == Mesh({"dp": 32, "dp_shard": 8})
+    dp_s = [sum(row["dp_comm_s"] for row in p.breakdown) for p in (flat, nodes)]
+    assert dp_s[1] < dp_s[0], dp_s
+    state = [sum(row["state_bytes"] for row in p.breakdown) for p in (flat, nodes)]
+    assert 3.0 < state[1] / state[0] < 4.5, state

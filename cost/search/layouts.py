@@ -44,8 +44,8 @@ class Layout:
 
     @classmethod
     def of(cls, pp: int, dp: int, tp: int, microbatches: int = 1, sequence_parallel: bool = False,
-           ep: int = 1) -> "Layout":
-        return cls(Mesh.of(pp=pp, dp=dp, tp=tp, ep=ep), microbatches, sequence_parallel)
+           ep: int = 1, dp_shard: int | None = None) -> "Layout":
+        return cls(Mesh.of(pp=pp, dp=dp, tp=tp, ep=ep, dp_shard=dp_shard), microbatches, sequence_parallel)
 
     @property
     def num_stages(self) -> int:
@@ -60,6 +60,8 @@ class Layout:
         text = f"pp={self.mesh.pp} dp={self.mesh.dp} tp={self.mesh.tp}"
         if self.mesh.ep > 1:
             text += f" ep={self.mesh.ep}"
+        if "dp_shard" in self.mesh:
+            text += f" dp_shard={self.mesh.dp_shard}"
         if self.microbatches > 1:
             text += f" m={self.microbatches}"
         if self.sequence_parallel:
@@ -78,7 +80,8 @@ def _divisors(n: int) -> list[int]:
 def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, num_experts: int = 0) -> list[Layout]:
     """Every mesh the search considers (see the module docstring); ``tps`` are the tp degrees the
     model's layout allows; with ``num_experts`` (a Mixture-of-Experts model), every ``ep``
-    dividing both ``dp`` and the experts too."""
+    dividing both ``dp`` and the experts too. Where the data-parallel groups span nodes, each
+    mesh also comes as HSDP (:func:`hsdp_shard`): ZeRO inside a node, replicated across nodes."""
     world = cluster.world_size
     out = []
     for tp in sorted(set(tps)):
@@ -96,11 +99,26 @@ def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, nu
             if pp > 1:  # pipelines run 1F1B: at least as many microbatches as stages
                 counts = {m for m in counts if m >= pp}
             eps = [e for e in _divisors(dp) if num_experts and num_experts % e == 0] or [1]
+            shards = {ep: hsdp_shard(cluster, Mesh.of(pp=pp, dp=dp, tp=tp, ep=ep)) for ep in eps}
             for m in sorted(counts):
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for ep in eps:
                         out.append(Layout.of(pp, dp, tp, m, sp, ep))
+                        if shards[ep] is not None:
+                            out.append(Layout.of(pp, dp, tp, m, sp, ep, dp_shard=shards[ep]))
     return out
+
+
+def hsdp_shard(cluster: Cluster, mesh: Mesh) -> int | None:
+    """The ``dp_shard`` the search offers on ``mesh``: the largest whose groups each lie inside
+    one node (ZeRO's gathers and reduce-scatters on the intra-node link, only the replicas'
+    all-reduce between nodes), when the mesh's ``dp`` groups span nodes; else None (HSDP would
+    only trade memory for nothing)."""
+    if mesh.dp == 1 or not cluster.crosses_nodes(mesh, "dp"):
+        return None
+    aligned = [d for d in _divisors(mesh.dp) if 1 < d < mesh.dp and d % mesh.ep == 0
+               and not cluster.crosses_nodes(mesh.with_dp_shard(d), "dp_shard")]
+    return max(aligned, default=None)
 
 
 def local_batch(layout: Layout, batch: int) -> int:

@@ -121,7 +121,7 @@ class _Collectives:
 
     def __init__(self, cluster: Cluster, layout: Layout):
         self.cluster = cluster
-        mesh = layout.mesh
+        self.mesh = mesh = layout.mesh
         self.groups = {axis: mesh.group_ranks(axis) for axis in ("dp", "tp", "ep", "edp")}
         self.groups["pp"] = mesh.group_ranks("pp")[:2]
         self.memo: dict[tuple[str, str, float], float] = {}
@@ -149,6 +149,8 @@ class _Collectives:
         return self.syncs[axis]
 
     def _group(self, axis: str) -> Sequence[int]:
+        if axis not in self.groups:  # HSDP's dp_shard / dp_replicate, joint "a,b" groups
+            self.groups[axis] = self.mesh.group_ranks(axis)
         return self.groups[axis]
 
 
@@ -206,14 +208,19 @@ def choices_for(block: BlockCost, layout: Layout, costing: Costing, per_operator
 
 
 def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, comms: _Collectives,
-             axis: str = "dp") -> float:
+             axis: str = "dp", reduce_axis: str | None = None) -> float:
     """Time of a data-parallel table entry's movements in one step of ``m`` microbatches over
-    ``axis`` (``dp``, or ``edp`` for experts): its all-gathers move the weights, its reductions
-    the gradients."""
+    ``axis`` (``dp``, HSDP's ``dp_shard``, or ``edp`` for experts): its all-gathers move the
+    weights, its reductions the gradients (over ``reduce_axis`` when given: ZeRO-1 under HSDP
+    all-reduces over all of dp); where the mesh has replicas of the shards (HSDP), the entry's
+    movements across them too, on this rank's shard."""
     total = 0.0
-    for move in entry.collectives:
-        size = (weight_bytes if move.kind == "all_gather" else grad_bytes) * move.factor
-        total += (m if move.per == PER_MICROBATCH else 1) * comms.time(axis, move.kind, size, move.blocking)
+    replicate = comms.mesh.replicate_axis(axis)
+    n = comms.mesh.size(axis)
+    for move in entry.moves(replicas=replicate is not None):
+        size = move.size(weight_bytes if move.kind == "all_gather" else grad_bytes, n)
+        over = replicate if move.across else (axis if move.kind == "all_gather" else reduce_axis or axis)
+        total += (m if move.per == PER_MICROBATCH else 1) * comms.time(over, move.kind, size, move.blocking)
     return total
 
 
@@ -271,7 +278,10 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
         # Gradients travel in shared buckets: the latency is charged per bucket in compose().
         out.dp_comm = max(0.0, _moved_s(entry, p_bytes, g_bytes, m, comms, axis) - comms.latency(axis, "all_reduce"))
     elif zero < 3:
-        out.dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms, axis)
+        # ZeRO-1 under HSDP all-reduces over the shard group and its replicas at once
+        replicate = layout.mesh.replicate_axis(axis)
+        joint = f"{axis},{replicate}" if zero == 1 and replicate else None
+        out.dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms, axis, joint)
     else:
         split_bytes, split_count, k = split
         rest = p_bytes - (split_bytes if k > 1 else 0.0)
@@ -337,7 +347,7 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
     b = local_batch(layout, costing.batch)
     scale = b / costing.batch
     forward_s, backward_s = block.times[b]
-    dp, ep, m = layout.mesh.dp, layout.mesh.ep, layout.microbatches
+    ep, m = layout.mesh.ep, layout.microbatches
 
     bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
     # Tensor-parallel collectives, and their local copies (read and written) as compute.
@@ -375,14 +385,20 @@ def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, co
 
     zero = choice.zero
     parts = _dense_parts(block, choice, expert)
-    groups = [_param_terms(params, p_bytes, tensors, part_zero, dp, "dp", layout, costing, comms, split)
-              for params, p_bytes, tensors, part_zero, split in parts]
+    mesh = layout.mesh
+    # ZeRO shards over its axis (all of dp, or HSDP's dp_shard); plain data parallelism over dp
+    groups = [_param_terms(params, p_bytes, tensors, part_zero, mesh.size(axis), axis, layout, costing, comms, split)
+              for params, p_bytes, tensors, part_zero, split in parts
+              for axis in [mesh.zero_axis() if part_zero else "dp"]]
     if expert:
         # Each rank holds 1/ep of the experts, synchronised (or ZeRO-sharded) over the dp/ep
-        # ranks holding the same ones; a group of one rank has nothing to shard.
-        edp = dp // ep
+        # ranks holding the same ones (inside a dp_shard group under HSDP); a group of one rank
+        # has nothing to shard.
+        axis = mesh.zero_axis(expert=True)
+        sharded = zero and mesh.size(axis) > 1
         groups.append(_param_terms(block.expert_params / ep, block.expert_param_bytes / ep, 0,
-                                   zero if edp > 1 else 0, edp, "edp", layout, costing, comms))
+                                   zero if sharded else 0, mesh.size(axis if sharded else "edp"),
+                                   axis if sharded else "edp", layout, costing, comms))
     saved = block.saved_bytes * scale
     act = block.input_bytes * scale if choice.recompute else saved
     if expert and choice.recompute:  # the dispatched rows, an exchange's output, stay saved
