@@ -85,6 +85,7 @@ def main(argv=None) -> int:
         totals[name] = r["total"]
         plan = r["plan"]
         mesh = " ".join(f"{axis}={plan.mesh.get(axis, 1)}" for axis in ("pp", "dp", "tp"))
+        mesh += "".join(f" {axis}={plan.mesh[axis]}" for axis in ("dp_shard", "ep") if axis in plan.mesh)
         mesh += f" m={plan.microbatches}" + (" sp" if plan.sequence_parallel else "")
         print(f"{name:10s} {param_count(name) / 1e9:7.1f}B {r['nodes']:6d} {repeat:4d} {r['build']:6.1f} "
               f"{r['measure']:8.1f} {r['search']:7.1f} {r['total']:7.1f} {r['meshes']:7d} {r['solved']:6d}  {mesh}, "

@@ -12,6 +12,8 @@ Placements use torch's words (``torch.distributed.tensor``): ``Shard(dim)``, ``R
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -147,6 +149,11 @@ class Strategy:
                 f"Strategy.split={self.split} needs Strategy.zero=3 (got zero={self.zero}): operator splitting "
                 "lowers the peak of gathered weights because ZeRO-3 gathers each slice right before its linear; "
                 f"use Strategy(zero=3, split={self.split}) with dp > 1, or split=1")
+
+    def __repr__(self) -> str:
+        # dp_shard only when set: a Strategy without HSDP reads as before (users' golden files)
+        fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k == "dp_shard" and v is None)) + ")"
 
     def _check_dp_shard(self) -> None:
         shard = self.dp_shard
