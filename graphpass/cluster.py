@@ -527,23 +527,28 @@ class Cluster:
         per = self.devices_per_node
         return any(len({r // per for r in mesh.group_ranks(axis, rank)}) > 1 for rank in range(mesh.world_size))
 
+    def node_aligned_shard(self, mesh: Mesh) -> int | None:
+        """The largest ``dp_shard`` (below ``dp``, a multiple of ``ep``) whose groups each lie
+        inside one node; None if there is none."""
+        aligned = [d for d in range(2, mesh.dp) if mesh.dp % d == 0 and d % mesh.ep == 0
+                   and not self.crosses_nodes(mesh.with_dp_shard(d), DP_SHARD)]
+        return max(aligned, default=None)
+
     def hsdp_warning(self, mesh: Mesh) -> str | None:
         """Why HSDP's ``dp_shard`` groups of ``mesh`` are slower than they need be: they span
         nodes while another ``dp_shard`` keeps every group inside one node (so ZeRO's gathers
         and reduce-scatters would run on the intra-node link); None otherwise."""
         if DP_SHARD not in mesh or not self.crosses_nodes(mesh, DP_SHARD):
             return None
-        ep = mesh.ep
-        aligned = [d for d in range(2, mesh.dp) if mesh.dp % d == 0 and d % ep == 0
-                   and not self.crosses_nodes(mesh.with_dp_shard(d), DP_SHARD)]
-        if not aligned:
+        best = self.node_aligned_shard(mesh)
+        if best is None:
             return None  # every sharded group spans nodes (e.g. tp fills a node): nothing better to say
         intra, inter = self.intra_node, self.inter_node
         return (f"dp_shard={mesh[DP_SHARD]} makes ZeRO groups that span nodes of {self.devices_per_node} devices, so "
                 f"their all-gathers and reduce-scatters run on the inter-node link ({inter.name or 'inter_node'}, "
                 f"{inter.bandwidth_gbps:g} GB/s) instead of inside a node ({intra.name or 'intra_node'}, "
                 f"{intra.bandwidth_gbps:g} GB/s, {intra.bandwidth_gbps / inter.bandwidth_gbps:.1f}x faster per byte); "
-                f"dp_shard={max(aligned)} keeps every group inside one node")
+                f"dp_shard={best} keeps every group inside one node")
 
     # ---- serialisation
 

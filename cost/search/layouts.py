@@ -116,9 +116,7 @@ def hsdp_shard(cluster: Cluster, mesh: Mesh) -> int | None:
     only trade memory for nothing)."""
     if mesh.dp == 1 or not cluster.crosses_nodes(mesh, "dp"):
         return None
-    aligned = [d for d in _divisors(mesh.dp) if 1 < d < mesh.dp and d % mesh.ep == 0
-               and not cluster.crosses_nodes(mesh.with_dp_shard(d), "dp_shard")]
-    return max(aligned, default=None)
+    return cluster.node_aligned_shard(mesh)
 
 
 def local_batch(layout: Layout, batch: int) -> int:
