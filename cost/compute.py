@@ -49,7 +49,7 @@ from torch.utils.flop_counter import flop_registry
 
 from graphpass import meta
 from graphpass.grads import grad_requiring_nodes, is_float, tensors
-from graphpass.ops import op_base
+from graphpass.ops import VIEW_NAMES, op_base
 # The default efficiencies live with DeviceSpec (its fields default to them); re-exported here.
 from graphpass.cluster import DEFAULT_EFFICIENCY, DEFAULT_MEMORY_EFFICIENCY, DeviceSpec
 
@@ -66,14 +66,6 @@ __all__ = [
     "DEFAULT_MEMORY_EFFICIENCY",
 ]
 
-
-# Ops that only reinterpret or select storage: no FLOPs and no bytes moved.
-_VIEWS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "expand_as",
-    "unsqueeze", "squeeze", "slice", "select", "alias", "detach", "as_strided", "unflatten",
-    "flatten", "split", "split_with_sizes", "chunk", "unbind", "narrow", "view_as", "getitem",
-    "contiguous", "size", "dim",
-})
 
 # (forward, backward) FLOPs per element for non-matmul ops, approximate operation counts:
 # layer_norm = mean, variance, normalise, scale, shift; softmax = max, exp, sum, divide; gelu's
@@ -234,7 +226,7 @@ def node_flops(node: fx.Node, grad_nodes: Collection[fx.Node] | None = None) -> 
         return 0.0, 0.0
     name = op_base(node)
     out = _val(node)
-    if name in _VIEWS or out is None:
+    if name in VIEW_NAMES or out is None:
         return 0.0, 0.0
     if name == "embedding":
         # A gather: no arithmetic forward; backward scatter-adds dY into the weight's rows.
@@ -268,7 +260,7 @@ def node_bytes(node: fx.Node) -> float:
         return 0.0
     name = op_base(node)
     out = _val(node)
-    if name in _VIEWS:
+    if name in VIEW_NAMES:
         return 0.0
     written = float(sum(_nbytes(t) for t in tensors(out)))
     if name == "embedding":

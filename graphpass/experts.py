@@ -17,12 +17,12 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.ops import op_base
+from graphpass.ops import COPIES, op_base
 
 #: The grouped products of Mixture-of-Experts layers graphpass recognises (op base names).
 GROUPED_PRODUCTS = ("grouped_mm", "grouped_mm_fallback", "_grouped_mm")
 #: Ops between an expert weight and its product that keep the expert dimension first.
-_WEIGHT_VIEWS = ("to", "_to_copy", "transpose", "permute", "t", "contiguous", "alias", "clone", "detach", "type_as")
+_WEIGHT_VIEWS = {op.__name__ for op in COPIES} | {"transpose", "permute", "t"}
 
 
 @dataclass(frozen=True)

@@ -39,25 +39,17 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.ops import packet as _packet
+from graphpass.ops import COPIES, ELEMENTWISE, RESHAPES, is_in, packet as _packet
 
 aten = torch.ops.aten
 
 # Ops through which a column-parallel output stays sharded on its feature/head dims.
-_PASS_THROUGH = {
-    aten.view, aten.reshape, aten._unsafe_view, aten.transpose, aten.permute, aten.contiguous, aten.clone,
-    aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.dropout, aten.mul, aten.add, aten.sub, aten.div,
-    aten.neg, aten.cat, aten.slice, aten.unsqueeze, aten.expand, aten.scaled_dot_product_attention, aten.to,
-    aten._to_copy, aten.alias, aten.unflatten, aten.flatten, aten.split, aten.chunk, aten.softmax,
-    aten.matmul, aten.bmm, aten.type_as, aten.squeeze, aten.select, aten.unbind, operator.getitem,
+# (views and elementwise ops, and attention: per head)
+_PASS_THROUGH = ELEMENTWISE | RESHAPES | {
+    aten.transpose, aten.permute, aten.cat, aten.slice, aten.unsqueeze, aten.expand, aten.scaled_dot_product_attention,
+    aten.unflatten, aten.flatten, aten.split, aten.chunk, aten.softmax, aten.matmul, aten.bmm, aten.squeeze,
+    aten.select, aten.unbind, operator.getitem,
     aten.masked_fill, aten.where,  # causal masks written as scores.masked_fill(mask, -inf) or where(mask, scores, -inf)
-}
-
-
-# Ops that act on each feature apart, so a value sharded on its features stays so through them.
-_ELEMENTWISE = {
-    aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.dropout, aten.mul, aten.add, aten.sub, aten.div,
-    aten.neg, aten.to, aten._to_copy, aten.alias, aten.contiguous, aten.clone, aten.type_as,
 }
 
 _ANY_LAYER = object()  # flows_into's default: follow the value into every layer
@@ -136,7 +128,7 @@ def flows_into(start: fx.Node, layer: object = _ANY_LAYER, through: Callable[[fx
             continue
         elif (ends or projection)(node) is not None:
             found.append(node)
-        elif (through(node) if through is not None else _packet(node) in _PASS_THROUGH):
+        elif (through(node) if through is not None else is_in(node, _PASS_THROUGH)):
             passed.append(node)
             stack.extend(node.users)
         else:
@@ -153,8 +145,7 @@ def _feeds_cross_entropy(node: fx.Node) -> bool:
         seen.add(user)
         if user.target == aten.cross_entropy_loss.default:
             return True
-        if _packet(user) in (aten.view, aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.contiguous,
-                             aten.flatten, aten.alias):
+        if _packet(user) in RESHAPES | COPIES | {aten.flatten}:
             stack.extend(user.users)
     return False
 
@@ -240,7 +231,7 @@ def _piece(user: fx.Node, dim: int, size: int) -> list[tuple[int, int]] | None:
 def keeps_features(view: fx.Node) -> bool:
     """Whether ``view`` reshapes only the leading dims of its input, keeping the last (the
     features) whole: ``Conv1D``'s ``view(B, T, out)`` of its ``[B * T, out]`` product."""
-    if view.op != "call_function" or _packet(view) not in (aten.view, aten.reshape, aten._unsafe_view):
+    if view.op != "call_function" or _packet(view) not in RESHAPES:
         return False
     src, out = view.args[0].meta.get(meta.VAL), view.meta.get(meta.VAL)
     return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dim() >= 1 and out.dim() >= 1
@@ -249,7 +240,7 @@ def keeps_features(view: fx.Node) -> bool:
 
 def elementwise(node: fx.Node) -> bool:
     """Whether ``node`` acts on each element apart (so on each feature or channel apart)."""
-    return node.op == "call_function" and _packet(node) in _ELEMENTWISE
+    return is_in(node, ELEMENTWISE)
 
 
 def feature_wise(node: fx.Node) -> bool:
@@ -291,7 +282,7 @@ def fused_parts(linear: fx.Node) -> tuple[int, ...] | None:
     return tuple(stop - start for start, stop in ordered)
 
 
-_HEAD_VIEWS = (aten.view, aten.reshape, aten._unsafe_view, aten.unflatten)
+_HEAD_VIEWS = RESHAPES | {aten.unflatten}
 
 
 def heads(linear: fx.Node) -> int | None:

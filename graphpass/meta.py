@@ -51,6 +51,9 @@ PLAN_NAME = "gp.plan_name"
 REQUIRES_GRAD = "gp.requires_grad"
 #: For collective nodes: the mesh axis they communicate over.
 AXIS = "gp.axis"
+#: For collective nodes: the name of the transition-table entry they carry out
+#: (:data:`graphpass.transitions.TABLE`), by which the planner prices what a program emits.
+TRANSITION = "gp.transition"
 #: For the graph's output node: which output is the loss the runtime differentiates.
 ROLE = "gp.role"
 #: True on a node whose value is not a tensor (the gradient-synchronisation handle): the pass

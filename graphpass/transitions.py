@@ -41,14 +41,19 @@ Torch-free, so the planner, the passes and the runtime read the same table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 FORWARD, BACKWARD = "forward", "backward"
 #: How often a movement runs: in every microbatch's forward/backward, or once per step (the
 #: step's first forward or last backward, see ``docs/step_program.md``).
 PER_MICROBATCH, PER_STEP = "microbatch", "step"
 
+
+#: ``Transition.size_of``: ``S`` is the whole tensor (its elements times their bytes), or one
+#: float32 per row of it (its last dimension reduced away: the vocabulary-parallel loss).
+TENSOR, FLOAT32_PER_ROW = "tensor", "float32 per row"
 
 #: ``Movement.across``: over the replicas of the op's shards (HSDP's ``dp_replicate``, see
 #: :meth:`graphpass.mesh.Mesh.replicate_axis`), on this rank's shard, ``S / n``.
@@ -105,6 +110,15 @@ class Transition:
         transient: multiples of ``S`` alive only while the op's layer runs (forward or backward).
         across_replicas: the movements across the replicas of the op's shards (HSDP), each
             ``across=REPLICAS``; they run only where the mesh has replicas.
+        grad: for a placement change (:attr:`redistributes`), the placement its gradient arrives
+            in at ``dst`` in backward where that is not ``dst`` itself: ``"Partial()"`` where
+            ``dst`` feeds only sharded compute (Megatron's f; a sequence-parallel gather into
+            column linears), whose gradients are partial sums.
+        size_of: how ``S`` follows from the tensor (:data:`TENSOR`, :data:`FLOAT32_PER_ROW`).
+        op_kwargs: the keyword arguments the emitter gives the runtime op for this entry.
+        redistributes: a placement change of a value on ``axis`` (:func:`redistribution` finds
+            it by ``(axis, src, dst, grad)``); the others are looked up by what they do (a ZeRO
+            stage's weights, a bucket, the experts' exchange).
     """
 
     name: str
@@ -118,6 +132,24 @@ class Transition:
     step: float = 0.0
     transient: float = 0.0
     across_replicas: tuple[Movement, ...] = ()
+    grad: str = ""
+    size_of: str = TENSOR
+    op_kwargs: tuple[tuple[str, Any], ...] = ()
+    redistributes: bool = False
+
+    def size_bytes(self, shape: Sequence[int], dtype: Any) -> float:
+        """``S`` for a tensor of ``shape`` and ``dtype`` (anything with ``itemsize``: a torch or
+        numpy dtype): the bytes every movement and copy of this entry is a multiple of."""
+        if self.size_of == FLOAT32_PER_ROW:
+            return 4.0 * math.prod(shape[:-1])
+        return float(math.prod(shape) * dtype.itemsize)
+
+    def movements(self, size_bytes: float, n: int, *, replicas: bool = False,
+                  backward: bool = True) -> list[tuple[Movement, float]]:
+        """Each movement that runs, with the bytes its collective runs on, for a tensor of
+        ``size_bytes`` (``S``) on an axis of ``n`` ranks (``replicas``: the mesh has replicas of
+        the shards; ``backward=False``: forward's only, a value that needs no gradient)."""
+        return [(m, m.size(size_bytes, n)) for m in self.moves(replicas) if backward or m.phase == FORWARD]
 
     def moves(self, replicas: bool = False) -> tuple[Movement, ...]:
         """The movements that run: :attr:`across_replicas` too where the mesh has replicas."""
@@ -127,6 +159,11 @@ class Transition:
         """``(phase, bytes written, per)`` of every local copy for a full tensor of ``size_bytes``
         on an axis of ``n`` ranks."""
         return [(c.phase, c.bytes(size_bytes, n), c.per) for c in self.copies]
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        """``(axis, src, dst, grad)``: what :func:`redistribution` finds this entry by."""
+        return self.axis, self.src, self.dst, self.grad
 
 
 def _entries(*entries: Transition) -> dict[str, Transition]:
@@ -187,26 +224,29 @@ TABLE: Mapping[str, Transition] = _entries(
     # its chunk contiguous (S/n): views along dim 0, priced as copies all the same.
     Transition("tp Shard -> Replicate", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
                "the gathered tensor", (Movement(_F, "all_gather"),),
-               copies=(Copy(_F, full=1.0), Copy(_B, shard=1.0))),
+               copies=(Copy(_F, full=1.0), Copy(_B, shard=1.0)), op_kwargs=(("grad", "slice"),), redistributes=True),
     Transition("tp Shard -> Replicate into column linears", "tp_all_gather", "tp", "Shard(d)", "Replicate()",
                # backward gathers it again for the linears' weight gradients instead of keeping it
                "the gathered tensor",
                (Movement(_F, "all_gather"), Movement(_B, "all_gather"), Movement(_B, "reduce_scatter")),
-               copies=(Copy(_F, full=1.0), Copy(_B, full=2.0))),
+               copies=(Copy(_F, full=1.0), Copy(_B, full=2.0)),
+               grad="Partial()", op_kwargs=(("grad", "reduce_scatter"),), redistributes=True),
     Transition("tp Partial -> Replicate", "tp_all_reduce", "tp", "Partial()", "Replicate()",
-               "the partial sum", (Movement(_F, "all_reduce"),), copies=(Copy(_F, full=1.0),)),
+               "the partial sum", (Movement(_F, "all_reduce"),), copies=(Copy(_F, full=1.0),), redistributes=True),
     Transition("tp Partial -> Shard", "tp_reduce_scatter", "tp", "Partial()", "Shard(d)",
                "the partial sum (full size)", (Movement(_F, "reduce_scatter"), Movement(_B, "all_gather")),
-               copies=(Copy(_F, full=1.0), Copy(_B, full=1.0))),
+               copies=(Copy(_F, full=1.0), Copy(_B, full=1.0)), redistributes=True),
     Transition("tp Replicate -> Shard", "tp_scatter", "tp", "Replicate()", "Shard(d)",
-               "the replicated tensor", (Movement(_B, "all_gather"),), copies=(Copy(_F, shard=1.0), Copy(_B, full=1.0))),
+               "the replicated tensor", (Movement(_B, "all_gather"),), copies=(Copy(_F, shard=1.0), Copy(_B, full=1.0)),
+               redistributes=True),
     Transition("tp Replicate into sharded compute", "tp_copy", "tp", "Replicate()", "Replicate()",
-               "the replicated tensor", (Movement(_B, "all_reduce"),), copies=(Copy(_B, full=1.0),)),
+               "the replicated tensor", (Movement(_B, "all_reduce"),), copies=(Copy(_B, full=1.0),),
+               grad="Partial()", redistributes=True),
     # The max, then the target logits and sums of exponentials stacked into one all-reduce;
     # its passes over the logits are the loss's own compute (the cross-entropy it replaces).
     Transition("tp vocabulary-parallel loss", "vocab_parallel_cross_entropy", "tp", "Shard(-1)", "Replicate()",
                "one float32 per token", (Movement(_F, "all_reduce"), Movement(_F, "all_reduce", 2.0)),
-               copies=(Copy(_F, full=2.0),)),
+               copies=(Copy(_F, full=2.0),), size_of=FLOAT32_PER_ROW),
     # ---- expert parallel (expert_parallel) ----
     # Every rank learns how many rows it receives per local expert before the rows move
     # (written in place, no copies); the rows' all-to-all has uneven splits, so S is the rows this
@@ -226,26 +266,84 @@ TABLE: Mapping[str, Transition] = _entries(
 )
 
 
-def transition(op: str, *, stage: int | None = None, grad: str = "slice") -> Transition:
-    """The entry of the emitted op ``op`` (``stage``: ZeRO stage of ``all_gather_params``;
-    ``grad``: ``tp_all_gather``'s backward, ``"slice"`` or ``"reduce_scatter"``).
+def _spelled(placement: Any) -> tuple[str, int | None]:
+    """A placement (torch's object or its JSON spelling) as the table spells it, with its dim:
+    ``("Shard(d)", 1)``, ``("Replicate()", None)``, ``("Partial()", None)``."""
+    text = placement if isinstance(placement, str) else type(placement).__name__
+    if text.startswith("Shard"):
+        dim = getattr(placement, "dim", None)
+        if dim is None and "(" in text:
+            inner = text[text.index("(") + 1:-1].removeprefix("dim=")
+            dim = int(inner) if inner.lstrip("-").isdigit() else None
+        return "Shard(d)", dim
+    if text.startswith("Replicate"):
+        return "Replicate()", None
+    if text.startswith("Partial"):
+        op = getattr(placement, "reduce_op", None) or (text[text.index("(") + 1:-1] if "(" in text else "sum")
+        return ("Partial()" if op in ("sum", "") else f"Partial({op})"), None
+    raise ValueError(f"not a placement: {placement!r}")
+
+
+def redistribution(axis: str, src: Any, dst: Any, grad: Any = None) -> tuple[Transition, ...]:
+    """The entries that change a value's placement on ``axis`` from ``src`` to ``dst``, in the
+    order they run: none where nothing changes, one entry, or for ``Shard(a) -> Shard(b)`` a
+    gather then a scatter. ``grad``: the placement the value's gradient arrives in at ``dst``
+    where it is not ``dst`` itself (``Partial()``: ``dst`` feeds only sharded compute; see
+    :attr:`Transition.grad`). Placements are torch's objects or their JSON spelling.
+
+    The emitter (`graphpass.passes.collectives.emit_tp_redistribute`), the op-level problem
+    (`graphpass.planner.op_placement`) and the planner read the conversion from here.
 
     Raises:
-        ValueError: an op graphpass does not emit, or a missing/bad ``stage`` or ``grad``.
+        NotImplementedError: no entry makes this change.
+    """
+    (s, s_dim), (d, d_dim) = _spelled(src), _spelled(dst)
+    g = _spelled(grad)[0] if grad not in (None, "") and _spelled(grad) != (d, d_dim) else ""
+    if (s, s_dim, g) == (d, d_dim, ""):
+        return ()
+    entry = _INDEX.get((axis, s, d, g))
+    if entry is not None:
+        return (entry,)
+    if s == d == "Shard(d)" and not g:
+        return _INDEX[(axis, s, "Replicate()", "")], _INDEX[(axis, "Replicate()", d, "")]
+    raise NotImplementedError(f"no collective on {axis!r} turns {s} into {d}"
+                              + (f" with a {g} gradient" if g else "")
+                              + f"; the table changes {sorted(k[1:] for k in _INDEX if k[0] == axis)}")
+
+
+def transition(op: str, *, stage: int | None = None) -> Transition:
+    """The entry of the emitted op ``op`` (``stage``: the ZeRO stage of ``all_gather_params``).
+    An op that carries out several entries (``tp_all_gather``: into replicated or into sharded
+    compute) is found by its placements instead (:func:`redistribution`), and an emitted node
+    names its entry in ``meta[graphpass.meta.TRANSITION]``.
+
+    Raises:
+        ValueError: an op graphpass does not emit, a missing/bad ``stage``, or an op with
+            several entries.
     """
     if op == "all_gather_params":
         if stage not in (1, 2, 3):
             raise ValueError(f"transition('all_gather_params'): stage must be 1, 2 or 3, got {stage!r}")
         return TABLE[f"zero{stage} weights"]
-    if op == "tp_all_gather":
-        if grad not in ("slice", "reduce_scatter"):
-            raise ValueError(f"transition('tp_all_gather'): grad must be 'slice' or 'reduce_scatter', got {grad!r}")
-        return TABLE["tp Shard -> Replicate" + (" into column linears" if grad == "reduce_scatter" else "")]
-    for entry in TABLE.values():
-        if entry.op == op:
-            return entry
-    raise ValueError(f"unknown collective op {op!r}; the table has {sorted({e.op for e in TABLE.values()})}")
+    entries = [entry for entry in TABLE.values() if entry.op == op]
+    if not entries:
+        raise ValueError(f"unknown collective op {op!r}; the table has {sorted({e.op for e in TABLE.values()})}")
+    if len(entries) > 1:
+        raise ValueError(f"{op!r} carries out {[e.name for e in entries]}; find the entry by its placements "
+                         "(redistribution) or by the node's meta[graphpass.meta.TRANSITION]")
+    return entries[0]
 
+
+def _index() -> dict[tuple[str, str, str, str], Transition]:
+    index: dict[tuple[str, str, str, str], Transition] = {}
+    for entry in TABLE.values():
+        if entry.redistributes:
+            assert entry.key not in index, (entry.name, index.get(entry.key))
+            index[entry.key] = entry
+    return index
+
+
+_INDEX = _index()
 
 #: The names of the runtime ops the table covers.
 OPS = tuple(sorted({entry.op for entry in TABLE.values()}))

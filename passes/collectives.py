@@ -8,8 +8,9 @@ other module inserts a node whose target is one of
 
 Which entry each function emits: ``ensure_grad_sync`` "dp step"; ``emit_grad_all_reduce`` "dp
 gradient bucket"; ``emit_all_reduce`` "dp reported loss"; ``emit_param_all_gather`` "zero{k}
-weights"; ``emit_tp_redistribute`` the tp placement changes (``Shard(d) → Shard(e)`` is a
-gather then a scatter); ``emit_tp_copy`` "tp Replicate into sharded compute";
+weights"; ``emit_tp_redistribute`` the tp placement changes, found by
+:func:`graphpass.transitions.redistribution` (``Shard(d) → Shard(e)`` is a gather then a
+scatter; a replicated value into sharded compute "tp Replicate into sharded compute");
 ``emit_vocab_parallel_cross_entropy`` "tp vocabulary-parallel loss"; ``emit_expert_exchange`` "ep
 token counts", "ep dispatch" and "ep combine".
 """
@@ -22,11 +23,12 @@ from typing import Callable, Sequence
 
 import torch.fx as fx
 
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from graphpass import meta
 from graphpass.runtime import collectives as ops
-from graphpass.transitions import TABLE, Transition, transition
+from graphpass.layout import placement_to_str
+from graphpass.transitions import TABLE, Transition, redistribution, transition
 
 
 def _op(entry: Transition):
@@ -88,14 +90,15 @@ def ensure_grad_sync(gm: fx.GraphModule, axis: str, created_by: str) -> fx.Node:
     with graph.inserting_before(anchor):
         begin = graph.call_function(_op(TABLE["dp step"]), (axis,))
     begin.meta.update(
-        {meta.CREATED_BY: created_by, meta.AXIS: axis, meta.MODULE_PATH: "", meta.LAYER: None, meta.OPAQUE: True}
+        {meta.CREATED_BY: created_by, meta.AXIS: axis, meta.MODULE_PATH: "", meta.LAYER: None, meta.OPAQUE: True,
+         meta.TRANSITION: "dp step"}
     )
     return begin
 
 
 def _insert_group(
     gm: fx.GraphModule,
-    target,
+    entry: Transition,
     params: Sequence[fx.Node],
     args: tuple,
     kwargs: dict,
@@ -103,7 +106,7 @@ def _insert_group(
     placement: str,
     created_by: str,
 ) -> fx.Node:
-    """Insert ``target(*args, *params, **kwargs)`` before the first use of any of ``params`` and
+    """Insert ``entry``'s op ``(*args, *params, **kwargs)`` before the first use of any of ``params`` and
     route every use of a parameter through the matching element of its tuple output."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -114,7 +117,7 @@ def _insert_group(
         if order[p] > order[anchor]:
             anchor.prepend(p)
     with graph.inserting_before(anchor):
-        node = graph.call_function(target, (*args, *params), kwargs)
+        node = graph.call_function(_op(entry), (*args, *params), kwargs)
         layers = {p.meta.get(meta.LAYER) for p in params}
         node.meta.update(
             {
@@ -123,6 +126,7 @@ def _insert_group(
                 meta.MODULE_PATH: "",
                 meta.LAYER: layers.pop() if len(layers) == 1 else None,
                 meta.PLACEMENT: {axis: placement},
+                meta.TRANSITION: entry.name,
             }
         )
         for i, p in enumerate(params):
@@ -159,7 +163,7 @@ def emit_grad_all_reduce(
     begin = ensure_grad_sync(gm, axis, created_by)
     return [
         _insert_group(
-            gm, _op(TABLE["dp gradient bucket"]), bucket, (begin,),
+            gm, TABLE["dp gradient bucket"], bucket, (begin,),
             {"bucket": index} if scale is None else {"bucket": index, "scale": scale},
             axis, "Replicate()", created_by,
         )
@@ -239,7 +243,7 @@ def emit_param_all_gather(
             kwargs["divisor"] = divisor
         if replicate is not None:
             kwargs["replicate"] = replicate
-        nodes.append(_insert_group(gm, _op(transition("all_gather_params", stage=stage)), group, (begin,), kwargs, axis, "Shard(0)", created_by))
+        nodes.append(_insert_group(gm, transition("all_gather_params", stage=stage), group, (begin,), kwargs, axis, "Shard(0)", created_by))
     return nodes
 
 
@@ -253,15 +257,17 @@ def emit_all_reduce(
     node.meta[meta.CREATED_BY] = created_by
     node.meta[meta.AXIS] = axis
     node.meta[meta.PLACEMENT] = {axis: "Replicate()"}
+    node.meta[meta.TRANSITION] = "dp reported loss"
     return node
 
 
-def _tp_node(gm: fx.GraphModule, target, args: tuple, kwargs: dict, source: fx.Node, before: fx.Node,
+def _tp_node(gm: fx.GraphModule, entry: Transition, args: tuple, source: fx.Node, before: fx.Node,
              axis: str, placement: str, created_by: str) -> fx.Node:
     with gm.graph.inserting_before(before):
-        node = gm.graph.call_function(target, args, kwargs)
+        node = gm.graph.call_function(_op(entry), args, dict(entry.op_kwargs))
     meta.copy_meta(source, node, exclude=meta.TENSOR_KEYS)
-    node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: placement}})
+    node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: placement},
+                      meta.TRANSITION: entry.name})
     if meta.STAGE in before.meta:  # it runs where it is inserted: in its user's pipeline stage
         node.meta[meta.STAGE] = before.meta[meta.STAGE]
     return node
@@ -276,37 +282,25 @@ def emit_tp_redistribute(
     size: int,
     *,
     before: fx.Node,
-    grad: str = "slice",
+    grad: Placement | None = None,
     created_by: str,
 ) -> fx.Node:
-    """Nodes converting ``value`` from ``src`` to ``dst`` on the tensor-parallel ``axis``.
+    """Nodes converting ``value`` from ``src`` to ``dst`` on the tensor-parallel ``axis``, one
+    per entry of :func:`graphpass.transitions.redistribution` (``value`` itself where nothing
+    changes). ``grad``: the placement the gradient arrives in at ``dst`` where it is not
+    ``dst``: ``Partial()`` when ``dst`` feeds only sharded compute (Megatron's f before a column
+    linear; a sequence-parallel gather into column linears, whose backward reduce-scatters).
 
-    ``grad`` chooses the backward of an all-gather: ``"slice"`` when the gathered tensor's
-    gradient is the same on every rank, ``"reduce_scatter"`` when it only feeds sharded compute
-    (Megatron's sequence-parallel all-gather).
+    Raises:
+        NotImplementedError: no entry of the table makes this change.
     """
-    def node(target, x, *extra, **kw):
-        return _tp_node(gm, target, (x, axis, size, *extra), kw, value, before, axis, str(dst), created_by)
-
-    scatter = _op(TABLE["tp Replicate -> Shard"])
-    if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return node(_op(transition("tp_all_gather", grad=grad)), value, src.dim, grad=grad)
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return node(_op(TABLE["tp Partial -> Replicate"]), value)
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return node(_op(TABLE["tp Partial -> Shard"]), value, dst.dim)
-    if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return node(scatter, value, dst.dim)
-    if isinstance(src, Shard) and isinstance(dst, Shard):
-        gathered = node(_op(transition("tp_all_gather", grad="slice")), value, src.dim, grad="slice")
-        return _tp_node(gm, scatter, (gathered, axis, size, dst.dim), {}, value, before, axis, str(dst), created_by)
-    raise NotImplementedError(f"no collective turns {src} into {dst} (node {value.name!r})")
-
-
-def emit_tp_copy(gm: fx.GraphModule, value: fx.Node, axis: str, size: int, *, before: fx.Node, created_by: str) -> fx.Node:
-    """``tp_copy(value)``: identity whose backward all-reduces the gradient (Megatron's f)."""
-    return _tp_node(gm, _op(TABLE["tp Replicate into sharded compute"]), (value, axis, size), {}, value, before, axis,
-                    "Replicate()", created_by)
+    out, placed = value, src
+    for entry in redistribution(axis, src, dst, grad):
+        # each entry's dim: the one its Shard side names (a gather's source, a scatter's target)
+        dim = (placed.dim,) if entry.src == "Shard(d)" else (dst.dim,) if entry.dst == "Shard(d)" else ()
+        placed = dst if entry.dst != "Replicate()" else Replicate()
+        out = _tp_node(gm, entry, (out, axis, size, *dim), value, before, axis, placement_to_str(placed), created_by)
+    return out
 
 
 def emit_vocab_parallel_cross_entropy(
@@ -319,7 +313,8 @@ def emit_vocab_parallel_cross_entropy(
     node = gm.graph.call_function(
         _op(TABLE["tp vocabulary-parallel loss"]), (logits, target, axis, size, vocab_start), kwargs
     )
-    node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: "Replicate()"}})
+    node.meta.update({meta.CREATED_BY: created_by, meta.AXIS: axis, meta.PLACEMENT: {axis: "Replicate()"},
+                      meta.TRANSITION: "tp vocabulary-parallel loss"})
     return node
 
 
@@ -355,8 +350,9 @@ def emit_expert_exchange(
     for node, source in ((splits, offs), (dispatch, rows), (local_rows, rows), (local_offs, offs), (combined, last)):
         meta.copy_meta(source, node, exclude=meta.TENSOR_KEYS)
         node.meta[meta.CREATED_BY] = created_by
-    for node in (splits, dispatch, combined):
+    for node, name in ((splits, "ep token counts"), (dispatch, "ep dispatch"), (combined, "ep combine")):
         node.meta[meta.AXIS] = axis
+        node.meta[meta.TRANSITION] = name
     return local_rows, local_offs, combined
 
 
@@ -371,7 +367,6 @@ __all__ = [
     "emit_expert_exchange",
     "emit_grad_all_reduce",
     "emit_param_all_gather",
-    "emit_tp_copy",
     "emit_tp_redistribute",
     "emit_vocab_parallel_cross_entropy",
     "ensure_grad_sync",

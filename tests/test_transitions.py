@@ -33,7 +33,7 @@ from graphpass.runtime import tensor_parallel as tp_runtime
 from graphpass.runtime import zero as zero_runtime
 from graphpass.runtime.grad_sync import Accumulation, accumulating
 from graphpass.runtime.regather import rebuild_saved_tensors
-from graphpass.transitions import PER_MICROBATCH, PER_STEP, TABLE, transition
+from graphpass.transitions import PER_MICROBATCH, PER_STEP, TABLE, redistribution, transition
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -47,7 +47,8 @@ def test_the_table_covers_every_runtime_collective_op():
 
 def test_lookup_by_op_and_its_options():
     assert transition("all_gather_params", stage=3) is TABLE["zero3 weights"]
-    assert [(m.phase, m.kind, m.size(10.0, 2), m.per) for m in transition("tp_all_gather", grad="reduce_scatter").moves()] == [
+    into_columns = TABLE["tp Shard -> Replicate into column linears"]
+    assert [(m.phase, m.kind, m.size(10.0, 2), m.per) for m in into_columns.moves()] == [
         ("forward", "all_gather", 10.0, "microbatch"), ("backward", "all_gather", 10.0, "microbatch"),
         ("backward", "reduce_scatter", 10.0, "microbatch")]
     # HSDP's all-reduce across replicas moves this rank's reduced shard, and only where there are replicas
@@ -58,18 +59,52 @@ def test_lookup_by_op_and_its_options():
         transition("broadcast")
     with pytest.raises(ValueError, match="stage"):
         transition("all_gather_params")
-    with pytest.raises(ValueError, match="grad"):
-        transition("tp_all_gather", grad="scatter")
+    with pytest.raises(ValueError, match="carries out"):
+        transition("tp_all_gather")  # two entries: found by placements instead
+
+
+def test_lookup_by_placements():
+    """The emitter, the op-level problem and the planner find a placement change here, by
+    (axis, source, target, the gradient's placement where it differs from the target's)."""
+    def names(*args):
+        return [e.name for e in redistribution("tp", *args)]
+
+    assert names(Shard(1), Replicate()) == names("Shard(0)", "Replicate()") == ["tp Shard -> Replicate"]
+    assert names(Shard(2), Replicate(), Partial()) == ["tp Shard -> Replicate into column linears"]
+    assert names(Replicate(), Replicate(), Partial()) == ["tp Replicate into sharded compute"]
+    assert names(Partial(), Shard(0)) == ["tp Partial -> Shard"]
+    assert names(Shard(1), Shard(0)) == ["tp Shard -> Replicate", "tp Replicate -> Shard"]
+    assert names(Shard(1), Shard(1)) == names(Replicate(), Replicate()) == names(Replicate(), Replicate(), Replicate()) == []
+    with pytest.raises(NotImplementedError, match="turns Replicate\\(\\) into Partial\\(\\)"):
+        redistribution("tp", Replicate(), Partial())
+    # every entry found this way is the one its key names
+    for entry in TABLE.values():
+        if entry.redistributes:
+            assert redistribution(*entry.key) == (entry,)
+
+
+def test_sizes_come_from_the_entry():
+    """S follows from the tensor's shape and dtype in the entry: a whole tensor, or one float32
+    per row for the vocabulary-parallel loss (its logits' last dimension reduced away)."""
+    assert TABLE["tp Shard -> Replicate"].size_bytes((4, 6, 8), torch.bfloat16) == 4 * 6 * 8 * 2
+    assert TABLE["tp vocabulary-parallel loss"].size_bytes((4, 6, 50257), torch.bfloat16) == 4 * 6 * 4
+    assert TABLE["ep token counts"].size_bytes((16,), torch.int64) == 128
+    zero3 = TABLE["zero3 weights"]
+    assert [(m.kind, b) for m, b in zero3.movements(40.0, 4, replicas=True)] == [
+        ("all_gather", 40.0), ("all_gather", 40.0), ("reduce_scatter", 40.0), ("all_reduce", 10.0)]
+    assert [m.kind for m, _ in zero3.movements(40.0, 4, backward=False)] == ["all_gather"]
 
 
 def test_no_collective_traffic_is_written_outside_the_table():
     """The kinds of collective appear as data in graphpass/transitions.py; outside it, the cost
     package names them only in the alpha-beta formulas and the profiler, never as an op's
-    traffic (no "tp_copy ... all_reduce" pairs, no hand-priced ZeRO movements)."""
-    pattern = re.compile(r'comms\.time\("dp", "(all_gather|reduce_scatter|all_reduce)"')
+    traffic (no "tp_copy ... all_reduce" pairs, no hand-priced ZeRO movements), and a movement's
+    bytes come from its entry (``Transition.movements``), never a factor multiplied by hand."""
+    pattern = re.compile(r'comms\.time\("dp", "(all_gather|reduce_scatter|all_reduce)"|\.factor\s*\*')
     offenders = []
-    for path in [*ROOT.glob("cost/*.py"), *ROOT.glob("graphpass/*.py"), *ROOT.glob("graphpass/planner/*.py"),
-                 *ROOT.glob("passes/*.py")]:
+    for path in [*ROOT.glob("cost/**/*.py"), *ROOT.glob("graphpass/**/*.py"), *ROOT.glob("passes/**/*.py")]:
+        if path.name == "transitions.py":
+            continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line) or re.search(r'op_traffic|OP_KIND', line):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
@@ -215,17 +250,13 @@ def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Nod
     x_bytes = 4 * 8 * 12  # x is [8, 12] float32 locally, see _run_entry
     if name == "tp vocabulary-parallel loss":
         raise AssertionError("handled by _run_vocab")
-    if name == "tp Replicate into sharded compute":
-        emit.emit_tp_copy(gm, x, axis, n, before=prod, created_by="test")
-        new = next(node for node in gm.graph.nodes if node.meta.get(meta.CREATED_BY) == "test")
-        prod.replace_input_with(x, new)
-        return x_bytes
     src, dst, grad, full = {
-        "tp Shard -> Replicate": (Shard(1), Replicate(), "slice", n * x_bytes),
-        "tp Shard -> Replicate into column linears": (Shard(1), Replicate(), "reduce_scatter", n * x_bytes),
-        "tp Partial -> Replicate": (Partial(), Replicate(), "slice", x_bytes),
-        "tp Partial -> Shard": (Partial(), Shard(1), "slice", x_bytes),
-        "tp Replicate -> Shard": (Replicate(), Shard(1), "slice", x_bytes),
+        "tp Shard -> Replicate": (Shard(1), Replicate(), None, n * x_bytes),
+        "tp Shard -> Replicate into column linears": (Shard(1), Replicate(), Partial(), n * x_bytes),
+        "tp Partial -> Replicate": (Partial(), Replicate(), None, x_bytes),
+        "tp Partial -> Shard": (Partial(), Shard(1), None, x_bytes),
+        "tp Replicate -> Shard": (Replicate(), Shard(1), None, x_bytes),
+        "tp Replicate into sharded compute": (Replicate(), Replicate(), Partial(), x_bytes),
     }[name]
     new = emit.emit_tp_redistribute(gm, x, src, dst, axis, n, before=prod, grad=grad, created_by="test")
     prod.replace_input_with(x, new)

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from graphpass import meta
 from graphpass.cluster import DeviceSpec, _preset_for_gpu, cache_dir, device_slug
-from graphpass.cost.compute import _VIEWS
+from graphpass.ops import VIEW_NAMES
 from graphpass.cost.profiler.timing import _adaptive_median_s, _median_s, _write_atomic, together_median_s
 from graphpass.grads import grad_requiring_nodes
 from graphpass.ops import op_base
@@ -257,7 +257,7 @@ def node_times(
 ) -> dict[str, tuple[float, float]]:
     """Profiled ``(forward_s, backward_s)`` per ``call_function`` node, for `graph_compute(measured=)`.
 
-    Views (`graphpass.cost.compute`'s ``_VIEWS``) cost ``(0, 0)``. Other nodes get their cached time
+    Views (`graphpass.ops.VIEW_NAMES`) cost ``(0, 0)``. Other nodes get their cached time
     by `op_key`; with ``measure=True`` and ``device`` this machine's device, missing keys are run
     (each distinct key once), cached and returned. Ops that fail in isolation are logged and left
     out. Every node left out is reported in one WARNING: the roofline model prices it.
@@ -292,7 +292,7 @@ def node_times(
     times: dict[str, tuple[float, float]] = {}
     pending: dict[str, list[fx.Node]] = {}
     for node in nodes:
-        if op_base(node) in _VIEWS:
+        if op_base(node) in VIEW_NAMES:
             times[node.name] = (0.0, 0.0)
             continue
         key = op_key(node, device, grad_nodes)

@@ -164,8 +164,7 @@ def transition_s(name: str, size: float, layout: Layout, costing: Costing, backw
     comms = _Collectives(costing.cluster, layout)
     n = layout.mesh[entry.axis] if entry.axis in layout.mesh else 1
     bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency
-    moved = sum(comms.time(entry.axis, m.kind, m.factor * size, m.blocking) for m in entry.collectives
-                if backward or m.phase == FORWARD)
+    moved = sum(comms.time(entry.axis, m.kind, moved, m.blocking) for m, moved in entry.movements(size, n, backward=backward))
     copied = sum(2 * c.bytes(size, n) / bandwidth for c in entry.copies if backward or c.phase == FORWARD)
     return moved + copied
 
@@ -314,8 +313,8 @@ def _exchange_s(block: BlockCost, layout: Layout, scale: float, slowest: float, 
     for name, size in block.exchanges:
         entry = TABLE[name]
         size = size * scale * (slowest if name != "ep token counts" else 1.0)
-        for move in entry.collectives:
-            moved = comms.time("ep", move.kind, move.factor * size, move.blocking)
+        for move, moved in entry.movements(size, layout.mesh.ep):
+            moved = comms.time("ep", move.kind, moved, move.blocking)
             if move.phase == FORWARD:
                 forward += moved
             else:

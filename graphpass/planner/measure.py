@@ -43,7 +43,7 @@ from graphpass.splittable import default_split
 from graphpass.passes.tensor_parallel import EmittedCollective, TensorParallelError, layout as tp_layout
 from graphpass.ops import op_base
 from graphpass.repeats import condense
-from graphpass.transitions import transition
+from graphpass.transitions import TABLE
 from graphpass.planner.op_placement import MEGATRON, OpLayout
 from graphpass.planner.remeasure import ProgramTimes, _Remeasure, _tp_plan
 
@@ -485,13 +485,13 @@ class GraphProfile:
             # A sharded value that the pass all-gathers for replicated consumers is saved by them
             # whole, as gathered; sequence parallelism's gathers into column linears are
             # re-gathered in backward instead (the runtime keeps the shard, as Megatron does).
-            gathered = {c.anchor for c in emitted if c.op == "tp_all_gather" and c.grad != "reduce_scatter"}
+            gathered = {c.anchor for c in emitted if c.transition == "tp Shard -> Replicate"}
             for c in emitted:
                 block = self.owner.get(c.anchor, self.blocks[0])
-                entry = transition(c.op, grad=c.grad)
-                for move in entry.collectives:
-                    traffic[block.name].append((move.phase, move.kind, float(move.factor * c.nbytes), move.blocking))
-                copies[block.name] += [(phase, size) for phase, size, _ in entry.copied(float(c.nbytes), tp)]
+                entry, size = TABLE[c.transition], c.size_bytes
+                traffic[block.name] += [(move.phase, move.kind, moved, move.blocking)
+                                        for move, moved in entry.movements(size, tp)]
+                copies[block.name] += [(phase, copied) for phase, copied, _ in entry.copied(size, tp)]
 
         def placed(node: fx.Node, kinds: tuple[type, ...]) -> bool:
             p = placements.get(node.name)
@@ -557,10 +557,12 @@ class GraphProfile:
             for b in batches:
                 own = [programs[b].own.get(n.name) or self._time(n.name, b, split_nodes[n.name]) for n in expert_nodes]
                 expert_times[b] = (sum(f for f, _ in own), sum(bw for _, bw in own))
+            # S of each exchange: the count per expert (int64), the rows sent, the rows sent back
             exchanges = tuple(
-                (name, float(size)) for r in regions for name, size in (
-                    ("ep token counts", 8.0 * r.num_experts), ("ep dispatch", _tensor_bytes(r.rows.meta[meta.VAL])),
-                    ("ep combine", _tensor_bytes(r.out.meta[meta.VAL]))))
+                (name, TABLE[name].size_bytes(shape, dtype)) for r in regions for name, (shape, dtype) in (
+                    ("ep token counts", ((r.num_experts,), torch.int64)),
+                    ("ep dispatch", (r.rows.meta[meta.VAL].shape, r.rows.meta[meta.VAL].dtype)),
+                    ("ep combine", (r.out.meta[meta.VAL].shape, r.out.meta[meta.VAL].dtype))))
             for node in block.nodes:
                 if node.name in self.split_linears:
                     split_bytes += self._split_weight_bytes(node)

@@ -48,16 +48,18 @@ from typing import Callable, Mapping
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
 from graphpass.cost.solver import Edge, Node, Problem, min_peak_memory, solve
 from graphpass.grads import grad_requiring_nodes
-from graphpass.ops import packet
+from graphpass.ops import CONVOLUTIONS, PER_CHANNEL, RESHAPES, packet
 from graphpass.megatron import Projection, elementwise, feature_wise, flows_into, fused_parts, heads, megatron_layout, \
     projection
 from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_dry_run
 from graphpass.plan import Strategy
 from graphpass.plan_builder import plan_from_choices
+from graphpass.transitions import redistribution
 
 aten = torch.ops.aten
 REPLICATED, COLUMN, ROW = "replicated", "column", "row"
@@ -109,20 +111,11 @@ class OpLayout:
         return (", ".join(sharded[:most]) + more) or "none sharded"
 
 
-def _bytes(node: fx.Node) -> float:
-    val = node.meta.get(meta.VAL)
-    return float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
-
-
 def _numel(node: fx.Node | None) -> int:
     val = node.meta.get(meta.VAL) if node is not None else None
     return val.numel() if isinstance(val, torch.Tensor) else 0
 
 
-_CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
-# Ops on each channel (dim 1) apart, beside the elementwise ones: a channel-sharded value stays so.
-_PER_CHANNEL = {aten.batch_norm, aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.avg_pool1d, aten.avg_pool2d,
-                aten.avg_pool3d, aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d}
 
 
 def placeable(node: fx.Node) -> Projection | None:
@@ -131,7 +124,7 @@ def placeable(node: fx.Node) -> Projection | None:
     *kernel]`` with ``groups == 1`` (channel parallel: its column shards the output channels,
     dim 1 of its output); None otherwise."""
     proj = projection(node)
-    if proj is not None or node.op != "call_function" or node.target not in _CONVOLUTIONS:
+    if proj is not None or node.op != "call_function" or node.target not in CONVOLUTIONS:
         return proj
     weight = node.args[1]
     bias = node.args[2] if len(node.args) > 2 else None
@@ -148,7 +141,7 @@ def _per_channel(node: fx.Node) -> bool:
     pooled ``[N, C, 1, 1]``)."""
     if node.op != "call_function":
         return False
-    if elementwise(node) or packet(node) in _PER_CHANNEL:
+    if elementwise(node) or packet(node) in PER_CHANNEL:
         return True
     src, out = node.args[0].meta.get(meta.VAL) if node.args and isinstance(node.args[0], fx.Node) else None, \
         node.meta.get(meta.VAL)
@@ -157,7 +150,7 @@ def _per_channel(node: fx.Node) -> bool:
     if node.target in (aten.mean.dim, aten.sum.dim_IntList):
         dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(src.dim())
         return all(d % src.dim() not in (0, 1) for d in dims)
-    return (packet(node) in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten)
+    return (packet(node) in RESHAPES | {aten.flatten}
             and tuple(src.shape[:2]) == tuple(out.shape[:2]))
 
 
@@ -217,15 +210,10 @@ def _strategies(node: fx.Node, proj: Projection, decided: Mapping[str, str], sha
 
 
 # What a projection's output is under each strategy (a row's partial sums are all-reduced at
-# once, by its own node cost), and what it reads.
-_OUT = {REPLICATED: "R", COLUMN: "S", ROW: "R"}
-_READS = {REPLICATED: "R", COLUMN: "R into sharded", ROW: "S"}
-_CONVERT = {
-    ("R", "R into sharded"): "tp Replicate into sharded compute",
-    ("R", "S"): "tp Replicate -> Shard",
-    ("S", "R"): "tp Shard -> Replicate",
-    ("S", "R into sharded"): "tp Shard -> Replicate into column linears",
-}
+# once, by its own node cost), and what it reads: (placement, the placement its gradient comes
+# back in: partial sums into a column's sharded compute).
+_OUT = {REPLICATED: Replicate(), COLUMN: Shard(-1), ROW: Replicate()}
+_READS = {REPLICATED: (Replicate(), None), COLUMN: (Replicate(), Partial()), ROW: (Shard(-1), None)}
 
 
 def megatron_at(gm: fx.GraphModule, tp: int, applies: bool | None = None
@@ -287,15 +275,20 @@ def _problem(gm: fx.GraphModule, tp: int, prices: Prices, choices: _Choices
     grads = grad_requiring_nodes(gm)
     scale = prices.batch_scale
 
-    def convert(src: str, dst: str, size: float, grad: bool) -> float:
-        name = _CONVERT.get((src, dst))
-        return prices.transition_s(name, size * scale, grad) if name is not None else 0.0
+    def convert(src: Placement, dst: tuple[Placement, Placement | None], value: fx.Node, grad: bool) -> float:
+        """Seconds of the table's entries that take ``value`` from ``src`` to ``dst`` (a
+        placement and its gradient's, as ``_READS`` gives them), at the local batch."""
+        val = value.meta.get(meta.VAL)
+        if not isinstance(val, torch.Tensor):
+            return 0.0
+        return sum(prices.transition_s(entry.name, entry.size_bytes(val.shape, val.dtype) * scale, grad)
+                   for entry in redistribution("tp", src, *dst))
 
     nodes, edges = [], []
     for node, proj in projections.items():
         names = strategies[node.name]
         compute = prices.compute_s(node)
-        out_bytes, in_bytes, grad = _bytes(node), _bytes(proj.x), proj.x in grads
+        grad = proj.x in grads
         consumers, whole, passed = flows_into(node, through=_carries, ends=placeable)
         # The elementwise ops after a column projection run on its shards too (a row's partial
         # sums are all-reduced before them).
@@ -305,11 +298,11 @@ def _problem(gm: fx.GraphModule, tp: int, prices: Prices, choices: _Choices
         for how in names:
             cost = compute / (tp if how != REPLICATED else 1) + after / (tp if how == COLUMN else 1)
             if how == ROW:
-                cost += prices.transition_s("tp Partial -> Replicate", out_bytes * scale, True)
+                cost += convert(Partial(), (Replicate(), None), node, True)
             if how == COLUMN and whole:
-                cost += convert("S", "R", out_bytes, node in grads)
+                cost += convert(Shard(-1), (Replicate(), None), node, node in grads)
             if replicated_source:
-                cost += convert("R", _READS[how], in_bytes, grad)
+                cost += convert(Replicate(), _READS[how], proj.x, grad)
             elements = _numel(proj.weight) + (_numel(proj.bias) if how == COLUMN else 0)
             held = _numel(proj.weight) + _numel(proj.bias)
             memory.append(prices.state_bytes_per_element * (held - elements + elements / (tp if how != REPLICATED else 1)))
@@ -318,8 +311,8 @@ def _problem(gm: fx.GraphModule, tp: int, prices: Prices, choices: _Choices
         for user in consumers:
             if user not in projections:
                 continue
-            size, user_grad = _bytes(projections[user].x), projections[user].x in grads
-            matrix = [[convert(_OUT[a], _READS[b], size, user_grad) for b in strategies[user.name]] for a in names]
+            reads, user_grad = projections[user].x, projections[user].x in grads
+            matrix = [[convert(_OUT[a], _READS[b], reads, user_grad) for b in strategies[user.name]] for a in names]
             if any(any(row) for row in matrix):
                 edges.append(Edge(node.name, user.name, matrix))
     return Problem(nodes, edges), strategies, choices.decided

@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from graphpass import meta
+from graphpass.ops import CONVOLUTIONS, POOLS
 from graphpass.megatron import Projection, keeps_features, projection
 from graphpass.passes import collectives
 from graphpass.passes.tensor_parallel.pointwise_rules import binary
@@ -36,7 +37,7 @@ def _linear(w: Walker, node: fx.Node) -> Any:
     last = w.ndim(x) - 1
     if wp == Shard(proj.out_dim):  # the weight's output features: column parallel
         if isinstance(xp, (Shard, MergedShard)):  # sequence parallel: gathered, reduce-scattered back
-            new_x = w.redistribute(x, R, node, grad="reduce_scatter")
+            new_x = w.redistribute(x, R, node, grad=P)
         else:
             new_x = w.copy_for_sharded_use(w.redistribute(x, R, node), node)
         w.set_arg(node, xi, new_x)
@@ -285,10 +286,9 @@ def _layer_norm(w: Walker, node: fx.Node) -> Placement:
     return R
 
 
-_CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
 
 
-@rule(*_CONVOLUTIONS)
+@rule(*CONVOLUTIONS)
 def _conv(w: Walker, node: fx.Node) -> Placement:
     """A convolution by a held weight ``[out, in, *kernel]`` (``groups == 1``), channel parallel:
     *column* when the weight is sharded on its output channels (dim 0): a replicated input (its
@@ -357,8 +357,7 @@ def _batch_norm(w: Walker, node: fx.Node) -> Placement:
     return R
 
 
-@rule(aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d,
-      aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d)
+@rule(*POOLS)
 def _pool(w: Walker, node: fx.Node) -> Placement:
     """Pooling works on each channel (dim 1) apart: a channel-sharded input stays so."""
     x = node.args[0]

@@ -5,7 +5,6 @@ it prices exactly what the real pass emits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch.distributed.tensor.placement_types import Shard
 from graphpass import meta
 from graphpass.passes import collectives
 from graphpass.plan import Plan
+from graphpass.transitions import TABLE
 from graphpass.passes.tensor_parallel.walker import AXIS, NAME, R, MergedShard, PartsShard, Walker
 
 
@@ -67,22 +67,21 @@ def _meta_like(value: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class EmittedCollective:
-    """One collective the pass would insert: runtime op name, full (global) shape and dtype of the
-    tensor it moves, the repeated layer it sits in (None outside layers), and its backward kind."""
+    """One collective the pass would insert: the transition-table entry it carries out
+    (:data:`graphpass.transitions.TABLE`), the full (global) shape and dtype of the tensor it
+    moves, and the repeated layer it sits in (None outside layers)."""
 
-    op: str
+    transition: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     layer: int | None
-    grad: str = "slice"
     #: the captured node whose value it moves (through other inserted nodes), for attribution
     anchor: str = ""
 
     @property
-    def nbytes(self) -> int:
-        if self.op == "vocab_parallel_cross_entropy":  # moves one float32 per token (max, then sums)
-            return 4 * self.shape[0] if self.shape else 4
-        return math.prod(self.shape) * self.dtype.itemsize
+    def size_bytes(self) -> float:
+        """``S`` of its entry for the tensor it moves (`Transition.size_bytes`)."""
+        return TABLE[self.transition].size_bytes(self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -136,8 +135,7 @@ def layout(gm: fx.GraphModule, plan: Plan) -> Layout:
         while anchor.meta.get(meta.CREATED_BY) == NAME and anchor.all_input_nodes:
             anchor = anchor.all_input_nodes[0]
         emitted.append(EmittedCollective(
-            node.target.__name__, tuple(shape), _dtype_of(source), node.meta.get(meta.LAYER),
-            node.kwargs.get("grad", "slice"), anchor.name,
+            node.meta[meta.TRANSITION], tuple(shape), _dtype_of(source), node.meta.get(meta.LAYER), anchor.name,
         ))
     placements = {n.name: Shard(p.dim) if isinstance(p, (PartsShard, MergedShard)) else p
                   for n, p in walker.place.items() if n.meta.get(meta.CREATED_BY) != NAME}

@@ -10,31 +10,23 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
-from graphpass.ops import packet as _packet
+from graphpass.ops import BINARY, ELEMENTWISE_UNARY, LINEAR_UNARY, SOFTMAXES, packet as _packet
 from graphpass.passes.tensor_parallel.walker import P, R, RULES, aten, norm_dim, rule, Walker
 
 
 # ---------------------------------------------------------------------- rules: elementwise
 
-_LINEAR_UNARY = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy,
-                 aten.lift_fresh_copy, aten.type_as}
-
-
-@rule(aten.gelu, aten.relu, aten.silu, aten.tanh, aten.sigmoid, aten.exp, aten.log, aten.cos, aten.sin,
-      aten.rsqrt, aten.sqrt, aten.pow.Tensor_Scalar, aten.dropout, aten.neg, aten.clone, aten.contiguous,
-      aten.alias, aten.detach, aten.to, aten._to_copy, aten.lift_fresh_copy, aten.abs, aten.reciprocal,
-      aten.logical_not, aten.bitwise_not, aten.erf, aten.softmax.int, aten.log_softmax.int, aten.type_as,
-      aten.square)
+@rule(*ELEMENTWISE_UNARY, aten.softmax.int, aten.log_softmax.int)
 def _unary(w: Walker, node: fx.Node) -> Placement:
     x = node.args[0]
     xp = w.placement(x)
     packet = _packet(node)
-    if xp == P and packet not in _LINEAR_UNARY:
+    if xp == P and packet not in LINEAR_UNARY:
         # Sequence parallel: materialise partial sums as sequence shards (reduce-scatter).
         dst = Shard(1) if w.sp and w.ndim(x) >= 3 else R
         w.set_arg(node, 0, w.redistribute(x, dst, node))
         return dst
-    if packet in (aten.softmax, aten.log_softmax) and isinstance(xp, Shard) and xp.dim == norm_dim(node.args[1], w.ndim(x)):
+    if packet in SOFTMAXES and isinstance(xp, Shard) and xp.dim == norm_dim(node.args[1], w.ndim(x)):
         w.set_arg(node, 0, w.redistribute(x, R, node))
         return R
     return xp
@@ -98,6 +90,5 @@ def _to_in(p: Shard, in_nd: int, out_nd: int) -> Shard:
     return Shard(p.dim - (out_nd - in_nd))
 
 
-for _op in (aten.add, aten.sub, aten.mul, aten.div, aten.where, aten.eq, aten.ne, aten.lt, aten.le, aten.gt,
-            aten.ge, aten.logical_and, aten.logical_or, aten.maximum, aten.minimum, aten.masked_fill, aten.rsub):
+for _op in BINARY:
     RULES[_op] = binary

@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Placement, Shard
 
 from graphpass import meta
 from graphpass.megatron import keeps_features
+from graphpass.ops import RESHAPES
 from graphpass.passes.tensor_parallel.walker import (
     NAME, P, R, aten, log, MergedShard, norm_dim, PartsShard, rule, TensorParallelError, Walker,
 )
@@ -50,7 +51,7 @@ def _view_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> tu
     return None
 
 
-@rule(aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.flatten, aten.unflatten,
+@rule(*RESHAPES, aten.expand, aten.flatten, aten.unflatten,
       carries=(MergedShard, PartsShard))
 def _view(w: Walker, node: fx.Node) -> Placement:
     x = node.args[0]
@@ -63,7 +64,7 @@ def _view(w: Walker, node: fx.Node) -> Placement:
     if not isinstance(xp, Shard):
         return xp
     in_shape, out_shape = w.gshape[x], w.gshape[node]
-    merged = _merge_map(in_shape, out_shape, xp.dim, w.size) if packet in _SIZED_VIEWS else None
+    merged = _merge_map(in_shape, out_shape, xp.dim, w.size) if packet in RESHAPES else None
     if merged is not None:
         _local_sizes(w, node, merged[0])
         w.merged_from[node] = x
@@ -87,7 +88,7 @@ def _view(w: Walker, node: fx.Node) -> Placement:
         w.set_arg(node, 0, w.redistribute(x, R, node))
         return R
     out_dim, _ = found
-    if packet in (aten.view, aten.reshape, aten._unsafe_view):
+    if packet in RESHAPES:
         sizes = list(node.args[1])
         if sizes[out_dim] != -1:
             sizes[out_dim] //= w.size
@@ -105,7 +106,6 @@ def _moved(p: Any, dim: int) -> Any:
     return MergedShard(dim, p.outer) if isinstance(p, MergedShard) else Shard(dim)
 
 
-_SIZED_VIEWS = (aten.view, aten.reshape, aten._unsafe_view)
 
 
 def _local_sizes(w: Walker, node: fx.Node, dim: int) -> None:
@@ -138,7 +138,7 @@ def _view_merged(w: Walker, node: fx.Node, xp: MergedShard) -> Placement:
     gathers first."""
     x = node.args[0]
     in_shape, out_shape = w.gshape[x], w.gshape[node]
-    if node.target.overloadpacket in _SIZED_VIEWS:
+    if node.target.overloadpacket in RESHAPES:
         o = _out_dim_at(out_shape, math.prod(in_shape[:xp.dim]), in_shape[xp.dim])
         if o is not None:
             if out_shape[o] == in_shape[xp.dim]:

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from graphpass import meta
 from graphpass.layout import TensorLayout
-from graphpass.ops import packet as _packet
+from graphpass.ops import PARAM_VIEWS, packet as _packet
 from graphpass.passes import collectives
 from graphpass.plan import Plan
 
@@ -77,12 +77,6 @@ class MergedShard:
     outer: int
 
 
-#: Ops through which a parameter's gradient flows back whole to it (pieces and views of it).
-_PARAM_VIEWS = {operator.getitem, aten.split, aten.split_with_sizes, aten.chunk, aten.t, aten.transpose, aten.view,
-                aten.reshape, aten._unsafe_view, aten.to, aten._to_copy, aten.alias, aten.detach, aten.slice,
-                aten.unflatten, aten.flatten, aten.contiguous}
-
-
 class TensorParallelError(ValueError):
     """A model/plan combination tensor parallelism cannot shard (names module and sizes)."""
 
@@ -123,10 +117,10 @@ class Walker:
     def ndim(self, node: fx.Node) -> int:
         return len(self.gshape.get(node, ()))
 
-    def redistribute(self, value: fx.Node, dst: Placement, user: fx.Node, grad: str = "slice") -> fx.Node:
+    def redistribute(self, value: fx.Node, dst: Placement, user: fx.Node, grad: Placement | None = None) -> fx.Node:
         """``value`` converted to ``dst`` (cached per value, target and the user's pipeline stage:
         a conversion read by several stages would be a collective spanning them), inserted before
-        ``user``."""
+        ``user``; ``grad``: as :func:`graphpass.transitions.redistribution` takes it)."""
         src = self.placement(value)
         if src == dst:
             return value
@@ -134,7 +128,7 @@ class Walker:
             value, src = self.unmerge(value, user, grad), R
             if src == dst:
                 return value
-        key = (value, str(dst), grad, user.meta.get(meta.STAGE))
+        key = (value, str(dst), str(grad), user.meta.get(meta.STAGE))
         if key in self.cache:
             return self.cache[key]
         node = collectives.emit_tp_redistribute(
@@ -167,11 +161,11 @@ class Walker:
         self.inherit_grad(value, node)
         return node
 
-    def unmerge(self, value: fx.Node, user: fx.Node, grad: str = "slice") -> fx.Node:
+    def unmerge(self, value: fx.Node, user: fx.Node, grad: Placement | None = None) -> fx.Node:
         """A ``MergedShard`` value gathered whole: split the merged dim into (outer, inner) — a
         plain ``Shard`` of the inner factor —, all-gather that (its backward as ``grad`` says), and
         merge back."""
-        key = (value, "unmerge", grad)
+        key = (value, "unmerge", str(grad))
         if key not in self.cache and value in self.merged_from:
             # Made by a view of a plain shard: gather that (once for all its views) and view it.
             whole = self.redistribute(self.merged_from[value], R, user, grad)
@@ -190,7 +184,8 @@ class Walker:
             return value
         key = (value, "copy")
         if key not in self.cache:
-            node = collectives.emit_tp_copy(self.gm, value, AXIS, self.size, before=user, created_by=NAME)
+            node = collectives.emit_tp_redistribute(self.gm, value, R, R, AXIS, self.size, before=user, grad=P,
+                                                    created_by=NAME)
             self.place[node] = R
             self.gshape[node] = self.gshape.get(value, ())
             self.cache[key] = node
@@ -201,7 +196,7 @@ class Walker:
         MultiheadAttention`` splits ``in_proj_weight`` into q and kv weights in the graph) gets
         a gradient that is partial over tp."""
         while (isinstance(param, fx.Node) and param.op == "call_function" and param.args
-               and isinstance(param.args[0], fx.Node) and _packet(param) in _PARAM_VIEWS):
+               and isinstance(param.args[0], fx.Node) and _packet(param) in PARAM_VIEWS):
             param = param.args[0]
         if isinstance(param, fx.Node) and param.op == "get_attr" and meta.get(param, meta.ATTR_KIND) == "parameter":
             param.meta[meta.GRAD_PARTIAL] = AXIS
