@@ -206,16 +206,16 @@ def predict(args: argparse.Namespace, world: int, cluster: gp.Cluster) -> dict[s
         out = {}
         for name, kwargs in _rows(args, world):
             plan = planner.price(gp.Strategy(**kwargs))
-            rows = plan.breakdown
+            rows = plan.report.breakdown
             compute = sum(r["time_s"] - r["tp_comm_s"] for r in rows)
             tp = sum(r["tp_comm_s"] for r in rows)
             dp = sum(r["dp_comm_s"] for r in rows)
             out[name] = {
-                "time": plan.predicted_step_time_s,
-                "peak": plan.predicted_peak_memory_bytes,
+                "time": plan.report.predicted_step_time_s,
+                "peak": plan.report.predicted_peak_memory_bytes,
                 "compute": compute, "tp": tp, "dp": dp,
                 # On CPU nothing hides dp communication (Costing.overlap = 0): the rest is the optimizer.
-                "opt": plan.predicted_step_time_s - compute - tp - dp,
+                "opt": plan.report.predicted_step_time_s - compute - tp - dp,
                 # The two ends of backward the peak is the larger of (transients aside).
                 "start": sum(r["state_bytes"] - r["grad_bytes"] + r["held_bytes"] + r["activation_bytes"]
                              + r["loss_backward_bytes"] for r in rows),

@@ -149,12 +149,12 @@ def main(argv=None) -> None:
         try:
             planner = Planner(meta_model, make(), meta_inputs, measure_ops=(label == "profiled"))
             plan = planner.price(gp.Strategy(dp=1))
-            line = (f"RESULT planner ({label}): predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, "
-                    f"peak {plan.predicted_peak_memory_bytes / GiB:.2f} GiB")
+            line = (f"RESULT planner ({label}): predicted step {plan.report.predicted_step_time_s * 1e3:.1f} ms, "
+                    f"peak {plan.report.predicted_peak_memory_bytes / GiB:.2f} GiB")
             if "graphpass" in measured:
                 t, m = measured["graphpass"]
-                line += (f"; error vs graphpass: time {(plan.predicted_step_time_s - t) / t:+.1%}"
-                         + (f", memory {(plan.predicted_peak_memory_bytes - m) / m:+.1%}" if m else ""))
+                line += (f"; error vs graphpass: time {(plan.report.predicted_step_time_s - t) / t:+.1%}"
+                         + (f", memory {(plan.report.predicted_peak_memory_bytes - m) / m:+.1%}" if m else ""))
             print(line)
         except Exception:  # noqa: BLE001
             print(f"FAILED planner ({label}):\n{traceback.format_exc()}")

@@ -37,7 +37,7 @@ Columns:
 * ``peak rN`` and ``pred rN``: the peak bytes of live tensors during one step on rank N
   (:class:`graphpass.runtime.memory.MemoryProbe`, parameters, their gradients and the optimizer
   state as its baseline) and the planner's prediction for that stage
-  (``gp.plan(..., strategy=Strategy(...)).predicted_stage_peaks_bytes``, SGD without momentum:
+  (``gp.plan(..., strategy=Strategy(...)).report.predicted_stage_peaks_bytes``, SGD without momentum:
   no optimizer state), and their error.
 * ``max |dloss|``: the largest difference between the two sides' losses (the same model, the
   same batches: fp32 rounding only).
@@ -234,7 +234,7 @@ def _predicted(args: argparse.Namespace, schedule: str, m: int) -> tuple[int, ..
     batch = gpt_batches(args, 1)[0]
     plan = gp.plan(model, gp.Cluster.local(args.world_size), example_inputs=batch, optimizer_states=0,
                    strategy=gp.Strategy(pp=args.world_size, microbatches=m, schedule=schedule))
-    return plan.predicted_stage_peaks_bytes
+    return plan.report.predicted_stage_peaks_bytes
 
 
 def main(argv=None) -> None:

@@ -150,8 +150,8 @@ def price_baselines(planner: Planner, world: int, batch: int) -> tuple[dict[str,
             except ValueError:  # degrees that divide neither the batch nor the model
                 continue
             priced = True
-            if plan.predicted_peak_memory_bytes <= planner.budget:
-                fitting.append((plan.predicted_step_time_s, strategy.microbatches, plan))
+            if plan.report.predicted_peak_memory_bytes <= planner.budget:
+                fitting.append((plan.report.predicted_step_time_s, strategy.microbatches, plan))
         if not priced:
             continue
         fits[family][1] += 1
@@ -159,7 +159,7 @@ def price_baselines(planner: Planner, world: int, batch: int) -> tuple[dict[str,
             fits[family][0] += 1
             _, m, plan = min(fitting, key=lambda f: f[0])
             label = name + (f" m{m}" if m > 1 else "")
-            if best is None or plan.predicted_step_time_s < best[1].predicted_step_time_s:
+            if best is None or plan.report.predicted_step_time_s < best[1].report.predicted_step_time_s:
                 best = (label, plan)
     return fits, best
 
@@ -172,10 +172,10 @@ def describe(plan: Plan) -> str:
         text += f" m{plan.microbatches}"
     if plan.sequence_parallel:
         text += " sp"
-    layout = next((r.split(": ", 1)[1].split(" (")[0] for r in plan.reasons if r.startswith("tensor-parallel layout: ")), None)
+    layout = next((r.split(": ", 1)[1].split(" (")[0] for r in plan.report.reasons if r.startswith("tensor-parallel layout: ")), None)
     if layout is not None:  # the op-level planner's tp layout, not Megatron's
         text += " " + layout.replace("op-level lean", "op-lean").replace("op-level", "op")
-    counts = collections.Counter(_short(row["choice"]) for row in plan.breakdown)
+    counts = collections.Counter(_short(row["choice"]) for row in plan.report.breakdown)
     return text + " | " + ", ".join(f"{n} {c}" for c, n in counts.most_common())
 
 
@@ -226,23 +226,23 @@ def main(argv=None) -> int:
         if auto is None:
             auto_text, auto_s, peak = "no plan fits", "-", f"- /{budget:.1f}"
         else:
-            auto_text, auto_s = describe(auto), f"{auto.predicted_step_time_s:8.3f}"
-            peak = f"{auto.predicted_peak_memory_bytes / GiB:.1f}/{budget:.1f}"
+            auto_text, auto_s = describe(auto), f"{auto.report.predicted_step_time_s:8.3f}"
+            peak = f"{auto.report.predicted_peak_memory_bytes / GiB:.1f}/{budget:.1f}"
         if best is None:
             base_name, base_s, ratio_text = "none fits", "-", "-"
         else:
-            base_name, base_s = best[0], f"{best[1].predicted_step_time_s:8.3f}"
-            ratio_text = "-" if auto is None else f"{auto.predicted_step_time_s / best[1].predicted_step_time_s:6.3f}"
-        block_text = "-" if per_block is None else f"{per_block.predicted_step_time_s:9.4f}"
-        op_ratio = "-" if per_block is None else f"{auto.predicted_step_time_s / per_block.predicted_step_time_s:.5f}"
+            base_name, base_s = best[0], f"{best[1].report.predicted_step_time_s:8.3f}"
+            ratio_text = "-" if auto is None else f"{auto.report.predicted_step_time_s / best[1].report.predicted_step_time_s:6.3f}"
+        block_text = "-" if per_block is None else f"{per_block.report.predicted_step_time_s:9.4f}"
+        op_ratio = "-" if per_block is None else f"{auto.report.predicted_step_time_s / per_block.report.predicted_step_time_s:.5f}"
         print(f"{sc.label:42s} {auto_text:44s} {auto_s:>8s} {peak:>15s} {base_name:20s} {base_s:>8s} "
               f"{ratio_text:>6s}  {block_text:>9s} {op_ratio:>7s}  {_fits_text(fits)}", flush=True)
         if per_block is not None:
-            if auto.predicted_step_time_s > per_block.predicted_step_time_s * (1 + TIE_REL):
-                failures.append(f"{sc.label}: per-operator {auto.predicted_step_time_s:.6f} s > per-block "
-                                f"{per_block.predicted_step_time_s:.6f} s")
-            elif auto.predicted_step_time_s < per_block.predicted_step_time_s * (1 - TIE_REL):
-                faster.append(f"{sc.label}: {per_block.predicted_step_time_s:.6f} s -> {auto.predicted_step_time_s:.6f} s "
+            if auto.report.predicted_step_time_s > per_block.report.predicted_step_time_s * (1 + TIE_REL):
+                failures.append(f"{sc.label}: per-operator {auto.report.predicted_step_time_s:.6f} s > per-block "
+                                f"{per_block.report.predicted_step_time_s:.6f} s")
+            elif auto.report.predicted_step_time_s < per_block.report.predicted_step_time_s * (1 - TIE_REL):
+                faster.append(f"{sc.label}: {per_block.report.predicted_step_time_s:.6f} s -> {auto.report.predicted_step_time_s:.6f} s "
                               f"({describe(per_block)} -> {describe(auto)})")
         if best is None:
             if auto is not None:
@@ -253,13 +253,13 @@ def main(argv=None) -> int:
                 passed += 1
         elif auto is None:
             failures.append(f"{sc.label}: auto found no plan ({why}) but baseline {best[0]} fits")
-        elif auto.predicted_step_time_s <= best[1].predicted_step_time_s * (1 + TIE_REL):
+        elif auto.report.predicted_step_time_s <= best[1].report.predicted_step_time_s * (1 + TIE_REL):
             passed += 1
         else:
             failures.append(
-                f"{sc.label}: auto {auto.predicted_step_time_s:.4f} s ({describe(auto)}, peak "
-                f"{auto.predicted_peak_memory_bytes / GiB:.2f} GiB) > {best[0]} "
-                f"{best[1].predicted_step_time_s:.4f} s (peak {best[1].predicted_peak_memory_bytes / GiB:.2f} GiB)"
+                f"{sc.label}: auto {auto.report.predicted_step_time_s:.4f} s ({describe(auto)}, peak "
+                f"{auto.report.predicted_peak_memory_bytes / GiB:.2f} GiB) > {best[0]} "
+                f"{best[1].report.predicted_step_time_s:.4f} s (peak {best[1].report.predicted_peak_memory_bytes / GiB:.2f} GiB)"
             )
     print()
     for label in auto_only:

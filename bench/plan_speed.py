@@ -55,8 +55,8 @@ def plan_once(name: str, cluster: str, batch: int) -> dict:
     t2 = time.perf_counter()
     plan = planner.auto()
     t3 = time.perf_counter()
-    searched = next((int(m.group(1)) for r in plan.reasons if (m := re.match(r"searched (\d+) meshes", r))), -1)
-    skipped = next((int(m.group(1)) for r in plan.reasons if (m := re.search(r"; (\d+) not solved", r))), 0)
+    searched = next((int(m.group(1)) for r in plan.report.reasons if (m := re.match(r"searched (\d+) meshes", r))), -1)
+    skipped = next((int(m.group(1)) for r in plan.report.reasons if (m := re.search(r"; (\d+) not solved", r))), 0)
     return {"build": t1 - t0, "measure": t2 - t1, "search": t3 - t2, "total": t3 - t0, "meshes": searched,
             "solved": searched - skipped,
             "nodes": len(planner.profile.gm.graph.nodes), "plan": plan}
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         mesh += f" m={plan.microbatches}" + (" sp" if plan.sequence_parallel else "")
         print(f"{name:10s} {param_count(name) / 1e9:7.1f}B {r['nodes']:6d} {repeat:4d} {r['build']:6.1f} "
               f"{r['measure']:8.1f} {r['search']:7.1f} {r['total']:7.1f} {r['meshes']:7d} {r['solved']:6d}  {mesh}, "
-              f"{plan.predicted_step_time_s:.2f} s/step, {plan.predicted_peak_memory_bytes / 2**30:.1f} GiB",
+              f"{plan.report.predicted_step_time_s:.2f} s/step, {plan.report.predicted_peak_memory_bytes / 2**30:.1f} GiB",
               flush=True)
     status = 0
     if "gpt3-175b" in totals:

@@ -18,6 +18,7 @@ from typing import Any
 # later import rebinds it.
 from graphpass.capture import CaptureError, capture, reusing_captures
 from graphpass.plan import Plan, Strategy
+from graphpass.plan_report import PlanReport
 
 
 def plan(*args: Any, **kwargs: Any):
@@ -71,6 +72,7 @@ __all__ = [
     "PassError",
     "PassRecord",
     "Plan",
+    "PlanReport",
     "RankError",
     "SavedDataclass",
     "Strategy",

@@ -3,8 +3,9 @@
 A :class:`Strategy` is what a user writes: one uniform choice of degrees for the whole model
 (``Strategy(dp=4)``). A :class:`Plan` is what passes consume: the device mesh, a placement per
 node on each mesh axis (keyed by the node's stable name in the captured graph), the pipeline
-stages, and the planner's predictions. Plans round-trip through JSON, so a saved plan replays
-without solving, and tests hand-write plans to drive single passes.
+stages; its :class:`~graphpass.plan_report.PlanReport` (``Plan.report``) holds the planner's
+predictions and reasons apart from that program. Plans round-trip through JSON, so a saved plan
+replays without solving, and tests hand-write plans to drive single passes.
 
 Placements use torch's words (``torch.distributed.tensor``): ``Shard(dim)``, ``Replicate()``,
 ``Partial()``; in JSON they are those strings.
@@ -28,6 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from graphpass import meta
 from graphpass.layout import placement_from_str, placement_to_str
 from graphpass.mesh import ORDER, Mesh
+from graphpass.plan_report import PlanReport
 
 #: The only schedule names ``Strategy.schedule`` accepts (they map onto torch.distributed.pipelining).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -319,10 +321,9 @@ def _parse_placement(field: str, text: Any) -> Placement:
 
 #: Plan fields a plan's JSON must give (the rest have defaults).
 REQUIRED = ("mesh", "placements")
-#: Plan fields that are the planner's predictions and account, not the program: ``Plan.diff``
-#: and golden program texts leave them out.
-PREDICTIONS = ("predicted_step_time_s", "predicted_peak_memory_bytes", "predicted_stage_peaks_bytes", "breakdown",
-               "time_split_s", "memory_budget_bytes", "devices_per_node", "alternatives", "reasons")
+#: The Plan field that is the planner's account, not the program (``Plan.report``):
+#: ``Plan.diff`` and golden program texts leave it out.
+PREDICTIONS = ("report",)
 
 
 @dataclass(frozen=True)
@@ -350,13 +351,6 @@ class Plan:
             ``tp`` (one linear making q, k and v, or gate and up): the sizes of its parts along
             the sharded dim. Each part is sharded on its own, so rank r holds chunk r of every
             part and the split after the projection stays local (sharded by heads).
-        breakdown: the planner's per-block figures, one dict per block in order: ``block``,
-            ``stage``, ``choice`` (e.g. ``"zero-3 + recompute"``), ``time_s`` (compute and
-            tensor-parallel collectives of one step), ``tp_comm_s``, ``dp_comm_s``,
-            ``state_bytes`` (gradients included), ``activation_bytes`` (per microbatch),
-            ``transient_bytes``, ``grad_bytes`` (the gradients in ``state_bytes``), ``held_bytes``
-            (gradients held across microbatches), ``loss_backward_bytes`` (the loss's backward
-            working set, post block only).
         capacity_factor: the capacity factor ``compile`` gives every ``graphpass.nn.MoE`` layer
             before capturing (the planner's choice within the user's drop budget:
             ``gp.plan(..., capacity_factors=, max_dropped=)``); None is dropless; ``"model"``
@@ -365,20 +359,8 @@ class Plan:
             the ``ep`` group) or ``"hierarchical"`` (two-level, Tutel's 2DH: within each node,
             then one message per node pair; for ``ep`` groups spanning nodes of the cluster
             given to ``compile``). The planner picks the cheaper by its link model.
-        predicted_step_time_s: the cost model's step time, None until the planner prices it.
-        predicted_peak_memory_bytes: the cost model's per-device peak, None until priced.
-        predicted_stage_peaks_bytes: the cost model's peak on each ``pp`` rank (its stages), in
-            order; ``()`` until priced.
-        time_split_s: the predicted step split (seconds, summing to ``predicted_step_time_s``):
-            ``compute`` and ``tp_comm`` (the slowest pipeline rank's microbatches),
-            ``dp_comm_exposed`` (data-parallel communication not hidden behind backward),
-            ``optimizer`` and ``bubble`` (pipeline fill and drain); empty until priced.
-        memory_budget_bytes: the per-device budget the planner fitted the plan under.
-        devices_per_node: devices per node of the planned cluster (ranks ``n * k .. n * k + k - 1``
-            share node ``n``).
-        alternatives: the runner-up meshes and the closest that did not fit, each ``layout``,
-            ``step_time_s`` (None: not fitting), ``peak_bytes`` and ``why`` it lost.
-        reasons: human-readable lines saying why the plan is what it is (shown by ``explain``).
+        report: the planner's predictions and reasons (:class:`~graphpass.plan_report.PlanReport`;
+            empty for a plan it did not price).
     """
 
     mesh: Mesh
@@ -395,15 +377,7 @@ class Plan:
     tp_parts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     ep_all_to_all: str = "flat"
     capacity_factor: float | str | None = "model"
-    predicted_step_time_s: float | None = None
-    predicted_peak_memory_bytes: int | None = None
-    predicted_stage_peaks_bytes: tuple[int, ...] = ()
-    breakdown: tuple[Mapping[str, Any], ...] = ()
-    time_split_s: Mapping[str, float] = field(default_factory=dict)
-    memory_budget_bytes: int | None = None
-    devices_per_node: int | None = None
-    alternatives: tuple[Mapping[str, Any], ...] = ()
-    reasons: tuple[str, ...] = ()
+    report: PlanReport = field(default_factory=PlanReport)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mesh):
@@ -470,7 +444,8 @@ class Plan:
         for layer in self.recompute:
             if not _is_int(layer) or layer < 0:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
-        self._check_predictions()
+        if not isinstance(self.report, PlanReport):
+            raise ValueError(f"Plan.report must be a graphpass PlanReport, got {self.report!r}")
 
     def _check_placements(self) -> None:
         if not isinstance(self.placements, Mapping):
@@ -501,26 +476,6 @@ class Plan:
             raise ValueError(f"Plan.stages has {len(stages)} stages, which pp={self.mesh.pp} ranks cannot share "
                              "equally; give pp x virtual stages per rank")
 
-    def _check_predictions(self) -> None:
-        """The planner's figures: numbers where numbers go (``explain`` and the page print them)."""
-        for name in ("predicted_step_time_s", "predicted_peak_memory_bytes", "memory_budget_bytes"):
-            value = getattr(self, name)
-            if value is not None and not (_is_number(value) and value >= 0):
-                raise ValueError(f"Plan.{name} must be a number >= 0 or None, got {value!r}")
-        if self.devices_per_node is not None and not (_is_int(self.devices_per_node) and self.devices_per_node > 0):
-            raise ValueError(f"Plan.devices_per_node must be a positive int or None, got {self.devices_per_node!r}")
-        if not all(_is_number(p) and p >= 0 for p in self.predicted_stage_peaks_bytes):
-            raise ValueError(f"Plan.predicted_stage_peaks_bytes must be numbers >= 0, got "
-                             f"{list(self.predicted_stage_peaks_bytes)!r}")
-        if not isinstance(self.time_split_s, Mapping) or not all(
-                isinstance(k, str) and _is_number(v) for k, v in self.time_split_s.items()):
-            raise ValueError(f"Plan.time_split_s must map parts of the step to seconds, got {self.time_split_s!r}")
-        for name in ("breakdown", "alternatives"):
-            if not all(isinstance(row, Mapping) for row in getattr(self, name)):
-                raise ValueError(f"Plan.{name} must be a list of objects (one per row), got {list(getattr(self, name))!r}")
-        if not all(isinstance(r, str) for r in self.reasons):
-            raise ValueError(f"Plan.reasons must be a list of strings, got {list(self.reasons)!r}")
-
     @property
     def world_size(self) -> int:
         """Product of the mesh sizes."""
@@ -546,13 +501,9 @@ class Plan:
         data["stages"] = list(self.stages)
         data["zero"] = dict(self.zero)
         data["recompute"] = list(self.recompute)
-        data["predicted_stage_peaks_bytes"] = list(self.predicted_stage_peaks_bytes)
         data["split"] = {k: dict(v) for k, v in self.split.items()}
         data["tp_parts"] = {k: list(v) for k, v in self.tp_parts.items()}
-        data["reasons"] = list(self.reasons)
-        data["breakdown"] = [dict(row) for row in self.breakdown]
-        data["time_split_s"] = dict(self.time_split_s)
-        data["alternatives"] = [dict(row) for row in self.alternatives]
+        data["report"] = self.report.to_dict()
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -562,9 +513,11 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         """Inverse of :meth:`to_dict`: unknown keys, a missing ``mesh`` or ``placements``, and
-        values of the wrong kind are errors naming the field."""
+        values of the wrong kind are errors naming the field. A plan written before the report
+        was its own type (its predictions at the top level) loads too."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a Plan's JSON must be an object of its fields, got {type(data).__name__}")
+        data = PlanReport.take_legacy(data)
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -581,12 +534,14 @@ class Plan:
                 kwargs["strategy"] = Strategy(**kwargs["strategy"])
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"Plan.strategy: {exc}") from None
-        for name in ("stages", "reasons", "recompute", "predicted_stage_peaks_bytes", "breakdown", "alternatives"):
+        if "report" in kwargs:
+            kwargs["report"] = PlanReport.from_dict(kwargs["report"])
+        for name in ("stages", "recompute"):
             if name in kwargs:
                 if not isinstance(kwargs[name], (list, tuple)):
                     raise ValueError(f"Plan.{name} must be a list, got {kwargs[name]!r}")
                 kwargs[name] = tuple(kwargs[name])
-        for name in ("zero", "split", "tp_parts", "time_split_s"):
+        for name in ("zero", "split", "tp_parts"):
             if name in kwargs and not isinstance(kwargs[name], Mapping):
                 raise ValueError(f"Plan.{name} must be an object (a mapping), got {kwargs[name]!r}")
         kwargs["tp_parts"] = {k: tuple(v) if isinstance(v, (list, tuple)) else v
@@ -683,38 +638,8 @@ class Plan:
         lines.append(f"pipeline stages: {len(self.stages)}" + (
             f", {self.microbatches} microbatches" if self.microbatches > 1 else ""))
         lines.append(f"gradient bucket cap: {self.bucket_cap_bytes / 2**20:.1f} MiB")
-        time_s = self.predicted_step_time_s
-        mem = self.predicted_peak_memory_bytes
-        lines.append("predicted step time: " + ("not priced" if time_s is None else f"{time_s * 1e3:.2f} ms"))
-        lines.append("predicted peak memory: " + ("not priced" if mem is None else f"{mem / 2**30:.2f} GiB") + (
-            "" if self.memory_budget_bytes is None else f" of a {self.memory_budget_bytes / 2**30:.2f} GiB budget"))
-        if self.time_split_s:
-            lines.append("step time split: " + ", ".join(
-                f"{name.replace('_', ' ')} {t * 1e3:.2f} ms" for name, t in self.time_split_s.items()))
-        lines.extend(self._breakdown_lines())
-        lines.extend(f"why: {r}" for r in self.reasons)
+        lines.extend(self.report.lines())
         return "\n".join(lines)
-
-    def _breakdown_lines(self) -> list[str]:
-        """Consecutive blocks with the same stage and choice, one line each."""
-        if not self.breakdown:
-            return []
-        runs: list[list[Mapping[str, Any]]] = []
-        for row in self.breakdown:
-            if runs and (runs[-1][-1]["stage"], runs[-1][-1]["choice"]) == (row["stage"], row["choice"]):
-                runs[-1].append(row)
-            else:
-                runs.append([row])
-        lines = ["per block (stage | blocks | choice | compute+tp ms/step | tp comm ms | dp comm ms | state GiB | activations GiB):"]
-        for run in runs:
-            names = run[0]["block"] if len(run) == 1 else f"{run[0]['block']} .. {run[-1]['block']} ({len(run)})"
-            total = lambda key: sum(r[key] for r in run)  # noqa: E731
-            lines.append(
-                f"  {run[0]['stage']} | {names} | {run[0]['choice']} | {total('time_s') * 1e3:.2f} | "
-                f"{total('tp_comm_s') * 1e3:.2f} | {total('dp_comm_s') * 1e3:.2f} | "
-                f"{total('state_bytes') / 2**30:.3f} | {total('activation_bytes') / 2**30:.3f}"
-            )
-        return lines
 
     def to_html(self, path: str | os.PathLike) -> pathlib.Path:
         """Write a self-contained page of this plan (no network, no external scripts): the mesh
@@ -726,7 +651,7 @@ class Plan:
 
     def diff(self, other: "Plan") -> list[str]:
         """Lines describing how ``other``'s program differs from this plan's (empty when equal;
-        the predictions, :data:`PREDICTIONS`, are not compared)."""
+        the reports, :data:`PREDICTIONS`, are not compared)."""
         out = []
         if dict(self.mesh) != dict(other.mesh):
             out.append(f"mesh: {dict(self.mesh)} -> {dict(other.mesh)}")

@@ -17,6 +17,7 @@ from graphpass.megatron import megatron_layout
 from graphpass.experts import expert_weights
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice, Plan, Strategy
+from graphpass.plan_report import PlanReport
 from graphpass.splittable import default_split
 from graphpass.stages import stage_starts
 
@@ -103,7 +104,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         split=split,
         microbatches=microbatches,
         tp_parts=tp_parts,
-        reasons=tuple(reasons),
+        report=PlanReport(reasons=tuple(reasons)),
     )
 
 

@@ -5,7 +5,7 @@ Sections: the headline figures; the mesh with every rank on its node (coloured b
 its ``pp/dp/tp`` coordinates on hover); each pipeline stage, named by its first block (``layer
 48``); the predicted step split into compute, tensor-parallel communication, exposed
 data-parallel communication, optimizer and pipeline bubble; memory per pipeline rank against the
-budget; the blocks' choices and figures (``Plan.breakdown``), consecutive blocks with the same
+budget; the blocks' choices and figures (``Plan.report.breakdown``), consecutive blocks with the same
 stage and choice in one row as ``Plan.explain`` groups them (every block's own row folded below);
 the runner-up meshes and why they lost; the planner's reasons. Every figure carries a ``data-*``
 attribute with the exact value it shows, so a test (or a user's script) can read the page back.
@@ -67,7 +67,7 @@ def _gib(num: float) -> str:
 
 def _mesh_section(plan: Plan) -> str:
     mesh, world = plan.mesh, plan.world_size
-    per_node = plan.devices_per_node or world
+    per_node = plan.report.devices_per_node or world
     nodes = -(-world // per_node)
     rows = []
     for node in range(min(nodes, MAX_NODES_DRAWN)):
@@ -84,7 +84,7 @@ def _mesh_section(plan: Plan) -> str:
     axes = " x ".join(f"{a}={n}" for a, n in mesh.items())
     groups = "; ".join(f"{a} groups: ranks {mesh.group_ranks(a, 0)} (rank 0's)" for a in ("tp", "ep", "dp", "pp")
                        if mesh.size(a) > 1 and len(mesh.group_ranks(a, 0)) <= 16)
-    where = f"{nodes} nodes of {per_node}" if plan.devices_per_node else "nodes unknown (a plan not made by the planner)"
+    where = f"{nodes} nodes of {per_node}" if plan.report.devices_per_node else "nodes unknown (a plan not made by the planner)"
     return (f'<h2>Mesh</h2><p data-mesh="{_e(dict(mesh))}">{_e(axes)} on {world} devices, {where}. '
             f'Colour: pipeline stage (pp rank); hover a rank for its coordinates.</p>'
             f'<p class="muted">{_e(groups)}</p>{"".join(rows)}{more}')
@@ -94,7 +94,7 @@ def _stage_starts(plan: Plan) -> list[str]:
     """Where each stage starts, as a person names it: its first block (``layer 48``) from the
     breakdown, with the node that cuts there; the node alone for a plan without a breakdown."""
     first_block = {}
-    for row in plan.breakdown:
+    for row in plan.report.breakdown:
         first_block.setdefault(row["stage"], row["block"])
     starts = []
     for s, node in enumerate(plan.stages):
@@ -116,15 +116,15 @@ def _stages_section(plan: Plan) -> str:
 
 
 def _time_section(plan: Plan) -> str:
-    if not plan.predicted_step_time_s:
+    if not plan.report.predicted_step_time_s:
         return "<h2>Step time</h2><p>Not priced (give the plan to graphpass.plan to predict it).</p>"
-    if not plan.time_split_s:
-        return (f'<h2>Step time</h2><p>Predicted <b data-step-time="{plan.predicted_step_time_s!r}">'
-                f"{_ms(plan.predicted_step_time_s)}</b> per step; no split recorded (a plan saved before "
+    if not plan.report.time_split_s:
+        return (f'<h2>Step time</h2><p>Predicted <b data-step-time="{plan.report.predicted_step_time_s!r}">'
+                f"{_ms(plan.report.predicted_step_time_s)}</b> per step; no split recorded (a plan saved before "
                 "graphpass recorded one).</p>")
-    total = plan.predicted_step_time_s
+    total = plan.report.predicted_step_time_s
     bars, legend = [], []
-    for name, seconds in plan.time_split_s.items():
+    for name, seconds in plan.report.time_split_s.items():
         share = 100.0 * seconds / total
         label = name.replace("_", " ")
         bars.append(f'<div style="width:{share:.3f}%;background:{_SPLIT_COLOURS.get(name, "#999")}" '
@@ -136,11 +136,11 @@ def _time_section(plan: Plan) -> str:
 
 
 def _memory_section(plan: Plan) -> str:
-    peaks = list(plan.predicted_stage_peaks_bytes) or (
-        [plan.predicted_peak_memory_bytes] if plan.predicted_peak_memory_bytes else [])
+    peaks = list(plan.report.predicted_stage_peaks_bytes) or (
+        [plan.report.predicted_peak_memory_bytes] if plan.report.predicted_peak_memory_bytes else [])
     if not peaks:
         return "<h2>Memory</h2><p>Not priced.</p>"
-    budget = plan.memory_budget_bytes
+    budget = plan.report.memory_budget_bytes
     scale = max([*peaks, budget or 0])
     rows = []
     for r, peak in enumerate(peaks):
@@ -175,9 +175,9 @@ def _runs(breakdown) -> list[list[int]]:
 
 
 def _blocks_section(plan: Plan) -> str:
-    if not plan.breakdown:
+    if not plan.report.breakdown:
         return "<h2>Blocks</h2><p>No per-block figures (the plan was not priced).</p>"
-    blocks = plan.breakdown
+    blocks = plan.report.breakdown
     # One row per run of equal blocks (a 96-layer model is a handful of rows), their figures summed;
     # every block's own row below, folded.
     grouped = []
@@ -214,22 +214,22 @@ def _blocks_section(plan: Plan) -> str:
 
 
 def _alternatives_section(plan: Plan) -> str:
-    if not plan.alternatives:
+    if not plan.report.alternatives:
         return ""
     rows = "".join(
         f'<tr data-alternative="{i}"><td class="l">{_e(a["layout"])}</td>'
         f'<td>{"-" if a["step_time_s"] is None else _ms(a["step_time_s"])}</td><td>{_gib(a["peak_bytes"])}</td>'
-        f'<td class="l">{_e(a["why"])}</td></tr>' for i, a in enumerate(plan.alternatives))
+        f'<td class="l">{_e(a["why"])}</td></tr>' for i, a in enumerate(plan.report.alternatives))
     return ('<h2>Runner-up meshes</h2><table><tr><th class=l>mesh</th><th>step</th><th>peak</th>'
             f'<th class=l>why not</th></tr>{rows}</table>')
 
 
 def render(plan: Plan) -> str:
     """The page's HTML text."""
-    time_s, peak = plan.predicted_step_time_s, plan.predicted_peak_memory_bytes
+    time_s, peak = plan.report.predicted_step_time_s, plan.report.predicted_peak_memory_bytes
     summary = (f"{_e(plan.mesh)} on {plan.world_size} devices"
                + (f", {_ms(time_s)} per step" if time_s else "") + (f", peak {_gib(peak)}" if peak else ""))
-    reasons = "".join(f"<li>{_e(r)}</li>" for r in plan.reasons)
+    reasons = "".join(f"<li>{_e(r)}</li>" for r in plan.report.reasons)
     body = "".join((
         f"<h1>graphpass plan: {summary}</h1>",
         _mesh_section(plan), _stages_section(plan), _time_section(plan), _memory_section(plan),

@@ -343,8 +343,8 @@ def memory_problem(plan: Plan, memory_bytes: int | None, held_bytes: int) -> str
     rank holds) exceeds the device's memory."""
     if memory_bytes is None:
         return None
-    if plan.predicted_peak_memory_bytes is not None:
-        need, what = plan.predicted_peak_memory_bytes, "the plan's predicted peak memory"
+    if plan.report.predicted_peak_memory_bytes is not None:
+        need, what = plan.report.predicted_peak_memory_bytes, "the plan's predicted peak memory"
     else:
         need, what = 2 * held_bytes, "this rank's parameters and their gradients"
     if need <= memory_bytes:

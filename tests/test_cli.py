@@ -81,9 +81,9 @@ def test_plan_gpt3_175b_on_1024_h100s_prints_the_plan_table(tmp_path, capsys):
     assert "175B parameters, bf16, batch 1536x2048 on" in out and "(1024 devices)" in out
     assert "per block (stage | blocks | choice" in out and "predicted step time:" in out
     plan = gp.Plan.from_json(out_json.read_text())
-    assert plan.world_size == 1024 and plan.memory_budget_bytes == 70 * 2**30
-    assert plan.predicted_peak_memory_bytes <= 70 * 2**30 and plan.devices_per_node == 8
-    assert f"{plan.predicted_step_time_s * 1e3:.2f} ms" in out
+    assert plan.world_size == 1024 and plan.report.memory_budget_bytes == 70 * 2**30
+    assert plan.report.predicted_peak_memory_bytes <= 70 * 2**30 and plan.report.devices_per_node == 8
+    assert f"{plan.report.predicted_step_time_s * 1e3:.2f} ms" in out
     assert 'data-budget="75161927680"' in (tmp_path / "plan.html").read_text()
 
 

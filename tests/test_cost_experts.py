@@ -75,7 +75,7 @@ def test_ep_shards_the_experts_state_and_pays_the_exchange_on_the_ep_group(plann
     # The experts' weights, gradients and Adam state (bf16 + bf16 + 12 bytes per element) fall
     # from all of them to 1/8 on each rank.
     experts = layer.expert_params * (2 + 2 + 12)
-    state = {p: {r["block"]: r["state_bytes"] for r in plan.breakdown} for p, plan in (("dp", dp), ("ep", ep))}
+    state = {p: {r["block"]: r["state_bytes"] for r in plan.report.breakdown} for p, plan in (("dp", dp), ("ep", ep))}
     assert state["dp"]["layer 0"] - state["ep"]["layer 0"] == pytest.approx(experts * 7 / 8, rel=1e-6)
     # Each microbatch: counts, dispatch and combine forward, dispatch and combine backward, each
     # an all-to-all over the 8 ranks priced by the collective formula (plus the link's sync, as
@@ -89,7 +89,7 @@ def test_ep_shards_the_experts_state_and_pays_the_exchange_on_the_ep_group(plann
     # ... and the experts' gradient bucket (flattened and scaled: 2 writes and reads of the
     # bf16 gradients) holds 1/8 of them.
     moved -= 7 / 8 * 2 * 2 * (2 * layer.expert_params) / bandwidth
-    time = {p: {r["block"]: r["time_s"] for r in plan.breakdown} for p, plan in (("dp", dp), ("ep", ep))}
+    time = {p: {r["block"]: r["time_s"] for r in plan.report.breakdown} for p, plan in (("dp", dp), ("ep", ep))}
     assert time["ep"]["layer 0"] - time["dp"]["layer 0"] == pytest.approx(moved, rel=1e-6)
     assert TABLE["ep dispatch"].collectives and ep.mesh.ep == 8
 
@@ -110,15 +110,15 @@ def test_skewed_routing_slows_the_rank_with_the_hottest_experts(planner):
     bandwidth = cluster.device.memory_bandwidth_gbps * 1e9 * cluster.device.memory_efficiency
     more_rows = 4 * (collective_time("all_to_all", slowest * rows, ranks, cluster)
                      - collective_time("all_to_all", rows, ranks, cluster)) + 8 * (slowest - 1) * rows / bandwidth
-    extra = {r["block"]: r["time_s"] for r in skewed.breakdown}["layer 0"] - {
-        r["block"]: r["time_s"] for r in balanced.breakdown}["layer 0"]
+    extra = {r["block"]: r["time_s"] for r in skewed.report.breakdown}["layer 0"] - {
+        r["block"]: r["time_s"] for r in balanced.report.breakdown}["layer 0"]
     assert extra == pytest.approx((slowest - 1) * (forward + backward) + more_rows, rel=1e-6)
 
 
 def test_the_planner_shards_experts_when_routing_is_balanced_and_not_when_one_expert_is_hot(planner):
     chosen = planner.auto()
     assert chosen.mesh.ep > 1, chosen.explain()
-    assert any("ep=" in line for line in chosen.reasons)
+    assert any("ep=" in line for line in chosen.report.reasons)
     saved = planner.costing
     try:
         planner.costing = dataclasses.replace(saved, expert_loads=zipf_loads(E, 2.0))
@@ -126,7 +126,7 @@ def test_the_planner_shards_experts_when_routing_is_balanced_and_not_when_one_ex
     finally:
         planner.costing = saved
     assert skewed.mesh.ep < chosen.mesh.ep, skewed.explain()
-    assert math.isfinite(skewed.predicted_step_time_s)
+    assert math.isfinite(skewed.report.predicted_step_time_s)
 
 
 def test_expert_loads_are_checked():
@@ -170,16 +170,16 @@ def test_the_planner_chooses_a_capacity_within_the_drop_budget_and_prices_its_bo
                      max_dropped=0.05)
     chosen = capped.auto()
     assert chosen.capacity_factor == choose_capacity(loads, (1.0, 1.5, 2.0, 3.0, None), 0.05, E) == 3.0
-    assert any(r.startswith("capacity factor 3:") for r in chosen.reasons), chosen.reasons
+    assert any(r.startswith("capacity factor 3:") for r in chosen.report.reasons), chosen.report.reasons
     # (the hottest expert gets 1/H_8 = 36.8% of the rows: 2.0 keeps 25% of them and would drop
     # 11.8%, 3.0 keeps 37.5%.) A capacity that drops bounds the slowest rank: ep 8 at 2.0 is priced
     # below ep 8 dropless.
     saved = planner.costing
     try:
         planner.costing = dataclasses.replace(saved, expert_loads=loads)
-        dropless = planner.price(gp.Strategy(dp=8, ep=8)).predicted_step_time_s
+        dropless = planner.price(gp.Strategy(dp=8, ep=8)).report.predicted_step_time_s
         planner.costing = dataclasses.replace(saved, expert_loads=loads, capacity_factor=2.0)
-        at_two = planner.price(gp.Strategy(dp=8, ep=8)).predicted_step_time_s
+        at_two = planner.price(gp.Strategy(dp=8, ep=8)).report.predicted_step_time_s
     finally:
         planner.costing = saved
     assert at_two < dropless

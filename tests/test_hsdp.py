@@ -137,7 +137,7 @@ def test_the_planner_offers_hsdp_where_dp_spans_nodes_and_prices_both_levels():
     flat = planner.price(gp.Strategy(dp=32, zero=3))
     nodes = planner.price(gp.Strategy(dp=32, zero=3, dp_shard=8))
     assert nodes.mesh == Mesh({"dp": 32, "dp_shard": 8})
-    dp_s = [sum(row["dp_comm_s"] for row in p.breakdown) for p in (flat, nodes)]
+    dp_s = [sum(row["dp_comm_s"] for row in p.report.breakdown) for p in (flat, nodes)]
     assert dp_s[1] < dp_s[0], dp_s
-    state = [sum(row["state_bytes"] for row in p.breakdown) for p in (flat, nodes)]
+    state = [sum(row["state_bytes"] for row in p.report.breakdown) for p in (flat, nodes)]
     assert 3.0 < state[1] / state[0] < 4.5, state

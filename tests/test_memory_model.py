@@ -73,7 +73,7 @@ CASES = {
 def test_predicted_peak_is_the_runtimes_peak(rank_pool, world_size):
     planner = Planner(_model(), gp.Cluster.local(world_size), _batches(1)[0], optimizer_states=2)
     for kwargs in CASES[world_size]:
-        predicted = planner.price(gp.Strategy(**kwargs)).predicted_peak_memory_bytes
+        predicted = planner.price(gp.Strategy(**kwargs)).report.predicted_peak_memory_bytes
         measured = rank_pool(world_size).run(_measured_peak, kwargs)
         # Every rank holds the same shapes; what differs between them, and what the planner does
         # not see, are kilobytes of ~10 MiB: loss scalars, index tensors, collectives' small
@@ -103,7 +103,7 @@ def test_zoo_gpt_peak_matches_on_one_rank():
     """The same check on the test zoo's GPT without any parallelism (one process, no launch)."""
     data = zoo.batches("gpt", 3)
     planner = Planner(zoo.build("gpt"), gp.Cluster.local(1), data[0], optimizer_states=2)
-    predicted = planner.price(gp.Strategy()).predicted_peak_memory_bytes
+    predicted = planner.price(gp.Strategy()).report.predicted_peak_memory_bytes
     assert predicted == pytest.approx(_step_peak(zoo.build("gpt"), data, gp.Strategy()), rel=0.01)
 
 
@@ -117,7 +117,7 @@ def test_a_backward_that_cannot_be_simulated_is_said_and_planning_goes_on(monkey
     with caplog.at_level("WARNING", logger="graphpass.planner"):
         planner = Planner(_model(), gp.Cluster.local(2), _batches(1)[0], optimizer_states=2)
     assert set(planner.profile.backward_bytes.values()) == {0.0}
-    assert planner.price(gp.Strategy(dp=2)).predicted_peak_memory_bytes > 0
+    assert planner.price(gp.Strategy(dp=2)).report.predicted_peak_memory_bytes > 0
     assert any("could not be simulated" in r.getMessage() and "no fake backward" in r.getMessage()
                for r in caplog.records)
 
@@ -142,5 +142,5 @@ def test_predicted_peak_of_per_operator_choices_is_the_runtimes_peak(rank_pool):
     measured = rank_pool(2).run(_measured_peak_of, plan)
     for peak in measured:
         # As for the uniform strategies above: 1%.
-        assert plan.predicted_peak_memory_bytes == pytest.approx(peak, rel=0.01), (
-            plan.predicted_peak_memory_bytes / 2**20, peak / 2**20)
+        assert plan.report.predicted_peak_memory_bytes == pytest.approx(peak, rel=0.01), (
+            plan.report.predicted_peak_memory_bytes / 2**20, peak / 2**20)

@@ -195,8 +195,8 @@ def test_planner_takes_the_op_level_layout_only_where_it_is_faster():
     # it and the per-block plan has none; the op-level layout pairs the hidden linears and the
     # search keeps it (by how much is bench/plan_quality.py's figure, not this test's).
     assert auto.mesh.tp > 1 and per_block.mesh.tp == 1
-    assert any("tensor-parallel layout: op-level" in r for r in auto.reasons)
-    assert any("tp=8 with Megatron's layout not possible" in r for r in auto.reasons)
+    assert any("tensor-parallel layout: op-level" in r for r in auto.report.reasons)
+    assert any("tp=8 with Megatron's layout not possible" in r for r in auto.report.reasons)
     sharded = {name for name, p in auto.placements.items() if "tp" in p}
     assert {"layers_0_weight", "layers_1_weight", "layers_2_weight", "layers_3_weight"} <= sharded
     # The plan round-trips: a saved plan replays the op-level placements without solving.
@@ -285,7 +285,7 @@ def _plan_then_compile():
     # Planned for two A100s by the cost model (no timing: the preset's figures), saved, replayed.
     plan = gp.Plan.from_json(gp.plan(_wide_mlp(), "a100-80g:1x2", data[0]).to_json())
     dmodel = gp.compile(_wide_mlp(), gp.Cluster.local(), example_inputs=data[0], strategy=plan)
-    return plan.reasons, zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
+    return plan.report.reasons, zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
 
 
 @pytest.mark.timeout(300)

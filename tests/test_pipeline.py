@@ -158,7 +158,7 @@ def test_auto_runs_the_pipeline_the_planner_picks_under_a_tight_memory_budget(ra
     assert len(plans) == 1
     plan = Plan.from_json(plans.pop())
     assert plan.mesh.pp == 2 and len(plan.stages) == 2 and plan.schedule == "1f1b", plan.explain()
-    assert plan.predicted_peak_memory_bytes <= 2.8e6 and len(plan.predicted_stage_peaks_bytes) == 2
+    assert plan.report.predicted_peak_memory_bytes <= 2.8e6 and len(plan.report.predicted_stage_peaks_bytes) == 2
     for rank, (losses, state, _) in enumerate(results):
         zoo.assert_matches_reference(f"auto pp rank {rank}", losses, state, ref_losses, ref_state, rtol=RTOL, atol=ATOL)
 

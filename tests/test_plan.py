@@ -43,16 +43,27 @@ def test_plan_json_round_trip_and_explain():
         mesh={"dp": 4},
         placements={"idx": {"dp": "Shard(0)"}, "wte_weight": {"dp": "Replicate()"}, "loss": {"dp": "Partial(avg)"}},
         strategy=gp.Strategy(dp=4),
-        predicted_step_time_s=0.0125,
-        reasons=("because",),
+        report=gp.PlanReport(predicted_step_time_s=0.0125, reasons=("because",)),
     )
     again = gp.Plan.from_json(plan.to_json())
-    assert again == plan
+    assert again == plan and json.loads(plan.to_json())["report"]["reasons"] == ["because"]
     assert again.diff(plan) == []
     text = plan.explain()
     assert "mesh: dp=4 (4 devices)" in text and "12.50 ms" in text and "why: because" in text
     assert plan.placement("idx", "dp") == Shard(0)
     assert plan.placement("unmentioned", "dp") == Replicate()
+
+
+def test_a_plan_saved_before_the_report_was_its_own_type_still_loads():
+    """Saved plans and golden files keep the predictions at the plan's top level."""
+    plan = gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Shard(0)"}},
+                   report=gp.PlanReport(predicted_step_time_s=0.5, predicted_stage_peaks_bytes=(7,),
+                                        breakdown=({"block": "pre"},), reasons=("r",)))
+    data = plan.to_dict()
+    legacy = {**{k: v for k, v in data.items() if k != "report"}, **data["report"]}
+    again = gp.Plan.from_json(json.dumps(legacy))
+    assert again == plan and again.report.predicted_stage_peaks_bytes == (7,)
+    assert gp.Plan.from_dict({"mesh": {"dp": 2}, "placements": {}}).report == gp.PlanReport()
 
 
 def test_plan_diff_names_changed_nodes():
@@ -150,10 +161,15 @@ _DROP = object()
     ({"ep_all_to_all": "hierarchical"}, r"Plan.ep_all_to_all='hierarchical' .* no 'ep' axis"),
     ({"recompute": 3}, r"Plan.recompute must be a list, got 3"),
     ({"recompute": [True]}, r"Plan.recompute entries must be layer indices >= 0, got True"),
-    ({"predicted_step_time_s": "fast"}, r"Plan.predicted_step_time_s must be a number >= 0 or None, got 'fast'"),
-    ({"devices_per_node": 0}, r"Plan.devices_per_node must be a positive int or None, got 0"),
-    ({"time_split_s": {"compute": "1 ms"}}, r"Plan.time_split_s must map parts of the step to seconds"),
-    ({"reasons": [1]}, r"Plan.reasons must be a list of strings"),
+    ({"report": {"predicted_step_time_s": "fast"}},
+     r"Plan.report.predicted_step_time_s must be a number >= 0 or None, got 'fast'"),
+    ({"report": {"devices_per_node": 0}}, r"Plan.report.devices_per_node must be a positive int or None, got 0"),
+    ({"report": {"time_split_s": {"compute": "1 ms"}}}, r"Plan.report.time_split_s must map parts of the step to seconds"),
+    ({"report": {"reasons": [1]}}, r"Plan.report.reasons must be a list of strings"),
+    ({"report": {"speed": 1}}, r"unknown Plan.report fields \['speed'\]"),
+    # a plan written before the report was its own type: its predictions at the top level
+    ({"predicted_step_time_s": "fast"}, r"Plan.report.predicted_step_time_s must be a number >= 0 or None"),
+    ({"reasons": ["a"], "report": {}}, r"gives \['reasons'\] both at its top level and in 'report'"),
 ])
 def test_plan_json_is_validated_at_load_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):

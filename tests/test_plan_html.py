@@ -99,18 +99,18 @@ def planned():
 def _check_figures(plan: gp.Plan, found: list[dict[str, str]]) -> None:
     """The page's data-* figures (in document order) are ``plan``'s own."""
     (step,) = [e for e in found if "data-step-time" in e]
-    assert float(step["data-step-time"]) == plan.predicted_step_time_s
+    assert float(step["data-step-time"]) == plan.report.predicted_step_time_s
     split = {e["data-time"]: float(e["data-value"]) for e in found if "data-time" in e}
-    assert split == dict(plan.time_split_s)
-    assert sum(split.values()) == pytest.approx(plan.predicted_step_time_s, rel=1e-9)
+    assert split == dict(plan.report.time_split_s)
+    assert sum(split.values()) == pytest.approx(plan.report.predicted_step_time_s, rel=1e-9)
     assert split["bubble"] > 0  # 2 stages, 4 microbatches: (p - 1) stage times idle
     peaks = [int(e["data-value"]) for e in found if "data-peak" in e]
-    assert peaks == list(plan.predicted_stage_peaks_bytes) and len(peaks) == 2
+    assert peaks == list(plan.report.predicted_stage_peaks_bytes) and len(peaks) == 2
     (budget,) = [int(e["data-budget"]) for e in found if "data-budget" in e]
-    assert budget == plan.memory_budget_bytes == int(0.9 * 80 * 2**30)
+    assert budget == plan.report.memory_budget_bytes == int(0.9 * 80 * 2**30)
     cells = [e for e in found if "data-key" in e]
-    assert len(cells) == 5 * len(plan.breakdown)
-    for i, row in enumerate(plan.breakdown):
+    assert len(cells) == 5 * len(plan.report.breakdown)
+    for i, row in enumerate(plan.report.breakdown):
         for cell in cells[5 * i: 5 * i + 5]:
             assert float(cell["data-value"]) == row[cell["data-key"]], (i, cell)
     ranks = [e for e in found if "data-rank" in e]
@@ -124,7 +124,7 @@ def test_the_plan_page_is_self_contained_and_shows_the_plans_figures(planned, tm
     assert "http://" not in text and "https://" not in text and "src=" not in text  # self-contained
     _check_figures(plan, _parse(text))
     alternatives = [e for e in _parse(auto.to_html(tmp_path / "auto.html").read_text()) if "data-alternative" in e]
-    assert len(alternatives) == len(auto.alternatives) >= 1
+    assert len(alternatives) == len(auto.report.alternatives) >= 1
 
 
 @pytest.mark.parametrize("browser", _browsers())
@@ -140,7 +140,7 @@ def test_the_plan_page_renders_in_a_browser_without_console_messages(browser, pl
 
     auto_dom, auto_console, _ = _browse(browser, auto.to_html(tmp_path / "auto.html"), tmp_path)
     assert not auto_console, auto_console
-    assert len([e for e in _parse(auto_dom) if "data-alternative" in e]) == len(auto.alternatives) >= 1
+    assert len([e for e in _parse(auto_dom) if "data-alternative" in e]) == len(auto.report.alternatives) >= 1
 
 
 @pytest.mark.parametrize("browser", _browsers())

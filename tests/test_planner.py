@@ -121,7 +121,7 @@ def test_zero_state_matches_the_paper(small_planner):
     psi = sum(p.numel() for p in build(SMALL).parameters())
     for zero in (0, 1, 2, 3):
         plan = small_planner.price(gp.Strategy(dp=8, zero=zero))
-        state = sum(row["state_bytes"] for row in plan.breakdown)
+        state = sum(row["state_bytes"] for row in plan.report.breakdown)
         # Stages 1/2 as graphpass runs them (the transition table): each rank keeps its 1/N
         # shard of the bf16 weights between steps and holds the gathered weights through the
         # step, so 2Ψ/N above the paper's 2Ψ.
@@ -130,7 +130,7 @@ def test_zero_state_matches_the_paper(small_planner):
     # Tensor parallelism divides the sharded weights (everything but norms, biases of row
     # linears and positions) by t.
     plan = small_planner.price(gp.Strategy(dp=4, tp=2))
-    state = sum(row["state_bytes"] for row in plan.breakdown)
+    state = sum(row["state_bytes"] for row in plan.report.breakdown)
     assert 16 * psi / 2 < state < 16 * psi * 0.55
 
 
@@ -193,14 +193,14 @@ def test_pipeline_pricing_charges_the_bubble(small_planner):
     one = small_planner.price(gp.Strategy(dp=1, pp=1, tp=8))
     two = small_planner.price(gp.Strategy(dp=1, pp=2, tp=4, microbatches=4))
     assert len(two.stages) == 2 and two.microbatches == 4
-    assert two.predicted_step_time_s > 0 and one.predicted_step_time_s > 0
+    assert two.report.predicted_step_time_s > 0 and one.report.predicted_step_time_s > 0
 
 
 # ------------------------------------------------------------------------------ rediscovery
 
 
 def _summary(plan):
-    choices = {row["choice"] for row in plan.breakdown}
+    choices = {row["choice"] for row in plan.report.breakdown}
     return {
         "mesh": dict(plan.mesh),
         "zero": {int(c.split("zero-")[1][0]) for c in choices if "zero-" in c} or {0},
@@ -216,8 +216,8 @@ def test_rediscovers_dp_then_sharding_then_tp_pp_and_recompute(planner_13b):
     budgets = [36, 12, 8]
     plans = {g: planner_13b.auto(memory_budget=f"{g}GiB") for g in budgets}
     for g, plan in plans.items():  # never a plan over budget
-        assert plan.predicted_peak_memory_bytes <= g * GiB, (g, plan.explain())
-    times = [plans[g].predicted_step_time_s for g in budgets]
+        assert plan.report.predicted_peak_memory_bytes <= g * GiB, (g, plan.explain())
+    times = [plans[g].report.predicted_step_time_s for g in budgets]
     assert times == sorted(times), "a tighter budget can only cost time"
     ample = _summary(plans[36])
     assert ample["mesh"].get("pp", 1) == 1 and not ample["recompute"]
@@ -241,10 +241,10 @@ def test_wide_layers_on_single_gpu_nodes_rediscover_osdp_splitting():
     slices gathered one at a time is what shrinks it, and the planner reaches for it."""
     cfg = GPTConfig(vocab_size=32768, block_size=256, n_layer=8, n_head=64, n_embd=8192, dropout=0.0, bias=False)
     planner = Planner(_meta(cfg), "a100-40g:8x1", example_inputs(cfg, batch=16, device="meta"))
-    peak = planner.auto().predicted_peak_memory_bytes
+    peak = planner.auto().report.predicted_peak_memory_bytes
     plans = [planner.auto(memory_budget=int(peak * f)) for f in (0.9, 0.85)]
     for f, plan in zip((0.9, 0.85), plans):
-        assert plan.predicted_peak_memory_bytes <= peak * f, plan.explain()
+        assert plan.report.predicted_peak_memory_bytes <= peak * f, plan.explain()
         assert "tp" not in dict(plan.mesh)
     assert any(_summary(plan)["split"] and 3 in _summary(plan)["zero"] for plan in plans)
 
@@ -252,9 +252,9 @@ def test_wide_layers_on_single_gpu_nodes_rediscover_osdp_splitting():
 def test_ample_memory_is_data_parallel_and_tightening_adds_sharding(small_planner):
     ample = _summary(small_planner.auto())
     assert ample["mesh"] == {"dp": 8} and ample["zero"] <= {0, 1, 2} and not ample["recompute"]
-    peak = small_planner.auto().predicted_peak_memory_bytes
+    peak = small_planner.auto().report.predicted_peak_memory_bytes
     tighter = small_planner.auto(memory_budget=int(peak * 0.8))
-    assert tighter.predicted_peak_memory_bytes <= peak * 0.8
+    assert tighter.report.predicted_peak_memory_bytes <= peak * 0.8
     s = _summary(tighter)
     assert 3 in s["zero"] or s["split"] or s["recompute"] or s["mesh"].get("tp", 1) > 1 or s["m"] > 1
 
@@ -276,18 +276,18 @@ def test_on_gloo_ample_memory_is_unsharded_and_the_budget_walks_the_known_strate
     ample = planner.auto()
     summary = _summary(ample)
     assert (summary["zero"], summary["split"], summary["recompute"]) == ({0}, False, False), ample.explain()
-    assert all(row["choice"] == "dp" for row in ample.breakdown)
+    assert all(row["choice"] == "dp" for row in ample.report.breakdown)
     # Predicted figures of the cost model (a pinned cluster, no search time limit): the same on
     # any machine, no wall time involved.
     dp4 = planner.price(gp.Strategy(dp=4))
-    assert ample.predicted_step_time_s <= dp4.predicted_step_time_s < 1.1 * ample.predicted_step_time_s, ample.explain()
-    peak, seen, times = dp4.predicted_peak_memory_bytes, [], []  # budgets below plain data parallelism's peak
+    assert ample.report.predicted_step_time_s <= dp4.report.predicted_step_time_s < 1.1 * ample.report.predicted_step_time_s, ample.explain()
+    peak, seen, times = dp4.report.predicted_peak_memory_bytes, [], []  # budgets below plain data parallelism's peak
     for fraction in (0.6, 0.4, 0.3, 0.2):
         plan = planner.auto(memory_budget=int(peak * fraction))
-        assert plan.predicted_peak_memory_bytes <= peak * fraction, plan.explain()
-        times.append(plan.predicted_step_time_s)
+        assert plan.report.predicted_peak_memory_bytes <= peak * fraction, plan.explain()
+        times.append(plan.report.predicted_step_time_s)
         seen.append(_summary(plan))
-    assert times == sorted(times) and times[0] >= ample.predicted_step_time_s
+    assert times == sorted(times) and times[0] >= ample.report.predicted_step_time_s
     assert any(s["m"] > 1 or s["zero"] != {0} for s in seen)  # accumulation or sharding first
     assert any(s["mesh"].get("pp", 1) > 1 or s["mesh"].get("tp", 1) > 1 for s in seen)
     assert seen[-1]["recompute"] or seen[-1]["mesh"].get("pp", 1) == 4  # the tightest needs both ends
@@ -306,9 +306,9 @@ def test_a_tiny_model_is_latency_bound_and_gets_plain_data_parallelism():
 
 def test_explain_prices_the_uniform_strategies_on_the_chosen_mesh(small_planner):
     plan = small_planner.auto()
-    line = next(r for r in plan.reasons if r.startswith("same mesh, uniform: "))
+    line = next(r for r in plan.report.reasons if r.startswith("same mesh, uniform: "))
     dp = small_planner.price(gp.Strategy(dp=8))
-    assert f"dp {dp.predicted_step_time_s * 1e3:.2f} ms" in line and "zero-3 " in line
+    assert f"dp {dp.report.predicted_step_time_s * 1e3:.2f} ms" in line and "zero-3 " in line
 
 
 def test_auto_is_never_slower_than_a_uniform_strategy_that_fits(small_planner):
@@ -316,8 +316,8 @@ def test_auto_is_never_slower_than_a_uniform_strategy_that_fits(small_planner):
     for strategy in [gp.Strategy(dp=8), gp.Strategy(dp=8, zero=3), gp.Strategy(dp=4, tp=2),
                      gp.Strategy(dp=2, tp=4, recompute=True), gp.Strategy(dp=4, pp=2, microbatches=2)]:
         plan = small_planner.price(strategy)
-        assert plan.predicted_peak_memory_bytes <= small_planner.budget
-        assert auto.predicted_step_time_s <= plan.predicted_step_time_s * (1 + 1e-9), strategy
+        assert plan.report.predicted_peak_memory_bytes <= small_planner.budget
+        assert auto.report.predicted_step_time_s <= plan.report.predicted_step_time_s * (1 + 1e-9), strategy
 
 
 def test_plan_round_trips_and_explains(small_planner):
@@ -325,7 +325,7 @@ def test_plan_round_trips_and_explains(small_planner):
     assert gp.Plan.from_json(plan.to_json()) == plan
     text = plan.explain()
     assert "predicted step time" in text and "per block" in text and "why: chosen" in text
-    assert len(plan.breakdown) == SMALL.n_layer + 2  # pre, 4 layers, post
+    assert len(plan.report.breakdown) == SMALL.n_layer + 2  # pre, 4 layers, post
 
 
 def test_identical_layers_cluster_into_one_ilp(monkeypatch):
@@ -385,7 +385,7 @@ def test_bad_input_errors():
 
 def test_a_priced_strategy_that_does_not_fit_says_so(small_planner):
     plan = small_planner.price(gp.Strategy(dp=8), memory_budget="64MiB")
-    assert any("does NOT fit" in r for r in plan.reasons)
+    assert any("does NOT fit" in r for r in plan.report.reasons)
     assert plan.strategy == gp.Strategy(dp=8)
 
 
@@ -397,15 +397,15 @@ def test_zero_bubble_is_priced_with_its_smaller_bubble_and_its_deferred_weight_g
     assert zero_bubble.schedule == "zero_bubble" and zero_bubble.stages == one_f_one_b.stages
     # Predictions of the cost model on a preset cluster (meta tensors, nothing measured or timed):
     # deterministic, whatever the machine running the test.
-    assert zero_bubble.predicted_step_time_s < one_f_one_b.predicted_step_time_s
-    assert zero_bubble.predicted_stage_peaks_bytes[0] == pytest.approx(one_f_one_b.predicted_stage_peaks_bytes[0])
-    assert zero_bubble.predicted_stage_peaks_bytes[1] > one_f_one_b.predicted_stage_peaks_bytes[1]
+    assert zero_bubble.report.predicted_step_time_s < one_f_one_b.report.predicted_step_time_s
+    assert zero_bubble.report.predicted_stage_peaks_bytes[0] == pytest.approx(one_f_one_b.report.predicted_stage_peaks_bytes[0])
+    assert zero_bubble.report.predicted_stage_peaks_bytes[1] > one_f_one_b.report.predicted_stage_peaks_bytes[1]
 
 
 def test_compile_takes_a_3d_pipeline_plan_and_refuses_an_unbuilt_schedule(small_planner):
     plan = small_planner.price(gp.Strategy(dp=2, tp=2, pp=2, microbatches=2))
     assert resolve_strategy(plan, 8)[1] is plan  # what compile calls first with a given Plan
-    assert len(plan.stages) == 2 and plan.stages[0] == "*" and len(plan.predicted_stage_peaks_bytes) == 2
+    assert len(plan.stages) == 2 and plan.stages[0] == "*" and len(plan.report.predicted_stage_peaks_bytes) == 2
     with pytest.raises(NotImplementedError, match="Plan.schedule='zero_bubble' with Plan.dp=2 is not implemented yet"):
         resolve_strategy(dataclasses.replace(plan, schedule="zero_bubble"), 8)
 
@@ -432,7 +432,7 @@ def test_compile_auto_plans_once_and_matches_one_process(rank_pool, world_size):
     plans = {plan for _, _, plan in results}
     assert len(plans) == 1
     plan = gp.Plan.from_json(plans.pop())
-    assert plan.predicted_step_time_s > 0 and plan.world_size == world_size
+    assert plan.report.predicted_step_time_s > 0 and plan.world_size == world_size
     for rank, (losses, state, _) in enumerate(results):
         zoo.assert_matches_reference(f"auto rank {rank}/{world_size}", losses, state, ref_losses, ref_state,
                                      rtol=1e-5, atol=1e-6)
@@ -473,7 +473,7 @@ def test_a_cnn_is_never_offered_a_tensor_parallel_layout_that_shards_no_compute(
     planner = Planner(zoo.build("resnet"), gp.Cluster.local(2), zoo.batches("resnet", 1, 32)[0])
     plan = planner.auto()
     assert plan.mesh.get("tp", 1) == 1
-    assert any("tp=2 would shard only 0% of the compute" in r for r in plan.reasons)
+    assert any("tp=2 would shard only 0% of the compute" in r for r in plan.report.reasons)
     with pytest.raises(ValueError, match="would shard only"):
         planner.price(gp.Strategy(tp=2))
 
@@ -574,7 +574,7 @@ def test_each_blocking_collective_pays_the_links_measured_synchronisation_cost()
             blocking += sum(1 for b in blocks if b.params)  # one re-gather per gather group
         if strategy.mesh.get("dp", 1) > 1:
             blocking += 1  # the end of backward
-        extra = synced.price(strategy).predicted_step_time_s - plain.price(strategy).predicted_step_time_s
+        extra = synced.price(strategy).report.predicted_step_time_s - plain.price(strategy).report.predicted_step_time_s
         assert blocking > 0
         assert extra == pytest.approx(blocking * sync, rel=1e-6), strategy
 
@@ -680,7 +680,7 @@ def _plan_together() -> list[tuple[float, int]]:
     batch = zoo.batches("gpt", 1, 8)[0]
     planner = Planner(zoo.build("gpt"), gp.Cluster.local(), batch, measure_ops=True, measure_together=True)
     plans = [planner.price(strategy) for strategy in (gp.Strategy(dp=2), gp.Strategy(tp=2))]
-    return [(plan.predicted_step_time_s, plan.predicted_peak_memory_bytes) for plan in plans]
+    return [(plan.report.predicted_step_time_s, plan.report.predicted_peak_memory_bytes) for plan in plans]
 
 
 def test_ranks_that_measure_together_get_the_same_plan(rank_pool):

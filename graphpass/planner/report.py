@@ -59,7 +59,7 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], alternatives: Sequence
 
 def _alternatives(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float]) -> list[dict]:
     """The runner-up meshes (the next three by step time) and the closest ones that do not fit,
-    each with why it lost (``Plan.alternatives``)."""
+    each with why it lost (``PlanReport.alternatives``)."""
     out = [{"layout": str(c.layout), "step_time_s": c.step_time_s, "peak_bytes": int(c.peak_memory_bytes),
             "why": f"{c.step_time_s / best.step_time_s:.2f}x slower"} for c in found[1:4]]
     out += [{"layout": mesh, "step_time_s": None, "peak_bytes": int(need), "why": "does not fit the budget"}
@@ -111,18 +111,16 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
                              microbatches=layout.microbatches, strategy=strategy, reasons=reasons,
                              tp_layout=(op_layout.placements, op_layout.parts) if op_layout is not None else None)
-    return replace(
-        base,
-        stages=stages,
+    report = replace(
+        base.report,
         predicted_step_time_s=cand.step_time_s,
         predicted_peak_memory_bytes=int(cand.peak_memory_bytes),
         predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
-        schedule=layout.schedule,
-        ep_all_to_all=S.ep_all_to_all(blocks, layout, costing),
-        capacity_factor=capacity_factor,
         breakdown=tuple(breakdown),
         time_split_s=time_split,
         memory_budget_bytes=int(costing.memory_limit_bytes),
         devices_per_node=costing.cluster.devices_per_node,
         alternatives=tuple(alternatives),
     )
+    return replace(base, stages=stages, schedule=layout.schedule, ep_all_to_all=S.ep_all_to_all(blocks, layout, costing),
+                   capacity_factor=capacity_factor, report=report)
