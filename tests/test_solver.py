@@ -13,7 +13,7 @@ import pytest
 from graphpass.cost import solver as S
 from graphpass.cost.solver import Edge, InfeasibleError, Node, Problem, evaluate, heuristic, solve
 # The internals under test, and the settings patched, are reached in the module that looks them up.
-from graphpass.cost.solver import driver, lagrangian, local_search, message_passing, milp, reductions, windows
+from graphpass.cost.solver import driver, ilp, lagrangian, local_search, message_passing, milp, reductions, windows
 from graphpass.cost.solver.problem import _steps, _validate
 
 
@@ -178,11 +178,11 @@ def test_marginal_constraints_make_edge_variables_integral():
     rng = random.Random(3)
     p = random_problem(rng, num_nodes=8, num_strategies=4, limit_frac=0.3, extra_edges=4)
     red = reductions._reduce(p, eliminate=False)
-    model, x, y = milp._pywraplp_model(red)
-    assert model.Solve() == model.OPTIMAL
+    result, (x, y) = ilp.solve(milp._builder(red, {}), ilp.HIGHS, math.inf)
+    assert result.status == ilp.OPTIMAL
     assert y, "the instance should keep some edge variables"
     for ys in y.values():
-        values = [v.solution_value() for row in ys for v in row]
+        values = [result.value(v) for row in ys for v in row]
         assert all(min(abs(v), abs(v - 1)) < 1e-6 for v in values)
         assert sum(values) == pytest.approx(1)
 

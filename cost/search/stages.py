@@ -8,7 +8,9 @@ their smallest choice, times the microbatches the stage keeps in flight under 1F
 **Per-block choices** (:func:`solve_stage`): ZeRO stage 0-3 inside ``dp``, OSDP operator
 splitting (ZeRO-3 only), activation recomputation (repeated layers only), by an ILP over
 *clusters* of identical blocks: integer ``n[c, o]`` counts how many blocks of cluster ``c``
-take option ``o``, so a 96-layer model is as small a problem as a 1-layer one.
+take option ``o``, so a 96-layer model is as small a problem as a 1-layer one. It is built
+and solved through the planner's one ILP front end (:mod:`graphpass.cost.solver.ilp`, which
+also serves the op-level MILP), on SCIP (``_STAGE_BACKEND`` says why).
 
 .. math::
 
@@ -64,14 +66,17 @@ from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, 
 from graphpass.cost.search.blocks import LAYER, POST, BlockCost
 from graphpass.cost.search.layouts import Layout, local_batch
 from graphpass.cost.search.pricing import Costing, Priced, _bucket_spike, _Collectives, _dense_parts, _Prices
+from graphpass.cost.solver import ilp
 
 #: Weight of hidden data-parallel communication in the ILP objective: breaks ties between choices
 #: whose step time is equal (everything overlapped) in favour of the one that moves fewer bytes.
 _TIE_BREAK = 1e-3
-#: MILP backend of the stage ILP. SCIP, not HiGHS: HiGHS 1.12 prints a debug line to stdout from
-#: inside its MIP solver (transformNewIntegerFeasibleSolution) that no option silences, and these
-#: problems are a few dozen integer variables, where SCIP is as fast.
-_STAGE_BACKEND = "SCIP"
+#: Backend of the stage ILP. SCIP, not HiGHS: the front end silences the debug line HiGHS 1.12
+#: prints to stdout (``ilp._QuietStdout``), but HiGHS settles these near-tied ILPs differently:
+#: on bench/plan_speed.py's 31 stage ILPs it returned another assignment in 8, objectives 3e-5
+#: below to 4e-5 above SCIP's (its answers within the MIP gap, or its row tolerances, differ),
+#: so it would change plans for a 20% faster solve (0.9 s against 1.1 s over the 31).
+_STAGE_BACKEND = ilp.SCIP
 
 
 @dataclass
@@ -154,69 +159,59 @@ def partition(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, com
 def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Sequence[Sequence[tuple[Choice, Priced]]],
                 layout: Layout, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
     """The clustered stage ILP; returns block index -> option index, optimality, gap (None: infeasible)."""
-    from ortools.linear_solver import pywraplp
-
     clusters: dict[str, list[int]] = {}
     for i in indices:
         clusters.setdefault(blocks[i].signature + f"|{blocks[i].kind}", []).append(i)
-    solver = pywraplp.Solver.CreateSolver(_STAGE_BACKEND)
-    solver.SuppressOutput()
-    inf = solver.infinity()
-    m = layout.microbatches
-    limit = costing.memory_limit_bytes
-    mem_scale = 1.0 / max(limit, 1.0)
-    counts, used = {}, {}
-    objective = solver.Objective()
-    exposed = solver.NumVar(0.0, inf, "exposed")
-    objective.SetCoefficient(exposed, 1.0)
-    comm_row = solver.Constraint(-inf, 0.0)
-    comm_row.SetCoefficient(exposed, -1.0)
-    start_row = solver.Constraint(-inf, 1.0)  # the start of backward: every activation alive
     # The end of backward: every gradient made, and the bucket being filled at its largest.
     spike = _bucket_spike(sum(max(pr.bucket_bytes for _, pr in options[i]) for i in indices), costing)
-    end_row = solver.Constraint(-inf, 1.0 - spike * mem_scale)
-    for key, members in clusters.items():
-        rep = members[0]
-        pick = solver.Constraint(len(members), len(members))
-        for o, (_, pr) in enumerate(options[rep]):
-            n = solver.IntVar(0, len(members), f"n[{key},{o}]")
-            counts[key, o] = n
-            pick.SetCoefficient(n, 1.0)
-            # Ties (communication fully hidden) go to the option that communicates least.
-            objective.SetCoefficient(n, m * pr.time_s + pr.optimizer_s + _TIE_BREAK * pr.dp_comm_s)
-            comm_row.SetCoefficient(n, pr.dp_comm_s - pr.window_s)
-            start_row.SetCoefficient(n, pr.start_peak_bytes(flight) * mem_scale)
-            end_row.SetCoefficient(n, pr.end_peak_bytes() * mem_scale)
-            if pr.transient_bytes > 0:
-                used[key, o] = solver.BoolVar(f"z[{key},{o}]")
-                link = solver.Constraint(-inf, 0.0)
-                link.SetCoefficient(n, 1.0)
-                link.SetCoefficient(used[key, o], -float(len(members)))
-    for (key, o), z in used.items():
-        row = solver.Constraint(-inf, 1.0)
-        layer_transient = blocks[clusters[key][0]].kind == LAYER
-        for (k2, o2), n in counts.items():
-            pr = options[clusters[k2][0]][o2][1]
-            # A layer's transient (in its backward) never meets the post block's activations:
-            # backward frees them before it reaches any layer.
-            act = 0.0 if layer_transient and blocks[clusters[k2][0]].kind == POST else pr.act_bytes
-            row.SetCoefficient(n, (pr.state_bytes + flight * act) * mem_scale)
-        row.SetCoefficient(z, options[clusters[key][0]][o][1].transient_bytes * mem_scale)
-    objective.SetMinimization()
-    if math.isfinite(deadline):
-        solver.SetTimeLimit(max(1, int(1000 * max(0.05, deadline - time.perf_counter()))))
-    status = solver.Solve()
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+
+    def build(model: ilp.Model) -> dict:
+        m = layout.microbatches
+        mem_scale = 1.0 / max(costing.memory_limit_bytes, 1.0)
+        exposed = model.num_var(0.0, math.inf, "exposed")
+        counts, used = {}, {}
+        for key, members in clusters.items():
+            for o, (_, pr) in enumerate(options[members[0]]):
+                counts[key, o] = model.int_var(0, len(members), f"n[{key},{o}]")
+                if pr.transient_bytes > 0:
+                    used[key, o] = model.bool_var(f"z[{key},{o}]")
+        priced = {(key, o): options[clusters[key][0]][o][1] for key, o in counts}
+        ns, prs = list(counts.values()), list(priced.values())
+        # Ties (communication fully hidden) go to the option that communicates least.
+        model.minimize([exposed, *ns], [1.0] + [m * p.time_s + p.optimizer_s + _TIE_BREAK * p.dp_comm_s for p in prs])
+        model.add_linear([exposed, *ns], [-1.0] + [p.dp_comm_s - p.window_s for p in prs], -math.inf, 0.0)
+        # The start of backward (every activation alive) and its end.
+        model.add_linear(ns, [p.start_peak_bytes(flight) * mem_scale for p in prs], -math.inf, 1.0)
+        model.add_linear(ns, [p.end_peak_bytes() * mem_scale for p in prs], -math.inf, 1.0 - spike * mem_scale)
+        for key, members in clusters.items():
+            picks = [counts[key, o] for o in range(len(options[members[0]]))]
+            model.add_linear(picks, [1.0] * len(picks), len(members), len(members))
+            for o, count in enumerate(picks):
+                if (key, o) in used:
+                    model.add_linear([count, used[key, o]], [1.0, -float(len(members))], -math.inf, 0.0)
+        for (key, o), z in used.items():
+            layer_transient = blocks[clusters[key][0]].kind == LAYER
+            coefs = []
+            for (k2, _), p in priced.items():
+                # A layer's transient (in its backward) never meets the post block's activations:
+                # backward frees them before it reaches any layer.
+                act = 0.0 if layer_transient and blocks[clusters[k2][0]].kind == POST else p.act_bytes
+                coefs.append((p.state_bytes + flight * act) * mem_scale)
+            model.add_linear([*ns, z], [*coefs, priced[key, o].transient_bytes * mem_scale], -math.inf, 1.0)
+        return counts
+
+    # At least 50 ms, even past the deadline: a stage without an answer loses its mesh.
+    result, counts = ilp.solve(build, _STAGE_BACKEND, max(deadline, time.perf_counter() + 0.05))
+    if not result.found:
         return None
     assignment: dict[int, int] = {}
     for key, members in clusters.items():
         queue = list(members)
         for o in range(len(options[members[0]])):
-            for _ in range(int(round(counts[key, o].solution_value()))):
+            for _ in range(int(round(result.value(counts[key, o])))):
                 assignment[queue.pop(0)] = o
-    optimal = status == pywraplp.Solver.OPTIMAL
-    value = objective.Value()
-    gap = 0.0 if optimal else max(0.0, value - objective.BestBound()) / max(abs(value), 1e-12)
+    optimal = result.status == ilp.OPTIMAL
+    gap = 0.0 if optimal else max(0.0, result.objective - result.bound) / max(abs(result.objective), 1e-12)
     return assignment, optimal, gap
 
 

@@ -7,8 +7,12 @@ Modules, one phase each (``graphpass.cost.solver.<module>``):
   :class:`Solution`, the two errors), validation, :func:`evaluate` and :func:`min_peak_memory`.
 - ``reductions``: the reduced problem every later phase works on (``_Reduced``) and the
   reductions that produce it (``_reduce``).
-- ``milp``: the model below, written once for HiGHS and CP-SAT, and the threads that solve it
-  under a deadline (``_run_highs``, ``_run_cpsat``).
+- ``ilp``: the one front end of every integer program the planner solves, this MILP and the
+  clustered stage ILP (``graphpass.cost.search.stages.solve_stage``) alike: a model written once
+  against ``ilp.Model``, built and solved by HiGHS, SCIP or CP-SAT in a thread under a deadline
+  (``ilp.solve``), stdout silenced while HiGHS runs, the answer read back (``ilp.Result``).
+- ``milp``: the model below, written once for both kinds of backend (``_builder``), and solved
+  through ``ilp`` (``_run``).
 - ``local_search``: the greedy pass with 1-opt moves (``_greedy_local_search``), pair moves and
   kicks (``_PairMoves``).
 - ``message_passing``: the MPLP bound and the answer decoded from it (``_Messages``,
@@ -126,17 +130,19 @@ under the size cutoff, and HiGHS finds no incumbent for them in 60 s (IOPDDL D a
 windows' answer is the one returned.
 
 Backends: ``"highs"`` (default) is HiGHS through ``pywraplp`` (checked to exist in OR-Tools 9.15;
-``milp._pywraplp_model``); ``"cp-sat"`` builds the same model with integer coefficients
-(``milp._cpsat_model``): the objective is scaled so that its largest coefficient becomes
-``milp._CPSAT_COST_RESOLUTION`` (1e9) and rounded, which makes the CP-SAT optimum optimal up to
-half a unit per term; memory is kept exact when all values are integral (bytes usually are),
-otherwise scaled to 1e12 with coefficients rounded up and the limit rounded down (conservative).
+``ilp._LinearSolverModel``, memory in the units of ``milp._memory_unit``); ``"cp-sat"`` builds the
+same model with integer coefficients (``ilp._CpSatModel``, ``milp._scaled_for_cpsat``): the
+objective is scaled so that its largest coefficient becomes ``milp._CPSAT_COST_RESOLUTION``
+(1e9) and rounded, which makes the CP-SAT optimum optimal up to half a unit per term; memory
+is kept exact when all values are integral (bytes usually are), otherwise scaled to 1e12 with
+coefficients rounded up and the limit rounded down (conservative).
 A greedy + local-search :func:`heuristic` gives CP-SAT's warm start (``AddHint``; HiGHS gets
 none: ``SetHint`` segfaults in Solve with HiGHS in OR-Tools 9.15). It also competes with the
 solver's answer: the cheaper one is returned, with its gap to the best bound known (the
 solver's, else every term at its own minimum). HiGHS can overrun its own time limit (presolve),
 so model building and solving run in a thread (pywraplp releases the GIL) and the deadline is
-enforced here (``milp._in_thread``): past it the solve is interrupted and the heuristic returned.
+enforced by the front end (``ilp._in_thread``): past it the solve is interrupted and the heuristic
+returned.
 """
 
 from __future__ import annotations

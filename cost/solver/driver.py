@@ -19,10 +19,11 @@ from typing import Sequence
 
 import numpy as np
 
+from graphpass.cost.solver.ilp import _DEADLINE_GRACE_S
 from graphpass.cost.solver.lagrangian import _lagrangian, _MemoryPriced, _price_search
 from graphpass.cost.solver.local_search import _greedy_local_search, _pair_descent, _PairMoves
 from graphpass.cost.solver.message_passing import _dual_decode, _Messages
-from graphpass.cost.solver.milp import _DEADLINE_GRACE_S, _model_size, _run_cpsat, _run_highs
+from graphpass.cost.solver.milp import _model_size, _run
 from graphpass.cost.solver.problem import (
     _REL_TOL,
     ForbiddenError,
@@ -167,7 +168,7 @@ def _whole_and_windows(red: _Reduced, warm: dict[int, int], deadline: float, win
     def whole() -> None:
         try:
             # Interrupting an overrunning HiGHS takes up to two graces: stop it early by that.
-            result["out"] = _run_highs(red, warm, deadline - 2 * _DEADLINE_GRACE_S)
+            result["out"] = _run(red, warm, deadline - 2 * _DEADLINE_GRACE_S)
         finally:
             done.set()
 
@@ -235,11 +236,10 @@ def solve(problem: Problem, *, time_limit_s: float = 60.0, solver: str = "highs"
                  "the greedy pass and message passing), lower bound %.6g s, gap %.3g",
                  len(problem.nodes), len(live), sol.seconds, sol.cost_s, red.objective(warm), bound, sol.gap)
         return sol
-    run = _run_highs if solver == "highs" else _run_cpsat
     if solver == "highs":
         choice, optimal, bound, warm = _whole_and_windows(red, warm, deadline, share(_WINDOWS_AFTER))
     else:
-        choice, optimal, bound = run(red, warm, deadline)
+        choice, optimal, bound = _run(red, warm, deadline, solver)
     # The heuristic's answer competes only where it fits (merged nodes can leave it overflowing).
     warm_cost = red.objective(warm) if _fits(red, warm, live) else math.inf
     if choice is None and bound == math.inf:

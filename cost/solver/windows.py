@@ -15,8 +15,9 @@ import time
 
 import numpy as np
 
+from graphpass.cost.solver.ilp import _DEADLINE_GRACE_S
 from graphpass.cost.solver.local_search import _stopped
-from graphpass.cost.solver.milp import _DEADLINE_GRACE_S, _run_highs
+from graphpass.cost.solver.milp import _run
 from graphpass.cost.solver.problem import _REL_TOL, ForbiddenError
 from graphpass.cost.solver.reductions import _ALL, _fits, _prune, _Reduced, _usage
 
@@ -156,7 +157,7 @@ def _large_neighbourhoods(red: _Reduced, choice: dict[int, int], deadline: float
                     continue
                 # An overrunning window is interrupted up to two graces after its deadline.
                 until = min(deadline - 2 * _DEADLINE_GRACE_S, time.perf_counter() + _LNS_WINDOW_S)
-                future = pool.submit(_run_highs, sub, {}, until, warn=False)
+                future = pool.submit(_run, sub, {}, until, warn=False)
                 flight.append((nodes, sub, future, reach))
             for done in flight:
                 improved |= take(*done[:3])
