@@ -17,6 +17,7 @@ from typing import Any
 # bound to the functions, so that the package attribute is the function, as users expect, and no
 # later import rebinds it.
 from graphpass.capture import CaptureError, capture, reusing_captures
+from graphpass.layout import Split, TensorPlan
 from graphpass.plan import Plan, Strategy
 from graphpass.plan_report import PlanReport
 
@@ -75,7 +76,9 @@ __all__ = [
     "PlanReport",
     "RankError",
     "SavedDataclass",
+    "Split",
     "Strategy",
+    "TensorPlan",
     "VerificationError",
     "capture",
     "compile",

@@ -1,4 +1,8 @@
-"""A tensor's layout: one typed value saying where a rank's tensor sits in the full tensor.
+"""A tensor's layout: what the plan says of a tensor, and where a rank's tensor sits in the full one.
+
+A plan holds one :class:`TensorPlan` per input, parameter, buffer and the loss
+(``Plan.tensors``): its placement on each mesh axis, ZeRO stage, fused parts, operator
+:class:`Split` and memory tier. The passes turn a parameter's entry into the cuts below.
 
 Every parameter and buffer a pass shards carries one :class:`TensorLayout` in
 ``node.meta[gp.layout]`` (:data:`graphpass.meta.LAYOUT`). It says, in torch's words
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -260,6 +264,66 @@ class TensorLayout:
         return f"TensorLayout({list(self.shape)}{', ' if cuts else ''}{', '.join(cuts)})"
 
 
+# ---------------------------------------------------------------------- what the plan says
+
+
+@dataclass(frozen=True)
+class Split:
+    """An operator split (OSDP) of the linear a weight feeds: ``parts`` slices along its
+    ``"out"`` (output features: the weight's rows, and the bias with them) or ``"in"`` (input
+    features: the weight's columns) dim, each slice a parameter of its own."""
+
+    dim: str
+    parts: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dim": self.dim, "parts": self.parts}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """What a plan says of one tensor (an input, a parameter or buffer, the loss): the one value
+    ``Plan.tensors`` holds per tensor, from which the passes make each rank's
+    :class:`TensorLayout`.
+
+    Attributes:
+        placements: a torch placement per mesh axis (an axis not named: ``Replicate()``).
+        zero: the ZeRO stage (1, 2, 3) of a parameter inside ``dp`` (0: plain data parallel);
+            its optimizer state is sharded from stage 1, its gradient from stage 2, the
+            parameter itself between uses at stage 3.
+        parts: for a weight (or bias) column-parallel on ``tp`` whose projection makes several
+            outputs at once (q, k and v): the sizes of its parts along the sharded dim, each
+            sharded on its own.
+        split: the operator split of the linear this weight feeds (OSDP), or None.
+        tier: the memory tier the stored tensor lives in (:data:`TIERS`).
+    """
+
+    placements: Mapping[str, Placement] = field(default_factory=dict)
+    zero: int = 0
+    parts: tuple[int, ...] = ()
+    split: Split | None = None
+    tier: str = "device"
+
+    def placement(self, axis: str) -> Placement:
+        """The placement on ``axis`` (``Replicate()`` where none is named)."""
+        return self.placements.get(axis, Replicate())
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict, defaults left out; placements as torch's strings."""
+        out: dict[str, Any] = {}
+        if self.placements:
+            out["placements"] = {a: placement_to_str(p) for a, p in self.placements.items()}
+        if self.zero:
+            out["zero"] = self.zero
+        if self.parts:
+            out["parts"] = list(self.parts)
+        if self.split is not None:
+            out["split"] = self.split.to_json()
+        if self.tier != "device":
+            out["tier"] = self.tier
+        return out
+
+
 def placement_from_str(text: str) -> Placement:
     """Parse ``"Shard(0)"``, ``"Replicate()"`` or ``"Partial()"`` (also ``"Partial(avg)"``)."""
     text = text.strip()
@@ -294,5 +358,5 @@ def parse_shard(text: str, axis: str = "?") -> Shard:
     return placement
 
 
-__all__ = ["Cut", "Slice", "TensorLayout", "TIERS", "parse_shard", "placement_from_str", "placement_to_str",
+__all__ = ["Cut", "Slice", "Split", "TensorLayout", "TensorPlan", "TIERS", "parse_shard", "placement_from_str", "placement_to_str",
            "shard_rows"]

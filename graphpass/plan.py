@@ -1,14 +1,16 @@
 """The plan: plain, frozen data that says how every node is parallelised.
 
 A :class:`Strategy` is what a user writes: one uniform choice of degrees for the whole model
-(``Strategy(dp=4)``). A :class:`Plan` is what passes consume: the device mesh, a placement per
-node on each mesh axis (keyed by the node's stable name in the captured graph), the pipeline
-stages; its :class:`~graphpass.plan_report.PlanReport` (``Plan.report``) holds the planner's
+(``Strategy(dp=4)``). A :class:`Plan` is what passes consume: the device mesh, one
+:class:`~graphpass.layout.TensorPlan` per input, parameter, buffer and the loss (keyed by the
+node's stable name in the captured graph: its placement on each mesh axis, ZeRO stage, fused
+parts, operator split and memory tier), the pipeline stages; its :class:`~graphpass.plan_report.PlanReport` (``Plan.report``) holds the planner's
 predictions and reasons apart from that program. Plans round-trip through JSON, so a saved plan
 replays without solving, and tests hand-write plans to drive single passes.
 
-Placements use torch's words (``torch.distributed.tensor``): ``Shard(dim)``, ``Replicate()``,
-``Partial()``; in JSON they are those strings.
+Placements are torch's objects (``torch.distributed.tensor``): ``Shard(dim)``, ``Replicate()``,
+``Partial()``; in JSON they are those strings. A plan's JSON written before the per-tensor form
+(``placements``, ``zero``, ``split`` keyed by the linear, ``tp_parts``) loads into it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import math
 import os
 import pathlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 import torch
@@ -27,7 +29,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
-from graphpass.layout import placement_from_str, placement_to_str
+from graphpass.layout import TIERS, Split, TensorPlan, placement_from_str, placement_to_str
 from graphpass.mesh import ORDER, Mesh
 from graphpass.plan_report import PlanReport
 
@@ -319,8 +321,60 @@ def _parse_placement(field: str, text: Any) -> Placement:
     return placement
 
 
-#: Plan fields a plan's JSON must give (the rest have defaults).
-REQUIRED = ("mesh", "placements")
+def _check_placement(field: str, placement: Any) -> None:
+    """A typed placement graphpass can mean (as :func:`_parse_placement` checks a string)."""
+    if not isinstance(placement, (Shard, Replicate, Partial)):
+        raise ValueError(f"{field} must be a torch Shard(d), Replicate() or Partial() placement, got {placement!r}")
+    _parse_placement(field, placement_to_str(placement))
+
+
+#: What a plan says of a tensor it does not name: whole, replicated on every axis.
+_WHOLE = TensorPlan()
+
+#: The fields of a plan's JSON before the per-tensor form: each now a part of ``Plan.tensors``.
+LEGACY_TENSOR_FIELDS = ("placements", "zero", "split", "tp_parts")
+
+
+def _legacy_tensors(data: Mapping[str, Any]) -> dict[str, TensorPlan]:
+    """``Plan.tensors`` from a plan JSON's ``placements``, ``zero``, ``split`` (keyed by the
+    linear, which :meth:`Plan.splits` reads as its weight's) and ``tp_parts``."""
+    for name in LEGACY_TENSOR_FIELDS:
+        if name in data and not isinstance(data[name], Mapping):
+            if name == "placements":
+                raise ValueError(f"Plan.placements must map node names to {{axis: placement}}, got {data[name]!r}")
+            raise ValueError(f"Plan.{name} must be an object (a mapping), got {data[name]!r}")
+    entries: dict[str, dict[str, Any]] = {}
+    for field_name, key in (("placements", "placements"), ("zero", "zero"), ("split", "split"), ("tp_parts", "parts")):
+        for node, value in data.get(field_name, {}).items():
+            entries.setdefault(node, {})[key] = value
+    return {node: _tensor_from_json(node, entry) for node, entry in entries.items()}
+
+
+def _bad_split(node: str, spec: Any) -> ValueError:
+    return ValueError(f"Plan.split[{node!r}] must be {{'dim': 'out' | 'in', 'parts': k >= 1}}, got {spec!r}")
+
+
+def _tensor_from_json(node: str, data: Any) -> TensorPlan:
+    """One entry of a plan JSON's ``tensors`` (see :meth:`TensorPlan.to_json`)."""
+    known = ("placements", "zero", "parts", "split", "tier")
+    if not isinstance(data, Mapping) or set(data) - set(known):
+        raise ValueError(f"Plan.tensors[{node!r}] must be an object with some of {list(known)}, got {data!r}")
+    by_axis, spec = data.get("placements", {}), data.get("split")
+    if not isinstance(by_axis, Mapping):
+        raise ValueError(f"Plan.placements[{node!r}] must map mesh axes to placements, e.g. "
+                         f"{{'dp': 'Shard(0)'}}, got {by_axis!r}")
+    if spec is not None and not (isinstance(spec, Mapping) and set(spec) == {"dim", "parts"}):
+        raise _bad_split(node, spec)
+    parts = data.get("parts", ())
+    return TensorPlan(
+        {axis: _parse_placement(f"Plan.placements[{node!r}][{axis!r}]", text) for axis, text in by_axis.items()},
+        data.get("zero", 0), tuple(parts) if isinstance(parts, (list, tuple)) else parts,
+        None if spec is None else Split(spec["dim"], spec["parts"]), data.get("tier", "device"))
+
+
+#: Plan fields a plan's JSON must give (the rest have defaults; ``tensors`` was ``placements``
+#: before the per-tensor form).
+REQUIRED = ("mesh", "tensors")
 #: The Plan field that is the planner's account, not the program (``Plan.report``):
 #: ``Plan.diff`` and golden program texts leave it out.
 PREDICTIONS = ("report",)
@@ -333,24 +387,20 @@ class Plan:
     Attributes:
         mesh: the :class:`~graphpass.mesh.Mesh` (ordered axes and sizes; a ``{"dp": 4}`` mapping
             is accepted and converted); the product is the world size.
-        placements: node name → {axis → placement string} for every input, parameter and the loss.
+        tensors: node name → :class:`~graphpass.layout.TensorPlan` for every input, parameter,
+            buffer and the loss: its placement per mesh axis, ZeRO stage inside ``dp`` (OSDP mixes
+            stages freely), fused parts on ``tp``, the operator split of the linear a weight
+            feeds, and its memory tier. :attr:`placements`, :attr:`zero`, :attr:`split` and
+            :attr:`tp_parts` read one part of every entry.
         stages: node names of each pipeline stage's first node (one stage: ``("*",)``).
         strategy: the uniform strategy this plan was made from, if any.
-        zero: parameter node name → ZeRO stage (1, 2 or 3) inside the ``dp`` axis; parameters
-            not listed are plain data parallel (stage 0). Stages mix freely (OSDP).
         recompute: indices of the repeated layers whose activations are recomputed in backward
             (activation checkpointing) instead of saved.
         sequence_parallel: Megatron sequence parallelism on the ``tp`` axis: partial sums that
             join the residual stream are reduce-scattered along dim 1 instead of all-reduced.
-        split: OSDP operator splitting: linear node name → ``{"dim": "out" | "in", "parts": k}``;
-            the op runs as k slices whose weights are separate (separately gathered) parameters.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
         microbatches: microbatches per step (pipeline / gradient accumulation).
         schedule: the pipeline schedule (one of :data:`SCHEDULES`), with ``pp`` in the mesh.
-        tp_parts: for the weight (and bias) of a fused projection that is column-parallel on
-            ``tp`` (one linear making q, k and v, or gate and up): the sizes of its parts along
-            the sharded dim. Each part is sharded on its own, so rank r holds chunk r of every
-            part and the split after the projection stays local (sharded by heads).
         capacity_factor: the capacity factor ``compile`` gives every ``graphpass.nn.MoE`` layer
             before capturing (the planner's choice within the user's drop budget:
             ``gp.plan(..., capacity_factors=, max_dropped=)``); None is dropless; ``"model"``
@@ -364,17 +414,14 @@ class Plan:
     """
 
     mesh: Mesh
-    placements: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    tensors: Mapping[str, TensorPlan] = field(default_factory=dict)
     stages: tuple[str, ...] = ("*",)
     strategy: Strategy | None = None
-    zero: Mapping[str, int] = field(default_factory=dict)
     recompute: tuple[int, ...] = ()
-    split: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     sequence_parallel: bool = False
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     microbatches: int = 1
     schedule: str = "1f1b"
-    tp_parts: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     ep_all_to_all: str = "flat"
     capacity_factor: float | str | None = "model"
     report: PlanReport = field(default_factory=PlanReport)
@@ -389,7 +436,7 @@ class Plan:
         if unknown:
             raise ValueError(f"Plan.mesh has axis {unknown[0]!r}, which graphpass does not know; its axes are "
                              "'pp' (pipeline), 'dp' (data), 'ep' (experts, inside dp) and 'tp' (tensor)")
-        self._check_placements()
+        self._check_tensors()
         self._check_stages()
         if self.strategy is not None:
             if not isinstance(self.strategy, Strategy):
@@ -399,22 +446,6 @@ class Plan:
                     f"Plan.strategy ({self.strategy.mesh}) disagrees with Plan.mesh ({self.mesh}): compile runs the "
                     "plan's own fields and checks the strategy it was made from; make the two agree, or set "
                     "Plan.strategy to None (null in JSON)")
-        for node, stage in self.zero.items():
-            if not _is_int(stage) or stage not in (0, 1, 2, 3):
-                raise ValueError(f"Plan.zero[{node!r}] must be 0, 1, 2 or 3, got {stage!r}")
-            if stage and "dp" not in self.mesh:
-                raise ValueError(f"Plan.zero[{node!r}] = {stage} needs a 'dp' mesh axis; mesh is {dict(self.mesh)}")
-            if stage and self.mesh.dp == 1:
-                raise ValueError(f"Plan.zero[{node!r}] = {stage} shards over the data-parallel ranks, but Plan.mesh has "
-                                 f"dp=1 ({dict(self.mesh)}): there is nothing to shard over; drop the entry (stage 0) "
-                                 "or use a mesh with dp > 1")
-        for node, spec in self.split.items():
-            if not isinstance(spec, Mapping) or set(spec) != {"dim", "parts"} or spec["dim"] not in ("out", "in") or not (
-                _is_int(spec["parts"]) and spec["parts"] >= 1
-            ):
-                raise ValueError(
-                    f"Plan.split[{node!r}] must be {{'dim': 'out' | 'in', 'parts': k >= 1}}, got {spec!r}"
-                )
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"Plan.sequence_parallel must be true or false, got {self.sequence_parallel!r}")
         if self.sequence_parallel and self.mesh.size("tp") == 1:
@@ -435,32 +466,44 @@ class Plan:
         cf = self.capacity_factor
         if not (cf is None or cf == "model" or (_is_number(cf) and cf > 0)):
             raise ValueError(f"Plan.capacity_factor must be a positive number, None (dropless) or 'model', got {cf!r}")
-        for node, parts in self.tp_parts.items():
-            if not parts or not all(_is_int(n) and n > 0 for n in parts):
-                raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")
-            if not isinstance(self.placement(node, "tp"), Shard):
-                raise ValueError(f"Plan.tp_parts names {node!r}, which is not Shard(d) on a 'tp' axis; "
-                                 "fused parts apply to column-parallel weights")
         for layer in self.recompute:
             if not _is_int(layer) or layer < 0:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
         if not isinstance(self.report, PlanReport):
             raise ValueError(f"Plan.report must be a graphpass PlanReport, got {self.report!r}")
 
-    def _check_placements(self) -> None:
-        if not isinstance(self.placements, Mapping):
-            raise ValueError(f"Plan.placements must map node names to {{axis: placement}}, got {self.placements!r}")
-        for node, by_axis in self.placements.items():
-            if not isinstance(by_axis, Mapping):
-                raise ValueError(f"Plan.placements[{node!r}] must map mesh axes to placements, e.g. "
-                                 f"{{'dp': 'Shard(0)'}}, got {by_axis!r}")
-            for axis, text in by_axis.items():
+    def _check_tensors(self) -> None:
+        if not isinstance(self.tensors, Mapping):
+            raise ValueError(f"Plan.tensors must map node names to TensorPlans, got {self.tensors!r}")
+        for node, tensor in self.tensors.items():
+            if not isinstance(tensor, TensorPlan):
+                raise ValueError(f"Plan.tensors[{node!r}] must be a graphpass.layout.TensorPlan, got {tensor!r}")
+            for axis, placement in tensor.placements.items():
                 if axis not in self.mesh:
-                    raise ValueError(
-                        f"Plan.placements[{node!r}] uses mesh axis {axis!r}, which is not in "
-                        f"Plan.mesh {dict(self.mesh)}"
-                    )
-                _parse_placement(f"Plan.placements[{node!r}][{axis!r}]", text)
+                    raise ValueError(f"Plan.placements[{node!r}] uses mesh axis {axis!r}, which is not in "
+                                     f"Plan.mesh {dict(self.mesh)}")
+                _check_placement(f"Plan.placements[{node!r}][{axis!r}]", placement)
+            stage = tensor.zero
+            if not _is_int(stage) or stage not in (0, 1, 2, 3):
+                raise ValueError(f"Plan.zero[{node!r}] must be 0, 1, 2 or 3, got {stage!r}")
+            if stage and "dp" not in self.mesh:
+                raise ValueError(f"Plan.zero[{node!r}] = {stage} needs a 'dp' mesh axis; mesh is {dict(self.mesh)}")
+            if stage and self.mesh.dp == 1:
+                raise ValueError(f"Plan.zero[{node!r}] = {stage} shards over the data-parallel ranks, but Plan.mesh has "
+                                 f"dp=1 ({dict(self.mesh)}): there is nothing to shard over; drop the entry (stage 0) "
+                                 "or use a mesh with dp > 1")
+            spec = tensor.split
+            if spec is not None and not (isinstance(spec, Split) and spec.dim in ("out", "in")
+                                         and _is_int(spec.parts) and spec.parts >= 1):
+                raise _bad_split(node, spec)
+            parts = tensor.parts
+            if not isinstance(parts, tuple) or not all(_is_int(n) and n > 0 for n in parts):
+                raise ValueError(f"Plan.tp_parts[{node!r}] must be positive part sizes, got {parts!r}")
+            if parts and not isinstance(tensor.placement("tp"), Shard):
+                raise ValueError(f"Plan.tp_parts names {node!r}, which is not Shard(d) on a 'tp' axis; "
+                                 "fused parts apply to column-parallel weights")
+            if tensor.tier not in TIERS:
+                raise ValueError(f"Plan.tensors[{node!r}].tier must be one of {TIERS}, got {tensor.tier!r}")
 
     def _check_stages(self) -> None:
         stages = self.stages
@@ -486,23 +529,70 @@ class Plan:
         """Pipeline stages per ``pp`` rank (several under an interleaved schedule)."""
         return max(1, len(self.stages) // self.mesh.pp)
 
+    def tensor(self, node: str) -> TensorPlan:
+        """What the plan says of ``node`` (a whole, replicated tensor where it says nothing)."""
+        return self.tensors.get(node, _WHOLE)
+
+    def with_tensor(self, node: str, **changes: Any) -> "Plan":
+        """This plan with ``node``'s entry changed as ``changes`` say (the fields of
+        :class:`~graphpass.layout.TensorPlan`: ``placements``, ``zero``, ``parts``, ``split``,
+        ``tier``), checked as any plan is: ``plan.with_tensor("h_0_mlp_up_weight", zero=3)``."""
+        return replace(self, tensors={**self.tensors, node: replace(self.tensor(node), **changes)})
+
     def placement(self, node: str, axis: str) -> Placement:
         """Placement of ``node`` on ``axis`` (Replicate when the plan does not mention it)."""
-        text = self.placements.get(node, {}).get(axis)
-        return Replicate() if text is None else placement_from_str(text)
+        return self.tensor(node).placement(axis)
+
+    @property
+    def placements(self) -> dict[str, dict[str, Placement]]:
+        """Each tensor's placements: node name → {axis → placement}."""
+        return {node: dict(t.placements) for node, t in self.tensors.items()}
+
+    @property
+    def zero(self) -> dict[str, int]:
+        """Each ZeRO-sharded parameter's stage: node name → 1, 2 or 3."""
+        return {node: t.zero for node, t in self.tensors.items() if t.zero}
+
+    @property
+    def split(self) -> dict[str, Split]:
+        """Each operator split: the weight's node name (the linear's, in a plan JSON written
+        before the per-tensor form) → :class:`~graphpass.layout.Split`."""
+        return {node: t.split for node, t in self.tensors.items() if t.split is not None}
+
+    @property
+    def tp_parts(self) -> dict[str, tuple[int, ...]]:
+        """Each fused tensor-parallel weight's part sizes."""
+        return {node: t.parts for node, t in self.tensors.items() if t.parts}
+
+    def splits(self, gm: fx.GraphModule) -> dict[str, Split]:
+        """The operator splits as the nodes of ``gm`` to split, by node name: a split on a weight
+        is its linear's (each linear reading it); one on a linear (a plan JSON written before the
+        per-tensor form keyed it so) is that linear's; any other name is kept as it is, for
+        ``split_operators`` to refuse naming it."""
+        from graphpass.ops import is_linear, linear_operands
+
+        named = self.split
+        out, weights = {}, set()
+        for node in gm.graph.nodes:
+            if not is_linear(node):
+                continue
+            weight = linear_operands(node)[1]
+            key = meta.plan_name(weight) if isinstance(weight, fx.Node) else None
+            if key in named:
+                out[node.name] = named[key]
+                weights.add(key)
+        return {**{name: spec for name, spec in named.items() if name not in weights}, **out}
 
     # ------------------------------------------------------------------ serialisation
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (what ``to_json`` writes)."""
-        data = asdict(self)
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["mesh"] = dict(self.mesh)
-        data["placements"] = {k: dict(v) for k, v in self.placements.items()}
+        data["tensors"] = {node: t.to_json() for node, t in self.tensors.items()}
         data["stages"] = list(self.stages)
-        data["zero"] = dict(self.zero)
+        data["strategy"] = None if self.strategy is None else asdict(self.strategy)
         data["recompute"] = list(self.recompute)
-        data["split"] = {k: dict(v) for k, v in self.split.items()}
-        data["tp_parts"] = {k: list(v) for k, v in self.tp_parts.items()}
         data["report"] = self.report.to_dict()
         return data
 
@@ -519,16 +609,27 @@ class Plan:
             raise ValueError(f"a Plan's JSON must be an object of its fields, got {type(data).__name__}")
         data = PlanReport.take_legacy(data)
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        unknown = set(data) - known - set(LEGACY_TENSOR_FIELDS)
         if unknown:
             raise ValueError(f"unknown Plan fields {sorted(unknown)}; known fields: {sorted(known)}")
-        missing = [name for name in REQUIRED if name not in data]
+        legacy = [name for name in LEGACY_TENSOR_FIELDS if name in data]
+        if legacy and "tensors" in data:
+            raise ValueError(f"the Plan gives both 'tensors' and {legacy}, which a plan wrote before 'tensors' held "
+                             "them; give each tensor's placements, zero, parts and split in its 'tensors' entry")
+        missing = [name for name in ("mesh",) if name not in data] + (
+            [] if "tensors" in data or "placements" in data else ["tensors"])
         if missing:
             raise ValueError(
                 f"the Plan lacks {' and '.join(repr(m) for m in missing)}: a plan gives its 'mesh' ({{\"dp\": 2}}) and "
-                "'placements' (every input, parameter and the loss: node name -> {axis: placement}); start "
-                "from one that graphpass wrote (gp.plan(...).to_json(), GRAPHPASS_DUMP_DIR's plan.json)")
-        kwargs = dict(data)
+                "'tensors' (every input, parameter and the loss: node name -> {'placements': {axis: placement}, ...}); "
+                "start from one that graphpass wrote (gp.plan(...).to_json(), GRAPHPASS_DUMP_DIR's plan.json)")
+        kwargs = {k: v for k, v in data.items() if k not in LEGACY_TENSOR_FIELDS}
+        if legacy:
+            kwargs["tensors"] = _legacy_tensors(data)
+        elif not isinstance(kwargs["tensors"], Mapping):
+            raise ValueError(f"Plan.tensors must map node names to their entries, got {kwargs['tensors']!r}")
+        else:
+            kwargs["tensors"] = {node: _tensor_from_json(node, entry) for node, entry in kwargs["tensors"].items()}
         if isinstance(kwargs.get("strategy"), Mapping):
             try:
                 kwargs["strategy"] = Strategy(**kwargs["strategy"])
@@ -541,11 +642,6 @@ class Plan:
                 if not isinstance(kwargs[name], (list, tuple)):
                     raise ValueError(f"Plan.{name} must be a list, got {kwargs[name]!r}")
                 kwargs[name] = tuple(kwargs[name])
-        for name in ("zero", "split", "tp_parts"):
-            if name in kwargs and not isinstance(kwargs[name], Mapping):
-                raise ValueError(f"Plan.{name} must be an object (a mapping), got {kwargs[name]!r}")
-        kwargs["tp_parts"] = {k: tuple(v) if isinstance(v, (list, tuple)) else v
-                              for k, v in kwargs.get("tp_parts", {}).items()}
         return cls(**kwargs)
 
     @classmethod
@@ -604,7 +700,7 @@ class Plan:
             lines.append(f"strategy: {self.strategy}")
         groups: dict[str, list[str]] = {}
         for node, by_axis in self.placements.items():
-            key = ", ".join(f"{a}: {p}" for a, p in by_axis.items())
+            key = ", ".join(f"{a}: {placement_to_str(p)}" for a, p in by_axis.items())
             groups.setdefault(key, []).append(node)
         for key, nodes in groups.items():
             shown = ", ".join(nodes[:4]) + (f", ... ({len(nodes)} nodes)" if len(nodes) > 4 else "")
@@ -633,7 +729,7 @@ class Plan:
             lines.append("MoE capacity factor: " + ("dropless" if self.capacity_factor is None
                                                     else f"{self.capacity_factor:g}") + " (set by the plan)")
         if self.split:
-            parts = sorted({spec["parts"] for spec in self.split.values()})
+            parts = sorted({spec.parts for spec in self.split.values()})
             lines.append(f"operator splitting: {len(self.split)} linears into {parts} slices")
         lines.append(f"pipeline stages: {len(self.stages)}" + (
             f", {self.microbatches} microbatches" if self.microbatches > 1 else ""))
@@ -655,12 +751,12 @@ class Plan:
         out = []
         if dict(self.mesh) != dict(other.mesh):
             out.append(f"mesh: {dict(self.mesh)} -> {dict(other.mesh)}")
-        for node in sorted(set(self.placements) | set(other.placements)):
-            a, b = self.placements.get(node), other.placements.get(node)
+        for node in sorted(set(self.tensors) | set(other.tensors)):
+            a, b = self.tensor(node).to_json(), other.tensor(node).to_json()
             if a != b:
                 out.append(f"{node}: {a} -> {b}")
         for name in (f.name for f in fields(self)):
-            if name in ("mesh", "placements") or name in PREDICTIONS:
+            if name in ("mesh", "tensors") or name in PREDICTIONS:
                 continue
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} -> {getattr(other, name)}")
@@ -687,8 +783,9 @@ def _input_problems(plan: Plan, inputs: list[fx.Node]) -> list[str]:
     input), replicated on the other axes."""
     problems = []
     for node in inputs:
-        for axis, text in plan.placements.get(node.name, {}).items():
-            if axis != "dp" and placement_from_str(text) != Replicate():
+        for axis, p in plan.tensor(node.name).placements.items():
+            text = placement_to_str(p)
+            if axis != "dp" and p != Replicate():
                 problems.append(
                     f"Plan.placements[{node.name!r}][{axis!r}]: {text} on {_describe(node)}; graphpass splits inputs "
                     f"only along their batch dim over dp, and every {axis} rank reads its dp share whole: use "
@@ -719,15 +816,15 @@ def _input_problems(plan: Plan, inputs: list[fx.Node]) -> list[str]:
     return problems
 
 
-def _stored_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, str]) -> list[str]:
+def _stored_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, Placement]) -> list[str]:
     """A parameter or buffer is whole (``Replicate()``) or sharded along one of its dims on
     ``tp`` (tensor parallelism) or along dim 0 on ``ep`` (experts); on ``dp`` ZeRO shards it
     (:attr:`Plan.zero`), not its placement, and pipeline stages hold whole tensors."""
     val = node.meta.get(meta.VAL)
     ndim = val.dim() if isinstance(val, torch.Tensor) else None
     problems = []
-    for axis, text in by_axis.items():
-        field, p = f"Plan.placements[{node.name!r}][{axis!r}]", placement_from_str(text)
+    for axis, p in by_axis.items():
+        field, text = f"Plan.placements[{node.name!r}][{axis!r}]", placement_to_str(p)
         if isinstance(p, Replicate):
             continue
         if isinstance(p, Partial):
@@ -750,12 +847,12 @@ def _stored_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, str]) -> l
     return problems
 
 
-def _loss_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, str]) -> list[str]:
+def _loss_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, Placement]) -> list[str]:
     """The loss is each rank's mean over its share of the batch, averaged over ``dp``
     (``Partial(avg)``); tensor parallelism leaves every rank the whole loss."""
     problems = []
-    for axis, text in by_axis.items():
-        p = placement_from_str(text)
+    for axis, p in by_axis.items():
+        text = placement_to_str(p)
         if axis == "dp":
             if p != Partial("avg") and not (p == Replicate() and plan.mesh["dp"] == 1):
                 problems.append(

@@ -8,14 +8,18 @@ planner's plans and the tests' plans mean the same thing.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
+from graphpass.layout import TensorPlan, placement_from_str
 from graphpass.megatron import megatron_layout
 from graphpass.experts import expert_weights
 from graphpass.mesh import Mesh
+from graphpass.ops import linear_operands
 from graphpass.plan import Choice, Plan, Strategy
 from graphpass.plan_report import PlanReport
 from graphpass.splittable import default_split
@@ -62,8 +66,8 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
             raise ValueError(f"mesh ep={mesh.ep} shards experts, but the captured graph has no Mixture-of-Experts layer "
                              "(no grouped expert product: graphpass.nn.MoE, Hugging Face's grouped_mm experts); "
                              "use ep=1")
-    placements: dict[str, dict[str, str]] = {}
-    zero: dict[str, int] = {}
+    tensors: dict[str, TensorPlan] = {}
+    nodes = {node.name: node for node in gm.graph.nodes}
     layers: set[int] = set()
     split_nodes: dict[int, set[str]] = {}
     for node in gm.graph.nodes:
@@ -75,35 +79,37 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
             if choice.split > 1:
                 split_nodes.setdefault(choice.split, set()).add(node.name)
         if node.op == "placeholder":
-            placements[node.name] = {"dp": "Shard(0)"}
+            tensors[node.name] = TensorPlan({"dp": Shard(0)})
         elif node.op == "get_attr":
-            placements[node.name] = {"dp": "Replicate()"}
+            placements: dict[str, Placement] = {"dp": Replicate()}
             if node.name in tp_placements:
-                placements[node.name]["tp"] = tp_placements[node.name]
+                placements["tp"] = placement_from_str(tp_placements[node.name])
             if node.name in experts:
-                placements[node.name]["ep"] = "Shard(0)"
+                placements["ep"] = Shard(0)
+            zero = 0
             if choice.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
                 tensor = gm.get_parameter(node.target)
                 if tensor.dim() > 0 and tensor.requires_grad:
-                    zero[node.name] = choice.zero
-    split = {}
+                    zero = choice.zero
+            tensors[node.name] = TensorPlan(placements, zero, tuple(tp_parts.get(node.name, ())))
+    # an operator split is its weight's (the linear reads it alone: default_split checks)
     for parts, names in split_nodes.items():
-        split.update({k: v for k, v in default_split(gm, parts).items() if k in names})
+        for linear, spec in default_split(gm, parts).items():
+            if linear in names:
+                weight = linear_operands(nodes[linear])[1].name
+                tensors[weight] = replace(tensors[weight], split=spec)
     output = gm.graph.find_nodes(op="output")[0]
     loss = output.args[0][meta.get(output, meta.ROLE)["loss"]]
-    placements[loss.name] = {"dp": "Partial(avg)"}
+    tensors[loss.name] = TensorPlan({"dp": Partial("avg")})
     return Plan(
         mesh=mesh,
-        placements=placements,
+        tensors=tensors,
         stages=uniform_stages(gm, mesh.pp, strategy),
         schedule=strategy.schedule if strategy is not None else "1f1b",
         strategy=strategy,
-        zero=zero,
         recompute=tuple(sorted(layers)),
         sequence_parallel=sequence_parallel,
-        split=split,
         microbatches=microbatches,
-        tp_parts=tp_parts,
         report=PlanReport(reasons=tuple(reasons)),
     )
 

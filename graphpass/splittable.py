@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphpass import meta
+from graphpass.layout import Split
 from graphpass.ops import is_linear, linear_operands
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,13 @@ def unsplittable_reason(gm: fx.GraphModule, node: fx.Node) -> str | None:
     return None
 
 
-def default_split(gm: fx.GraphModule, parts: int) -> dict[str, dict[str, Any]]:
-    """The ``Plan.split`` a uniform ``Strategy(split=parts)`` implies.
+def default_split(gm: fx.GraphModule, parts: int) -> dict[str, Split]:
+    """The linears a uniform ``Strategy(split=parts)`` splits, by node name, with their split.
 
     Every linear whose weight is a parameter used by that linear alone and has at least ``parts``
     rows is split ``parts`` ways along its output features; the others are skipped (logged).
     """
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Split] = {}
     if parts <= 1:
         return out
     for node in gm.graph.nodes:
@@ -71,7 +72,7 @@ def default_split(gm: fx.GraphModule, parts: int) -> dict[str, dict[str, Any]]:
         if why is not None:
             log.info("split_operators: not splitting %s (%s): %s", node.name, meta.get(node, meta.MODULE_PATH, ""), why)
             continue
-        out[node.name] = {"dim": "out", "parts": parts}
+        out[node.name] = Split("out", parts)
     return out
 
 

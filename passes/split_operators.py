@@ -1,7 +1,8 @@
 """split_operators: OSDP operator splitting — a linear runs as k slices with separate weights.
 
-Contract: for every entry ``Plan.split[name] = {"dim": "out" | "in", "parts": k}`` the pass
-rewrites the linear node ``name`` (``aten.linear``, or ``F.linear`` on the symbolic_trace route)
+Contract: for every operator split in the plan (``Plan.tensors[weight].split = Split("out" |
+"in", k)`` on a linear's weight; a plan JSON written before the per-tensor form named the linear
+itself: :meth:`graphpass.plan.Plan.splits` reads both) the pass rewrites the linear node (``aten.linear``, or ``F.linear`` on the symbolic_trace route)
 into k linears whose weights are k new parameters, so that later passes treat each slice's
 weight as a parameter of its own. With ZeRO-3 each slice is then gathered right before its own
 linear and freed after it (``collectives.gather_groups`` never groups two slices), so the
@@ -25,7 +26,7 @@ to fp32 summation order.
   split without untying it: ``ValueError``. :func:`default_split` skips such linears. A weight
   placed other than ``Replicate()`` (tensor parallel) is not split either: ``NotImplementedError``.
 
-Before/after (``{"linear_4": {"dim": "out", "parts": 2}}``, GPT ``h.0.mlp.up``)::
+Before/after (``Split("out", 2)`` on ``h_0_mlp_up_weight``, GPT ``h.0.mlp.up``)::
 
     w = get_attr[h.0.mlp.up.weight]  f32[256, 64]        w0 = get_attr[h.0.mlp.up.weight.split0]  f32[128, 64]
     b = get_attr[h.0.mlp.up.bias]    f32[256]       →    w1 = get_attr[h.0.mlp.up.weight.split1]  (b0, b1 alike)
@@ -37,14 +38,15 @@ Before/after (``{"linear_4": {"dim": "out", "parts": 2}}``, GPT ``h.0.mlp.up``):
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor.placement_types import Replicate
 
 from graphpass import meta
-from graphpass.layout import Slice, TensorLayout
+from graphpass.layout import Slice, Split, TensorLayout, placement_to_str
 from graphpass.ops import is_linear, linear_operands
 from graphpass.splittable import unsplittable_reason
 from graphpass.pass_manager import PassContext, graph_pass
@@ -102,7 +104,7 @@ def _call(gm: fx.GraphModule, like: fx.Node, target: Any, args: tuple, name: str
 
 
 def _check_entry(
-    gm: fx.GraphModule, plan: Plan, nodes: dict[str, fx.Node], name: str, spec: Mapping[str, Any]
+    gm: fx.GraphModule, plan: Plan, nodes: dict[str, fx.Node], name: str, spec: Split
 ) -> fx.Node:
     """The linear node ``Plan.split[name]`` names, after checking it can be cut as asked."""
     node = nodes.get(name)
@@ -117,27 +119,28 @@ def _check_entry(
     if why is not None:
         raise ValueError(f"Plan.split cannot split linear {name!r} (module {where}): {why}; leave it out of Plan.split")
     weight = linear_operands(node)[1]
-    placed = {axis: text for axis, text in plan.placements.get(meta.plan_name(weight), {}).items() if text != "Replicate()"}
+    placed = {axis: placement_to_str(p) for axis, p in plan.tensor(meta.plan_name(weight)).placements.items()
+              if p != Replicate()}
     if placed:
         raise NotImplementedError(
             f"Plan.split[{name!r}]: the weight {weight.target!r} of linear {name!r} (module {where}) is "
             f"placed {placed}; splitting a tensor-parallel linear is not supported, leave it out of Plan.split"
         )
     shape = list(gm.get_parameter(weight.target).shape)
-    size = shape[0 if spec["dim"] == "out" else 1]
-    if spec["parts"] > size:
-        features = "output" if spec["dim"] == "out" else "input"
+    size = shape[0 if spec.dim == "out" else 1]
+    if spec.parts > size:
+        features = "output" if spec.dim == "out" else "input"
         raise ValueError(
-            f"Plan.split[{name!r}] asks for {spec['parts']} slices of linear {name!r} (module {where}), "
+            f"Plan.split[{name!r}] asks for {spec.parts} slices of linear {name!r} (module {where}), "
             f"but its weight {weight.target!r} of shape {shape} has only {size} {features} features; "
             f"use parts <= {size}"
         )
     return node
 
 
-def _split_one(gm: fx.GraphModule, node: fx.Node, spec: Mapping[str, Any]) -> None:
+def _split_one(gm: fx.GraphModule, node: fx.Node, spec: Split) -> None:
     x, weight, bias = linear_operands(node)
-    parts, along = spec["parts"], spec["dim"]
+    parts, along = spec.parts, spec.dim
     dim = 0 if along == "out" else 1
     bounds = _bounds(gm.get_parameter(weight.target).shape[dim], parts)
     weights = _register_slices(gm, weight, dim, bounds)
@@ -175,7 +178,7 @@ def split_operators(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
         NotImplementedError: the linear's weight is placed other than ``Replicate()`` on some
             mesh axis (tensor parallel).
     """
-    todo = {name: spec for name, spec in plan.split.items() if spec["parts"] > 1}
+    todo = {name: spec for name, spec in plan.splits(gm).items() if spec.parts > 1}
     if not todo:
         log.info("%s: Plan.split asks for no slices; nothing to do", NAME)
         return gm
@@ -188,7 +191,7 @@ def split_operators(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
     gm.recompile()
     log.info(
         "%s: split %d linears (%s)", NAME, len(todo),
-        ", ".join(f"{n}: {s['dim']} x{s['parts']}" for n, s in todo.items()),
+        ", ".join(f"{n}: {s.dim} x{s.parts}" for n, s in todo.items()),
     )
     return gm
 

@@ -93,7 +93,9 @@ def _verify_edited_plan(**placements):
     from graphpass.plan_builder import plan_from_strategy
 
     plan = plan_from_strategy(capture(_gpt(), _batch(4)).gm, gp.Strategy(dp=2), []).to_dict()
-    plan = gp.Plan.from_dict({**plan, "placements": {**plan["placements"], **placements}})
+    tensors = {**plan["tensors"], **{node: {**plan["tensors"].get(node, {}), "placements": by_axis}
+                                     for node, by_axis in placements.items()}}
+    plan = gp.Plan.from_dict({**plan, "tensors": tensors})
     gp.verify(_gpt(), H100x2, example_inputs=_batch(), strategy=plan)
 
 
@@ -130,13 +132,13 @@ CASES = {
     "forward without a scalar loss": (lambda _: _compile(model=_NoLoss(), example_inputs=(torch.ones(2, 4),),
                                                          strategy=gp.Strategy()), ValueError,
                                       r"_NoLoss.forward must return the scalar loss .* returned a tensor of shape \(2, 4\)"),
-    "a Plan of another model": (lambda _: _compile(strategy=gp.Plan(mesh={"dp": 1}, placements={"no_such_node": {}})),
+    "a Plan of another model": (lambda _: _compile(strategy=gp.Plan(mesh={"dp": 1}, tensors={"no_such_node": gp.TensorPlan()})),
                                 ValueError, r"the Plan places nodes \['no_such_node'\] that are not in the captured graph"),
     "split without ZeRO-3": (lambda _: _compile(strategy=gp.Strategy(zero=1, split=2)), ValueError,
                              r"Strategy.split=2 needs Strategy.zero=3 \(got zero=1\)"),
     # ---- a saved plan edited by hand
     "a Plan JSON without placements": (lambda _: gp.Plan.from_json('{"mesh": {"dp": 2}}'), ValueError,
-                                       r"the Plan lacks 'placements'"),
+                                       r"the Plan lacks 'tensors'"),
     "a Plan with a negative bucket cap": (
         lambda _: gp.Plan.from_json('{"mesh": {"dp": 2}, "placements": {}, "bucket_cap_bytes": -1}'), ValueError,
         r"Plan.bucket_cap_bytes must be a positive number of bytes, got -1"),

@@ -201,8 +201,6 @@ def test_after_every_pass_each_stage_synchronises_its_own_parameters():
 def test_a_tied_weight_read_through_each_stages_own_node_is_still_not_split():
     """partition_stages gives the tied LM head its own node on the last stage; a hand-written
     Plan.split naming the head must still see the tie (splitting would untie the embedding)."""
-    import dataclasses
-
     import graphpass as gp
     from graphpass.pass_manager import PassContext, PassError, run_passes
     from graphpass.passes import passes_for
@@ -211,7 +209,7 @@ def test_a_tied_weight_read_through_each_stages_own_node_is_still_not_split():
     gm, inputs = _captured("gpt")
     plan = plan_from_strategy(gm, gp.Strategy(pp=2, microbatches=2), ["test"])
     head = next(n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get(meta.MODULE_PATH) == "lm_head")
-    plan = dataclasses.replace(plan, split={head.name: {"dim": "out", "parts": 2}})
+    plan = plan.with_tensor(head.name, split=gp.Split("out", 2))
     with pytest.raises(PassError, match="would untie the weights"):
         run_passes(gm, plan, PassContext(rank=0, world_size=2, example_inputs=tuple(inputs)), passes_for(plan))
 

@@ -41,12 +41,18 @@ def test_strategy_rejects_bad_fields(kwargs, message):
 def test_plan_json_round_trip_and_explain():
     plan = gp.Plan(
         mesh={"dp": 4},
-        placements={"idx": {"dp": "Shard(0)"}, "wte_weight": {"dp": "Replicate()"}, "loss": {"dp": "Partial(avg)"}},
+        tensors={"idx": gp.TensorPlan({"dp": Shard(0)}), "wte_weight": gp.TensorPlan({"dp": Replicate()}, zero=3),
+                 "fc_weight": gp.TensorPlan(split=gp.Split("out", 2)), "loss": gp.TensorPlan({"dp": Partial("avg")})},
         strategy=gp.Strategy(dp=4),
         report=gp.PlanReport(predicted_step_time_s=0.0125, reasons=("because",)),
     )
     again = gp.Plan.from_json(plan.to_json())
     assert again == plan and json.loads(plan.to_json())["report"]["reasons"] == ["because"]
+    # one entry per tensor, placements as torch's strings, defaults left out
+    assert json.loads(plan.to_json())["tensors"] == {
+        "idx": {"placements": {"dp": "Shard(0)"}}, "wte_weight": {"placements": {"dp": "Replicate()"}, "zero": 3},
+        "fc_weight": {"split": {"dim": "out", "parts": 2}}, "loss": {"placements": {"dp": "Partial(avg)"}}}
+    assert (plan.zero, plan.split) == ({"wte_weight": 3}, {"fc_weight": gp.Split("out", 2)})
     assert again.diff(plan) == []
     text = plan.explain()
     assert "mesh: dp=4 (4 devices)" in text and "12.50 ms" in text and "why: because" in text
@@ -56,7 +62,7 @@ def test_plan_json_round_trip_and_explain():
 
 def test_a_plan_saved_before_the_report_was_its_own_type_still_loads():
     """Saved plans and golden files keep the predictions at the plan's top level."""
-    plan = gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Shard(0)"}},
+    plan = gp.Plan(mesh={"dp": 2}, tensors={"x": gp.TensorPlan({"dp": Shard(0)})},
                    report=gp.PlanReport(predicted_step_time_s=0.5, predicted_stage_peaks_bytes=(7,),
                                         breakdown=({"block": "pre"},), reasons=("r",)))
     data = plan.to_dict()
@@ -67,16 +73,34 @@ def test_a_plan_saved_before_the_report_was_its_own_type_still_loads():
 
 
 def test_plan_diff_names_changed_nodes():
-    a = gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Shard(0)"}})
-    b = gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Replicate()"}})
-    assert a.diff(b) == ["x: {'dp': 'Shard(0)'} -> {'dp': 'Replicate()'}"]
+    a = gp.Plan(mesh={"dp": 2}, tensors={"x": gp.TensorPlan({"dp": Shard(0)})})
+    b = gp.Plan(mesh={"dp": 2}, tensors={"x": gp.TensorPlan({"dp": Replicate()}, zero=2)})
+    assert a.diff(b) == ["x: {'placements': {'dp': 'Shard(0)'}} -> {'placements': {'dp': 'Replicate()'}, 'zero': 2}"]
+
+
+def test_a_plan_json_written_before_the_per_tensor_form_loads_into_it():
+    """Placements, ZeRO stages, fused parts and splits (keyed by the linear) became one entry per
+    tensor; a plan JSON with them as four fields loads, and a split keyed by its linear is that
+    linear's (Plan.splits), as one keyed by the linear's weight is."""
+    legacy = {"mesh": {"dp": 2, "tp": 2}, "placements": {"w": {"dp": "Replicate()", "tp": "Shard(0)"}},
+              "zero": {"w": 3}, "tp_parts": {"w": [4, 4]}, "split": {"linear": {"dim": "in", "parts": 2}}}
+    plan = gp.Plan.from_json(json.dumps(legacy))
+    assert plan.tensors == {"w": gp.TensorPlan({"dp": Replicate(), "tp": Shard(0)}, 3, (4, 4)),
+                            "linear": gp.TensorPlan(split=gp.Split("in", 2))}
+    assert gp.Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match=r"gives both 'tensors' and \['zero'\]"):
+        gp.Plan.from_dict({**plan.to_dict(), "zero": {}})
 
 
 def test_plan_rejects_unknown_axes_fields_and_placements():
     with pytest.raises(ValueError, match=r"Plan.placements\['x'\] uses mesh axis 'tp'"):
-        gp.Plan(mesh={"dp": 2}, placements={"x": {"tp": "Shard(0)"}})
+        gp.Plan(mesh={"dp": 2}, tensors={"x": gp.TensorPlan({"tp": Shard(0)})})
     with pytest.raises(ValueError, match="unknown placement 'Sharded'"):
-        gp.Plan(mesh={"dp": 2}, placements={"x": {"dp": "Sharded"}})
+        gp.Plan.from_dict({"mesh": {"dp": 2}, "tensors": {"x": {"placements": {"dp": "Sharded"}}}})
+    with pytest.raises(ValueError, match=r"Plan.placements\['x'\]\['dp'\] must be a torch Shard"):
+        gp.Plan(mesh={"dp": 2}, tensors={"x": gp.TensorPlan({"dp": "Shard(0)"})})
+    with pytest.raises(ValueError, match=r"Plan.tensors\['x'\] must be an object with some of"):
+        gp.Plan.from_dict({"mesh": {"dp": 2}, "tensors": {"x": {"zeros": 1}}})
     with pytest.raises(ValueError, match=r"unknown Plan fields \['meshes'\]"):
         gp.Plan.from_dict({"mesh": {"dp": 1}, "meshes": 1})
 
@@ -135,7 +159,7 @@ _DROP = object()
 @pytest.mark.parametrize("fields, message", [
     ({"bucket_cap_bytes": -1}, r"Plan.bucket_cap_bytes must be a positive number of bytes, got -1"),
     ({"bucket_cap_bytes": 2.5}, r"Plan.bucket_cap_bytes must be a positive number of bytes, got 2.5"),
-    ({"placements": _DROP}, r"the Plan lacks 'placements': a plan gives its 'mesh' .* and 'placements'"),
+    ({"placements": _DROP}, r"the Plan lacks 'tensors': a plan gives its 'mesh' .* and 'tensors'"),
     ({"mesh": _DROP}, r"the Plan lacks 'mesh'"),
     ({"mesh": {"data": 2}, "placements": {}}, r"Plan.mesh has axis 'data', which graphpass does not know"),
     ({"placements": {"w": {"dp": "Shard(-1)"}}}, r"Plan.placements\['w'\]\['dp'\]: Shard\(-1\) counts the dim from "
@@ -193,7 +217,9 @@ def gpt_graph():
 
 
 def _edited(base: dict, mesh=None, **placements) -> gp.Plan:
-    edit = {**base, "placements": {**base["placements"], **placements}, "strategy": None}
+    tensors = {**base["tensors"], **{node: {**base["tensors"].get(node, {}), "placements": by_axis}
+                                     for node, by_axis in placements.items()}}
+    edit = {**base, "tensors": tensors, "strategy": None}
     if mesh is not None:
         edit["mesh"] = mesh
     return gp.Plan.from_dict({k: v for k, v in edit.items() if v is not _DROP})
@@ -241,17 +267,17 @@ def test_plan_placements_are_checked_against_the_captured_graph(gpt_graph, mesh,
 
 def test_a_plan_without_input_placements_lists_every_input(gpt_graph):
     gm, base = gpt_graph
-    plan = gp.Plan(mesh={"dp": 2}, placements={})
+    plan = gp.Plan(mesh={"dp": 2})
     with pytest.raises(ValueError, match=r"the Plan does not fit this model's graph \(2 problems\):\n  "
                                          r"Plan.placements\['idx'\] has no 'dp' entry.*\n  "
                                          r"Plan.placements\['targets'\] has no 'dp' entry"):
         plan.check_graph(gm)
     # microbatches split the batch too, without dp
     with pytest.raises(ValueError, match=r"but the batch is split into Plan.microbatches=2"):
-        gp.Plan(mesh={"dp": 1}, placements={"idx": {"dp": "Shard(0)"}}, microbatches=2).check_graph(gm)
-    gp.Plan(mesh={"dp": 1}, placements={}).check_graph(gm)  # one rank, one microbatch: nothing is split
+        gp.Plan(mesh={"dp": 1}, tensors={"idx": gp.TensorPlan({"dp": Shard(0)})}, microbatches=2).check_graph(gm)
+    gp.Plan(mesh={"dp": 1}).check_graph(gm)  # one rank, one microbatch: nothing is split
     with pytest.raises(ValueError, match=r"the Plan places nodes \['no_such_node'\] that are not in the captured"):
-        gp.Plan(mesh={"dp": 1}, placements={"no_such_node": {}}).check_graph(gm)
+        gp.Plan(mesh={"dp": 1}, tensors={"no_such_node": gp.TensorPlan()}).check_graph(gm)
 
 
 @pytest.mark.parametrize("model, strategy", [

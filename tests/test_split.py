@@ -19,6 +19,7 @@ averaged or a slice gathered into the wrong place are errors of order 1e-2.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -46,10 +47,12 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def _plan(gm: fx.GraphModule, strategy: gp.Strategy, split: dict | None = None) -> gp.Plan:
+    """``strategy``'s plan with the splits ``split`` names by node (a linear, as plans written
+    before the per-tensor form named them, or a weight)."""
     plan = plan_from_strategy(gm, strategy, ["test"])
-    if split is None:
-        return plan
-    return gp.Plan.from_dict({**plan.to_dict(), "split": split})
+    for node, spec in (split or {}).items():
+        plan = plan.with_tensor(node, split=gp.Split(**spec))
+    return plan
 
 
 def _untied_linears(gm: fx.GraphModule) -> list[str]:
@@ -199,7 +202,7 @@ def test_split_larger_than_the_dimension_names_the_op():
     with pytest.raises(ValueError, match=r"Plan.split names 'gelu', which is a call_function aten.gelu.default, not a linear"):
         split_operators(gm, not_linear, ctx)
     # Through compile the pass runner names the pass as well.
-    plan = gp.Plan.from_dict({**too_many.to_dict(), "split": {"linear_5": {"dim": "out", "parts": 65}}})
+    plan = _plan(gm, gp.Strategy(), {"linear_5": {"dim": "out", "parts": 65}})
     with pytest.raises(PassError, match=r"pass split_operators failed after global_loss_mean: .*linear 'linear_5' "
                        r"\(module h.0.mlp.down\).* has only 64 output features"):
         gp.compile(zoo.build("gpt"), example_inputs=batch, strategy=plan)
@@ -226,11 +229,15 @@ def test_compile_single_process_with_split_trains_and_rebuilds_the_state_dict():
 
 
 def _in_split(plan: gp.Plan) -> gp.Plan:
-    return gp.Plan.from_dict({**plan.to_dict(), "split": {n: {"dim": "in", "parts": 2} for n in plan.split}})
+    for node in plan.split:
+        plan = plan.with_tensor(node, split=gp.Split("in", 2))
+    return plan
 
 
 def _without_zero(plan: gp.Plan) -> gp.Plan:
-    return gp.Plan.from_dict({**plan.to_dict(), "zero": {}, "strategy": None})
+    for node in plan.zero:
+        plan = plan.with_tensor(node, zero=0)
+    return dataclasses.replace(plan, strategy=None)
 
 
 def _train(name: str, strategy_kwargs: dict, plan_edit=None, steps: int = 3, batch: int = 8):

@@ -13,6 +13,7 @@ import logging
 
 import pytest
 import torch
+from torch.distributed.tensor.placement_types import Shard
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
@@ -101,7 +102,7 @@ def test_a_vocabulary_tp_does_not_divide_stays_whole_and_a_plan_sharding_it_name
     # A plan that shards it anyway is refused naming the parameter.
     gm = capture(model, (idx, idx)).gm
     plan = plan_from_strategy(gm, gp.Strategy(tp=2), [])
-    plan.placements["wte_weight"]["tp"] = "Shard(0)"
+    plan = plan.with_tensor("wte_weight", placements={**plan.tensor("wte_weight").placements, "tp": Shard(0)})
     with pytest.raises(PassError, match=r"tp=2 does not divide dim 0 \(size 255\) of 'wte.weight'"):
         run_passes(gm, plan, PassContext(0, 2, (idx, idx)), PIPELINE)
 
@@ -121,10 +122,9 @@ class _CumsumMLP(nn.Module):
 
 def _cumsum_plan(gm: fx.GraphModule, world: int) -> gp.Plan:
     plan = plan_from_strategy(gm, gp.Strategy(tp=world), [])
-    placements = {k: dict(v) for k, v in plan.placements.items()}
-    placements["up_weight"]["tp"] = placements["up_bias"]["tp"] = "Shard(0)"
-    placements["down_weight"]["tp"] = "Shard(1)"
-    return gp.Plan.from_dict({**plan.to_dict(), "placements": placements})
+    for node, placement in (("up_weight", Shard(0)), ("up_bias", Shard(0)), ("down_weight", Shard(1))):
+        plan = plan.with_tensor(node, placements={**plan.tensor(node).placements, "tp": placement})
+    return plan
 
 
 def _tp_sharded(gm: fx.GraphModule) -> set[str]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import graphpass as gp
 from graphpass.capture import capture
@@ -111,11 +111,10 @@ def _placement_and_outputs(label_filter=None):
         model = _Op(fn, shapes, seed)
         gm = capture(model, (torch.zeros(2),)).gm
         plan = plan_from_strategy(gm, gp.Strategy(tp=SIZE), [])
-        placements = {k: dict(v) for k, v in plan.placements.items()}
         node_of = {n.target: n.name for n in gm.graph.nodes if n.op == "get_attr"}
         for name, dim in zip(model.names, dims):
-            placements.setdefault(node_of[name], {})["tp"] = "Replicate()" if dim is None else f"Shard({dim})"
-        plan = gp.Plan.from_dict({**plan.to_dict(), "placements": placements})
+            placements = {**plan.tensor(node_of[name]).placements, "tp": Replicate() if dim is None else Shard(dim)}
+            plan = plan.with_tensor(node_of[name], placements=placements)
         # The op's outputs are what the harness's loss sums (besides the dummy input), read after
         # the walk: a rule may route them through nodes it adds (a row projection's bias).
         sums = [n for n in gm.graph.nodes if n.op == "call_function"

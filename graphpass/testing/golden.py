@@ -79,10 +79,18 @@ def plan_lines(plan: Plan) -> list[str]:
     """The plan's program-defining fields, one line per entry (predictions, the strategy it was
     made from and replicated placements left out)."""
     data = plan.to_dict()
+    tensors = data.pop("tensors")
+    # Each part of the tensors' entries on lines of its own, as golden texts wrote them before
+    # the plan held one entry per tensor (replicated placements, the default, left out).
+    parts = {"placements": {node: t["placements"] for node, t in tensors.items()
+                            if any(p != "Replicate()" for p in t.get("placements", {}).values())},
+             "zero": {node: t["zero"] for node, t in tensors.items() if "zero" in t},
+             "split": {node: t["split"] for node, t in tensors.items() if "split" in t},
+             "tp_parts": {node: t["parts"] for node, t in tensors.items() if "parts" in t}}
+    order = ("mesh", "placements", "stages", "strategy", "zero", "recompute", "split", "sequence_parallel",
+             "bucket_cap_bytes", "microbatches", "schedule", "tp_parts")
+    data = {**{name: {**data, **parts}[name] for name in order}, **data}
     lines = []
-    # Replicated placements are the default: only the others are listed.
-    data["placements"] = {node: by_axis for node, by_axis in data["placements"].items()
-                          if any(p != "Replicate()" for p in by_axis.values())}
     for name, value in data.items():
         if name in PREDICTIONS or name == "strategy":  # the strategy heads the text
             continue
