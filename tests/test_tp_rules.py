@@ -22,7 +22,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 import graphpass as gp
 from graphpass.capture import capture
 from graphpass.layout import placement_to_str
-from graphpass.passes.tensor_parallel import MergedShard, Walker
+from graphpass.passes.tensor_parallel import MergedShard, Walker, keeps_shard
+from graphpass.passes.tensor_parallel.walker import KEEPS, rule_of
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.plan_builder import plan_from_strategy
 
@@ -190,3 +191,29 @@ def test_every_rule_places_its_output_as_the_op_computes_it(rank_pool):
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
                 failures.append(f"{label} output {i}: claimed {place}, which does not rebuild the op's result")
     assert not failures, "\n".join(failures)
+
+
+def test_keeps_shard_answers_what_each_rule_does():
+    """The op-level problem asks ``keeps_shard`` where a sharded value stays sharded (it does not
+    run the pass): on every case of one sharded operand whose op has a rule that can keep a
+    shard, the answer is the placement the rule gives the op's output."""
+    checked = []
+    for seed, (label, fn, shapes, dims) in enumerate(_cases()):
+        if dims[0] is None or any(d is not None for d in dims[1:]):
+            continue
+        model = _Op(fn, shapes, seed)
+        gm = capture(model, (torch.zeros(2),)).gm
+        source = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == model.names[0])
+        op = next(u for u in source.users if u.op == "call_function")
+        if KEEPS.get(rule_of(op.target)) is None:
+            continue
+        expected = keeps_shard(op, dims[0], source)
+        plan = plan_from_strategy(gm, gp.Strategy(tp=SIZE), [])
+        plan = plan.with_tensor(source.name, placements={**plan.tensor(source.name).placements, "tp": Shard(dims[0])})
+        walker = Walker(gm, plan, SIZE, 0)
+        walker.run()
+        got = walker.place[op]
+        assert got == Shard(expected) if expected is not None else not isinstance(got, Shard), (label, expected, got)
+        checked.append(label)
+    # elementwise, softmax, broadcasting, views, reductions: kept and gathered both seen
+    assert len(checked) >= 40, checked

@@ -16,8 +16,10 @@ projection, or a convolution with ``groups == 1``, channel parallel, its feature
   tp (a 4-class head, or 3 attention heads at tp=2: :func:`megatron_at`) it decides nothing and
   every projection is free, so tp can still shard, say, the MLPs and attention by rows;
 - node cost: its forward and backward compute, divided by tp when sharded, and the ops after
-  it that keep its shards (elementwise ops; for channels batch norm and pooling), on a column's
-  shards; plus the conversions its own placement forces: a row's partial sums all-reduced
+  it that keep its shards on the same dim, on a column's shards. Which ops keep them is the
+  tensor-parallel pass's own rules' answer (`graphpass.passes.tensor_parallel.keeps_shard`:
+  elementwise ops, views keeping the dim, batch norm and pooling on channels, reductions over
+  other dims), so the problem and the pass cannot disagree on it; plus the conversions its own placement forces: a row's partial sums all-reduced
   (``tp Partial -> Replicate``), a column's output gathered where another op (a layer norm, a
   loss, the graph output) reads it (``tp Shard -> Replicate``), and its input converted from a
   replicated source that is not a projection (``tp Replicate -> Shard`` into a row, ``tp
@@ -29,8 +31,8 @@ projection, or a convolution with ``groups == 1``, channel parallel, its feature
 - memory: the weight's (and a column bias's) parameter, gradient and optimizer bytes, divided
   by tp when sharded, held through the step.
 
-Every conversion is priced from the transition table's entry (`graphpass.transitions`), the one
-the emitter inserts from, by the caller's ``transition_s``. The problem approximates the
+Every conversion is the transition table's (`graphpass.transitions.redistribution`, where the
+emitter looks it up too), priced by the caller's ``transition_s``. The problem approximates the
 tensor-parallel pass (it prices one gather where several readers may each convert, and not the
 replicated operands a residual add slices to meet a shard); the planner prices each layout it
 returns exactly, by the pass's dry run, next to Megatron's, and keeps whichever plan is faster.
@@ -53,10 +55,10 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from graphpass import meta
 from graphpass.cost.solver import Edge, Node, Problem, min_peak_memory, solve
 from graphpass.grads import grad_requiring_nodes
-from graphpass.ops import CONVOLUTIONS, PER_CHANNEL, RESHAPES, packet
-from graphpass.megatron import Projection, elementwise, feature_wise, flows_into, fused_parts, heads, megatron_layout, \
+from graphpass.ops import CONVOLUTIONS, packet
+from graphpass.megatron import Projection, elementwise, flows_into, fused_parts, heads, megatron_layout, \
     projection
-from graphpass.passes.tensor_parallel import TensorParallelError, layout as tp_dry_run
+from graphpass.passes.tensor_parallel import TensorParallelError, keeps_shard, layout as tp_dry_run
 from graphpass.plan import Strategy
 from graphpass.plan_builder import plan_from_choices
 from graphpass.transitions import redistribution
@@ -135,29 +137,20 @@ def placeable(node: fx.Node) -> Projection | None:
     return Projection(node.args[0], weight, bias, out_dim=0, x_index=0, bias_index=2)
 
 
-def _per_channel(node: fx.Node) -> bool:
-    """Whether ``node`` keeps a value sharded on its channels (dim 1) so: elementwise, batch norm,
-    pooling, a mean or sum over other dims, a view keeping the first two dims (``flatten(1)`` of
-    pooled ``[N, C, 1, 1]``)."""
-    if node.op != "call_function":
-        return False
-    if elementwise(node) or packet(node) in PER_CHANNEL:
-        return True
-    src, out = node.args[0].meta.get(meta.VAL) if node.args and isinstance(node.args[0], fx.Node) else None, \
-        node.meta.get(meta.VAL)
-    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dim() >= 2 and out.dim() >= 2):
-        return False
-    if node.target in (aten.mean.dim, aten.sum.dim_IntList):
-        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(src.dim())
-        return all(d % src.dim() not in (0, 1) for d in dims)
-    return (packet(node) in RESHAPES | {aten.flatten}
-            and tuple(src.shape[:2]) == tuple(out.shape[:2]))
-
-
 def _carries(node: fx.Node) -> bool:
-    """Whether a value sharded on its features (a linear's last dim) or channels (a
-    convolution's dim 1) stays so through ``node``."""
-    return feature_wise(node) or _per_channel(node)
+    """Whether the tensor-parallel pass keeps a value sharded on its features (its last dim: a
+    column linear's output) or its channels (dim 1: a column convolution's) on the same dim
+    through ``node``, as the pass's rule for the op says (:func:`~graphpass.passes.tensor_parallel.keeps_shard`):
+    elementwise ops, views keeping that dim, batch norm and pooling on channels, a reduction over
+    other dims."""
+    source = next((a for a in node.all_input_nodes if a.op != "get_attr"), None)
+    val = source.meta.get(meta.VAL) if source is not None else None
+    out = node.meta.get(meta.VAL)
+    if node.op != "call_function" or not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if val.dim() and out.dim() and keeps_shard(node, val.dim() - 1, source) == out.dim() - 1:
+        return True
+    return val.dim() >= 2 and out.dim() >= 2 and keeps_shard(node, 1, source) == 1
 
 
 def _norms_after(conv: fx.Node) -> list[fx.Node]:

@@ -43,7 +43,7 @@ from graphpass.plan import Plan
 from graphpass.passes.tensor_parallel import compute_rules, pointwise_rules, view_rules  # noqa: F401 (they register the rules)
 from graphpass.passes.tensor_parallel.dry_run import EmittedCollective, Layout, layout
 from graphpass.passes.tensor_parallel.walker import (
-    AXIS, NAME, RULES, MergedShard, PartsShard, TensorParallelError, Walker, log,
+    AXIS, NAME, RULES, MergedShard, PartsShard, TensorParallelError, Walker, keeps_shard, log,
 )
 
 
@@ -61,5 +61,5 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
     return gm
 
 
-__all__ = ["EmittedCollective", "Layout", "MergedShard", "PartsShard", "RULES", "TensorParallelError", "layout",
-           "tensor_parallel"]
+__all__ = ["EmittedCollective", "Layout", "MergedShard", "PartsShard", "RULES", "TensorParallelError", "keeps_shard",
+           "layout", "tensor_parallel"]

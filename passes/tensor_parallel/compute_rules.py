@@ -339,7 +339,13 @@ def _conv_bias_after_reduction(w: Walker, node: fx.Node, bias: fx.Node) -> None:
     w.place[add] = binary(w, add)
 
 
-@rule(aten.batch_norm.default)
+def _keeps_channels(node: fx.Node, source: fx.Node, dim: int) -> int | None:
+    """Ops on each channel (dim 1) apart keep a channel shard (batch norm: with its weights and
+    statistics sharded alike)."""
+    return 1 if dim == 1 else None
+
+
+@rule(aten.batch_norm.default, keeps=_keeps_channels)
 def _batch_norm(w: Walker, node: fx.Node) -> Placement:
     """Batch norm normalises each channel (dim 1) apart: with its weight, bias and running
     statistics sharded on their channels (dim 0), its input is sharded on its channels and stays
@@ -357,7 +363,7 @@ def _batch_norm(w: Walker, node: fx.Node) -> Placement:
     return R
 
 
-@rule(*POOLS)
+@rule(*POOLS, keeps=_keeps_channels)
 def _pool(w: Walker, node: fx.Node) -> Placement:
     """Pooling works on each channel (dim 1) apart: a channel-sharded input stays so."""
     x = node.args[0]

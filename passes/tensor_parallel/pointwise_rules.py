@@ -11,12 +11,21 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from graphpass.ops import BINARY, ELEMENTWISE_UNARY, LINEAR_UNARY, SOFTMAXES, packet as _packet
-from graphpass.passes.tensor_parallel.walker import P, R, RULES, aten, norm_dim, rule, Walker
+from graphpass.passes.tensor_parallel.walker import P, R, aten, norm_dim, rule, shape_of, Walker
 
 
 # ---------------------------------------------------------------------- rules: elementwise
 
-@rule(*ELEMENTWISE_UNARY, aten.softmax.int, aten.log_softmax.int)
+def _gathers(node: fx.Node, dim: int, ndim: int) -> bool:
+    """A softmax needs whole the dim it normalises along; elementwise ops need nothing whole."""
+    return _packet(node) in SOFTMAXES and dim == norm_dim(node.args[1], ndim)
+
+
+def _keeps_unary(node: fx.Node, source: fx.Node, dim: int) -> int | None:
+    return None if _gathers(node, dim, len(shape_of(source))) else dim
+
+
+@rule(*ELEMENTWISE_UNARY, aten.softmax.int, aten.log_softmax.int, keeps=_keeps_unary)
 def _unary(w: Walker, node: fx.Node) -> Placement:
     x = node.args[0]
     xp = w.placement(x)
@@ -26,7 +35,7 @@ def _unary(w: Walker, node: fx.Node) -> Placement:
         dst = Shard(1) if w.sp and w.ndim(x) >= 3 else R
         w.set_arg(node, 0, w.redistribute(x, dst, node))
         return dst
-    if packet in SOFTMAXES and isinstance(xp, Shard) and xp.dim == norm_dim(node.args[1], w.ndim(x)):
+    if isinstance(xp, Shard) and _gathers(node, xp.dim, w.ndim(x)):
         w.set_arg(node, 0, w.redistribute(x, R, node))
         return R
     return xp
@@ -90,5 +99,10 @@ def _to_in(p: Shard, in_nd: int, out_nd: int) -> Shard:
     return Shard(p.dim - (out_nd - in_nd))
 
 
-for _op in BINARY:
-    RULES[_op] = binary
+def _keeps_binary(node: fx.Node, source: fx.Node, dim: int) -> int | None:
+    """A broadcasting op keeps an operand's shard, on the output's dim it broadcasts to (the
+    other operands sliced to it locally)."""
+    return _to_out(Shard(dim), len(shape_of(source)), len(shape_of(node))).dim
+
+
+rule(*BINARY, keeps=_keeps_binary)(binary)

@@ -15,7 +15,7 @@ from graphpass import meta
 from graphpass.megatron import keeps_features
 from graphpass.ops import RESHAPES
 from graphpass.passes.tensor_parallel.walker import (
-    NAME, P, R, aten, log, MergedShard, norm_dim, PartsShard, rule, TensorParallelError, Walker,
+    NAME, P, R, aten, log, MergedShard, norm_dim, PartsShard, rule, shape_of, TensorParallelError, Walker,
 )
 
 
@@ -51,8 +51,21 @@ def _view_map(in_shape: Sequence[int], out_shape: Sequence[int], dim: int) -> tu
     return None
 
 
+def _keeps_view(node: fx.Node, source: fx.Node, dim: int) -> int | None:
+    """Where a plain shard lands through a view: ``expand`` keeps it on its aligned dim; a
+    reshape on the output dim its input dim leads (:func:`_view_map`), unless it merges with dims
+    before it (a strided ``MergedShard``, not a plain shard)."""
+    in_shape, out_shape = shape_of(source), shape_of(node)
+    if node.target.overloadpacket is aten.expand:
+        return dim + len(out_shape) - len(in_shape)
+    if node.target.overloadpacket in RESHAPES and _merge_map(in_shape, out_shape, dim, 1) is not None:
+        return None
+    found = _view_map(in_shape, out_shape, dim)
+    return found[0] if found is not None else None
+
+
 @rule(*RESHAPES, aten.expand, aten.flatten, aten.unflatten,
-      carries=(MergedShard, PartsShard))
+      carries=(MergedShard, PartsShard), keeps=_keeps_view)
 def _view(w: Walker, node: fx.Node) -> Placement:
     x = node.args[0]
     xp = w.placement(x)
@@ -291,14 +304,22 @@ def _cat(w: Walker, node: fx.Node) -> Placement:
     return R
 
 
-@rule(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.sum.default, aten.mean.default)
-def _reduce(w: Walker, node: fx.Node) -> Placement:
-    x = node.args[0]
-    xp = w.placement(x)
-    nd = w.ndim(x)
+def _reduced(node: fx.Node, dim: int, nd: int) -> int | None:
+    """Where a reduction over some dims leaves a shard on ``dim`` of its ``nd``-D input: None
+    when it reduces that dim."""
     dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(nd))
     dims = [norm_dim(d, nd) for d in dims]
     keepdim = bool(node.args[2]) if len(node.args) > 2 else False
+    if dim in dims:
+        return None
+    return dim if keepdim else dim - sum(1 for d in dims if d < dim)
+
+
+@rule(aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.sum.default, aten.mean.default,
+      keeps=lambda node, source, dim: _reduced(node, dim, len(shape_of(source))))
+def _reduce(w: Walker, node: fx.Node) -> Placement:
+    x = node.args[0]
+    xp = w.placement(x)
     packet = node.target.overloadpacket
     if xp == P:
         if packet is aten.amax:
@@ -307,10 +328,11 @@ def _reduce(w: Walker, node: fx.Node) -> Placement:
         return P
     if not isinstance(xp, Shard):
         return xp
-    if xp.dim in dims:
+    dim = _reduced(node, xp.dim, w.ndim(x))
+    if dim is None:
         w.set_arg(node, 0, w.redistribute(x, R, node))
         return R
-    return Shard(xp.dim if keepdim else xp.dim - sum(1 for d in dims if d < xp.dim))
+    return Shard(dim)
 
 
 @rule(aten._assert_tensor_metadata.default)

@@ -296,9 +296,7 @@ class Walker:
 
     def visit(self, node: fx.Node) -> Any:
         target = node.target
-        rule = RULES.get(target)
-        if rule is None and isinstance(target, torch._ops.OpOverload):
-            rule = RULES.get(target.overloadpacket)
+        rule = rule_of(target)
         tensor_args = [a for a in node.all_input_nodes if a in self.place]
         if any(isinstance(self.place.get(a), PartsShard) for a in tensor_args) and PartsShard not in CARRIES.get(rule, ()):
             raise TensorParallelError(
@@ -338,6 +336,38 @@ RULES: dict[Any, Callable[[Walker, fx.Node], Any]] = {}
 #: The placements other than Shard/Replicate/Partial a rule reads as they are (every other rule
 #: first gathers a ``MergedShard`` input, and no other rule may read a ``PartsShard``).
 CARRIES: dict[Callable, tuple[type, ...]] = {}
+#: For each rule that can keep a shard: ``keeps(node, source, dim)``, the dim of ``node``'s output
+#: that its input ``source`` sharded on ``dim`` leaves sharded, with no collective, or None where
+#: the rule makes it whole (what :func:`keeps_shard` answers for the op-level problem, without
+#: running the rule; the rules themselves map dims with the same functions).
+KEEPS: dict[Callable, Callable[[fx.Node, fx.Node, int], int | None]] = {}
+
+
+def rule_of(target: Any) -> Callable | None:
+    """The rule registered for an op (its overload, else its packet), None for ops without one."""
+    rule = RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        rule = RULES.get(target.overloadpacket)
+    return rule
+
+
+def keeps_shard(node: fx.Node, dim: int, source: fx.Node | None = None) -> int | None:
+    """The dim of ``node``'s output that stays sharded when its input ``source`` (default: its
+    first) is sharded on ``dim`` and its other operands are whatever the rule makes them locally
+    (a bias sliced to the shard), as the pass's rule for the op decides; None where the rule
+    gathers the value, or the op has no rule. Reads the fake values' shapes (``meta["val"]``)."""
+    keeps = KEEPS.get(rule_of(node.target)) if node.op == "call_function" else None
+    if source is None:
+        source = next((a for a in node.all_input_nodes if a.op != "get_attr"), None)
+    if keeps is None or source is None or shape_of(source) is None or shape_of(node) is None:
+        return None
+    return keeps(node, source, norm_dim(dim, len(shape_of(source))))
+
+
+def shape_of(node: fx.Node) -> tuple[int, ...] | None:
+    """A node's (full, captured) shape from its fake value; None for a value that is no tensor."""
+    val = node.meta.get(meta.VAL)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def no_rule(w: Walker, node: fx.Node) -> Placement:
@@ -348,15 +378,19 @@ def no_rule(w: Walker, node: fx.Node) -> Placement:
     return w.to_replicate_all(node)
 
 
-def rule(*targets: Any, carries: tuple[type, ...] = ()):
+def rule(*targets: Any, carries: tuple[type, ...] = (),
+         keeps: Callable[[fx.Node, fx.Node, int], int | None] | None = None):
     """Register a placement rule for the given aten ops (overloads or packets); ``carries``: the
-    special placements (:class:`MergedShard`, :class:`PartsShard`) it reads as they are."""
+    special placements (:class:`MergedShard`, :class:`PartsShard`) it reads as they are;
+    ``keeps``: where it leaves a sharded input's dim (:data:`KEEPS`)."""
 
     def wrap(fn):
         for t in targets:
             RULES[t] = fn
         if carries:
             CARRIES[fn] = carries
+        if keeps is not None:
+            KEEPS[fn] = keeps
         return fn
 
     return wrap
