@@ -78,7 +78,7 @@ from graphpass.runtime.checkpoint_extra import (  # noqa: F401  (SavedDataclass,
     decode_extra,
     encode_extra,
 )
-from graphpass.runtime.layout import Layout
+from graphpass.runtime.layout import HeldPieces
 
 if TYPE_CHECKING:
     from graphpass.runtime.module import DistributedModule
@@ -98,7 +98,7 @@ class _Pieces:
     more local tensors (the slices of a split operator), which a DTensor (one chunk per rank)
     cannot describe, e.g. for fused tensor-parallel parts."""
 
-    def __init__(self, entries: list[tuple[Layout, torch.Tensor]]):
+    def __init__(self, entries: list[tuple[HeldPieces, torch.Tensor]]):
         self.shape = torch.Size(entries[0][0].shape)
         self.pieces = [(piece, view) for layout, tensor in entries
                        for piece, view in zip(layout.pieces, layout.views(tensor.detach()))]
@@ -469,17 +469,17 @@ def _commit(path: pathlib.Path, partial: pathlib.Path, info: Mapping[str, Any]) 
 
 # ------------------------------------------------------------------ state
 
-Entries = Sequence[tuple[Layout, torch.Tensor]]
+Entries = Sequence[tuple[HeldPieces, torch.Tensor]]
 
 
-def _by_key(entries: Entries) -> dict[str, list[tuple[Layout, torch.Tensor]]]:
-    out: dict[str, list[tuple[Layout, torch.Tensor]]] = {}
+def _by_key(entries: Entries) -> dict[str, list[tuple[HeldPieces, torch.Tensor]]]:
+    out: dict[str, list[tuple[HeldPieces, torch.Tensor]]] = {}
     for layout, tensor in entries:
         out.setdefault(layout.key, []).append((layout, tensor))
     return out
 
 
-def _optimizer_layouts(optimizer: torch.optim.Optimizer, entries: Entries) -> list[list[Layout]]:
+def _optimizer_layouts(optimizer: torch.optim.Optimizer, entries: Entries) -> list[list[HeldPieces]]:
     """The layout of each parameter of each of ``optimizer``'s groups."""
     layout_of = {id(t): layout for layout, t in entries}
     groups = []
@@ -498,7 +498,7 @@ def _optimizer_layouts(optimizer: torch.optim.Optimizer, entries: Entries) -> li
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, entries: Entries) -> dict[str, Any]:
     """``optim.<key>.<state>`` -> what DCP writes: pieces laid out as the parameter, or a scalar."""
-    per_key: dict[str, list[tuple[Layout, torch.Tensor]]] = {}
+    per_key: dict[str, list[tuple[HeldPieces, torch.Tensor]]] = {}
     scalars: dict[str, torch.Tensor] = {}
     for group, layouts in zip(optimizer.param_groups, _optimizer_layouts(optimizer, entries)):
         for p, layout in zip(group["params"], layouts):
@@ -723,7 +723,7 @@ def load_state(
 def _fresh_optimizer_state(optimizer: torch.optim.Optimizer, entries: Entries, metadata: Metadata,
                            fresh: dict[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
     """Tensors to read each saved optimizer state into, laid out as their parameter on this rank."""
-    per_key: dict[str, list[tuple[Layout, torch.Tensor]]] = {}
+    per_key: dict[str, list[tuple[HeldPieces, torch.Tensor]]] = {}
     scalars: dict[str, torch.Tensor] = {}
     for group, layouts in zip(optimizer.param_groups, _optimizer_layouts(optimizer, entries)):
         for p, layout in zip(group["params"], layouts):

@@ -13,7 +13,7 @@ rank's tensor outwards (:meth:`~graphpass.layout.TensorLayout.cuts` in reverse):
   them (the expert a slot holds);
 - a split operator's slice sits at its ``start`` along its dim.
 
-A :class:`Layout` describes the pieces by index, not by tensor, so it applies to any tensor of the
+A :class:`HeldPieces` describes the pieces by index, not by tensor, so it applies to any tensor of the
 local shape: the parameter and each of its optimizer states alike. Checkpoints
 (:mod:`graphpass.runtime.checkpoint`) write and read these pieces under the original keys, which is
 what lets a checkpoint made under one plan load under another. :func:`gather_full` undoes the same
@@ -49,7 +49,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Layout:
+class HeldPieces:
     """The pieces of full tensor ``key`` (shape ``shape``) that a local tensor of shape ``local``
     holds; empty when this rank holds none of it."""
 
@@ -132,7 +132,7 @@ def _placed(pieces: list[Piece], placement: torch.Tensor) -> list[Piece]:
 
 
 def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
-              placement: torch.Tensor | None = None) -> Layout | None:
+              placement: torch.Tensor | None = None) -> HeldPieces | None:
     """The layout of ``get_attr`` node ``node``'s tensor ``local`` on this rank, under the first
     original key it stands for (tied weights are saved once); None for a node standing for no key
     (a module a pass created). ``placement``: for experts sharded over ``ep``, the expert in
@@ -157,7 +157,7 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
         if slice_ is not None:
             pieces, shape = _sliced(pieces, slice_), tensor_layout.shape
     pieces = [p for p in pieces if all(n > 0 for n in p.sizes)]
-    return Layout(keys[0], shape, tuple(local.shape), tuple(pieces))
+    return HeldPieces(keys[0], shape, tuple(local.shape), tuple(pieces))
 
 
 def gather_full(tensors: Mapping[str, tuple[torch.Tensor, TensorLayout]],

@@ -27,7 +27,7 @@ from graphpass.plan import Plan
 from graphpass.runtime import grad_sync
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.layout import TensorLayout
-from graphpass.runtime.layout import Layout, gather_full, layout_of
+from graphpass.runtime.layout import HeldPieces, gather_full, layout_of
 from graphpass.runtime.loss_count import LossCounts
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.step import StepProgram, accumulation_schedule
@@ -185,7 +185,7 @@ class DistributedModule(nn.Module):
             out = {k: out[k] for k in self._state_keys}
         return out
 
-    def checkpoint_state(self) -> tuple[list[tuple[Layout, torch.Tensor]], dict[str, torch.Tensor], list[str]]:
+    def checkpoint_state(self) -> tuple[list[tuple[HeldPieces, torch.Tensor]], dict[str, torch.Tensor], list[str]]:
         """What a checkpoint of this rank holds (:mod:`graphpass.runtime.checkpoint`): the layout
         and local tensor of each parameter and buffer the rank's program reads; the tensors no
         program reads, by key (kept whole); and every key a checkpoint of the model has (tied

@@ -217,13 +217,13 @@ def _reference_after(steps: int):
 
 def _tiny(path, *, extra=None, optimizer=True, value=1.0):
     """A checkpoint of one 4-element parameter ``w`` saved in this process; (param, optimizer)."""
-    from graphpass.runtime.layout import Layout, Piece
+    from graphpass.runtime.layout import HeldPieces, Piece
 
     w = torch.nn.Parameter(torch.full((4,), value))
     opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     w.grad = torch.ones(4)
     opt.step()
-    layout = Layout("w", (4,), (4,), (Piece((0,), (slice(0, 4),)),))
+    layout = HeldPieces("w", (4,), (4,), (Piece((0,), (slice(0, 4),)),))
     ckpt.save_state([(layout, w)], {}, opt if optimizer else None, path, extra=extra)
     return w, opt, layout
 
@@ -333,10 +333,10 @@ def test_optimizer_mismatches_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"param_groups\[0\] holds a tensor of shape \(3,\).*dmodel.parameters"):
         ckpt.save_state([(layout, w)], {}, torch.optim.SGD([stranger], lr=0.1), tmp_path / "other")
     # Saved with two param groups, loaded into an optimizer with one.
-    from graphpass.runtime.layout import Layout, Piece
+    from graphpass.runtime.layout import HeldPieces, Piece
 
     v = torch.nn.Parameter(torch.zeros(2))
-    v_layout = Layout("v", (2,), (2,), (Piece((0,), (slice(0, 2),)),))
+    v_layout = HeldPieces("v", (2,), (2,), (Piece((0,), (slice(0, 2),)),))
     entries = [(layout, w), (v_layout, v)]
     ckpt.save_state(entries, {}, torch.optim.SGD([{"params": [w]}, {"params": [v]}], lr=0.1), path)
     with pytest.raises(gp.CheckpointError, match="2 optimizer param groups, this optimizer 1"):

@@ -34,9 +34,9 @@ import torch
 import graphpass as gp
 from graphpass.runtime import checkpoint as ckpt
 from graphpass.runtime.checkpoint_extra import TAG
-from graphpass.runtime.layout import Layout, Piece
+from graphpass.runtime.layout import HeldPieces, Piece
 
-W = Layout("w", (4,), (4,), (Piece((0,), (slice(0, 4),)),))
+W = HeldPieces("w", (4,), (4,), (Piece((0,), (slice(0, 4),)),))
 
 
 def _tiny(path, *, extra=None, optimizer="sgd", value=1.0, lr=0.1):

@@ -18,7 +18,7 @@ import graphpass as gp
 import zoo
 from graphpass.cost.collectives import collective_time, sync_time
 from graphpass.cost.experts import choose_capacity, dropped, imbalance, rank_loads, zipf_loads
-from graphpass.cost.search import Layout
+from graphpass.cost.search import Parallelism
 from graphpass.planner import Planner
 from graphpass.transitions import TABLE
 from moe_gpt import MoEGPT, MoEGPTConfig
@@ -57,7 +57,7 @@ def _layer(planner, layout):
 
 
 def test_the_blocks_know_their_experts_and_what_expert_parallelism_would_exchange(planner):
-    layer = _layer(planner, Layout.of(1, 8, 1))
+    layer = _layer(planner, Parallelism.of(1, 8, 1))
     # SwiGLU experts: w_in [E, d, 2h], w_out [E, h, d]
     assert layer.expert_params == E * 3 * D * H and layer.expert_param_bytes == 2 * layer.expert_params
     assert layer.num_experts == E
@@ -71,7 +71,7 @@ def test_the_blocks_know_their_experts_and_what_expert_parallelism_would_exchang
 def test_ep_shards_the_experts_state_and_pays_the_exchange_on_the_ep_group(planner):
     dp = planner.price(gp.Strategy(dp=8))
     ep = planner.price(gp.Strategy(dp=8, ep=8))
-    layer = _layer(planner, Layout.of(1, 8, 1))
+    layer = _layer(planner, Parallelism.of(1, 8, 1))
     # The experts' weights, gradients and Adam state (bf16 + bf16 + 12 bytes per element) fall
     # from all of them to 1/8 on each rank.
     experts = layer.expert_params * (2 + 2 + 12)
@@ -95,7 +95,7 @@ def test_ep_shards_the_experts_state_and_pays_the_exchange_on_the_ep_group(plann
 
 
 def test_skewed_routing_slows_the_rank_with_the_hottest_experts(planner):
-    layer = _layer(planner, Layout.of(1, 8, 1))
+    layer = _layer(planner, Parallelism.of(1, 8, 1))
     forward, backward = layer.expert_times[BATCH // 8]
     balanced = planner.price(gp.Strategy(dp=8, ep=8))
     skewed_costing = planner.costing

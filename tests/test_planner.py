@@ -18,7 +18,7 @@ from configs import GPTConfig, build, example_inputs
 from graphpass.api import resolve_strategy
 from graphpass.cost.memory import model_state_bytes
 from graphpass.cost import search as S
-from graphpass.cost.search import Layout, NoPlanError
+from graphpass.cost.search import Parallelism, NoPlanError
 from graphpass.cost.search.driver import _mesh_options
 from graphpass.cost.search.pricing import _Collectives, _cuts
 from graphpass.cost.search.stages import _shared_host_step
@@ -77,7 +77,7 @@ def test_saved_activations_follow_megatron_per_layer(small_planner):
     sbh2 = s * b * h  # bytes of one s·b·h bf16 tensor is 2·sbh; the formula counts bytes per sbh
 
     def layer(tp, sp):
-        blocks = small_planner.blocks(Layout.of(1, 8 // tp, tp, 1, sp))
+        blocks = small_planner.blocks(Parallelism.of(1, 8 // tp, tp, 1, sp))
         return next(x for x in blocks if x.kind == "layer")
 
     full = layer(1, False).saved_bytes / sbh2
@@ -100,14 +100,14 @@ def test_tensor_parallel_traffic_is_what_the_pass_emits(small_planner):
     """Megatron: 2 all-reduces forward (row linears) and 2 backward (column inputs) per layer, of
     the s·b·h activation; with SP the same volume as all-gather / reduce-scatter pairs."""
     act = BATCH * SMALL.block_size * SMALL.n_embd * 2
-    layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2)) if x.kind == "layer")
+    layer = next(x for x in small_planner.blocks(Parallelism.of(1, 4, 2)) if x.kind == "layer")
     # Every tensor-parallel collective is blocking (the next op waits for it) and each all-reduce
     # clones its input.
     assert sorted(layer.tp_traffic) == sorted(
         [("forward", "all_reduce", act, True)] * 2 + [("backward", "all_reduce", act, True)] * 2
     )
     assert sorted(layer.tp_copies) == sorted([("forward", act)] * 2 + [("backward", act)] * 2)
-    layer = next(x for x in small_planner.blocks(Layout.of(1, 4, 2, 1, True)) if x.kind == "layer")
+    layer = next(x for x in small_planner.blocks(Parallelism.of(1, 4, 2, 1, True)) if x.kind == "layer")
     kinds = sorted((p, k) for p, k, *_ in layer.tp_traffic)
     # Sequence parallel: each column-linear input is gathered, re-gathered in backward and its
     # gradient reduce-scattered; each partial sum is reduce-scattered (all-gathered in backward).
@@ -138,7 +138,7 @@ def test_per_operator_choices_price_each_part_at_its_own_stage(small_planner):
     """OSDP: a layer's largest operators at ZeRO-3 and the rest at ZeRO-1 keep each part's state
     at its own stage (state is linear in the bytes), and only the ZeRO-3 part is gathered for
     the layer's forward and backward (the transient)."""
-    layout = Layout.of(1, 8, 1)
+    layout = Parallelism.of(1, 8, 1)
     comms = _Collectives(small_planner.cluster, layout)
     layer = next(b for b in small_planner.blocks(layout) if b.kind == "layer")
     # The layer's operators, largest first: the MLP's two linears, then the attention's four,
@@ -162,7 +162,7 @@ def test_per_operator_choices_price_each_part_at_its_own_stage(small_planner):
     offered = S.choices_for(layer, layout, small_planner.costing)
     assert Choice(3, 2, large_ops=2, rest_zero=1) in offered  # the split goes with ZeRO-3's part
     assert all(c.zero > c.rest_zero for c in offered if c.mixed)
-    assert not any(c.mixed for c in S.choices_for(layer, Layout.of(1, 1, 8), small_planner.costing))  # no dp
+    assert not any(c.mixed for c in S.choices_for(layer, Parallelism.of(1, 1, 8), small_planner.costing))  # no dp
 
 
 def test_no_mesh_is_faster_than_its_step_floor(small_planner):
@@ -549,7 +549,7 @@ def test_measured_op_times_are_taken_at_the_local_batch_a_layout_runs(monkeypatc
     planner = Planner(zoo.build("mlp"), gp.Cluster.local(2), batch, measure_ops=True)
     ops = {n.name for n in planner.profile.gm.graph.nodes if n.op == "call_function"}
     for strategy, local in ((gp.Strategy(dp=2), 8), (gp.Strategy(dp=2, microbatches=4), 2)):
-        blocks = planner.blocks(Layout(strategy.mesh, strategy.microbatches, False))
+        blocks = planner.blocks(Parallelism(strategy.mesh, strategy.microbatches, False))
         forward = sum(b.times[local][0] for b in blocks)
         assert forward == pytest.approx(len(ops) * (1e-3 + 1e-4 * local))  # not 16-sample times / k
     # Without measure_ops nothing is measured again: the captured batch's times scale linearly.
@@ -568,7 +568,7 @@ def test_each_blocking_collective_pays_the_links_measured_synchronisation_cost()
     batch = zoo.batches("gpt", 1, 8)[0]
     plain, synced = (Planner(zoo.build("gpt"), cluster, batch) for cluster in (GLOO_4, slow))
     for strategy in (gp.Strategy(dp=4), gp.Strategy(dp=4, zero=3), gp.Strategy(dp=2, tp=2), gp.Strategy(tp=4)):
-        blocks = plain.blocks(Layout(strategy.mesh, strategy.microbatches, False))
+        blocks = plain.blocks(Parallelism(strategy.mesh, strategy.microbatches, False))
         blocking = sum(1 for b in blocks for _, _, _, waits in b.tp_traffic if waits)
         if strategy.zero == 3:
             blocking += sum(1 for b in blocks if b.params)  # one re-gather per gather group
@@ -625,7 +625,7 @@ def test_measured_tensor_parallel_compute_is_the_emitted_programs_ops(monkeypatc
     added = [n for n in program.graph.nodes if n.op == "call_function" and n.name not in original and not is_collective(n)]
     erased = [n for n in gm.graph.nodes if n.op == "call_function" and n.name not in {m.name for m in program.graph.nodes}]
     assert added, "the pass adds ops of its own (bias adds after row linears)"
-    blocks = planner.blocks(Layout(gp.Strategy(tp=2).mesh, 1, False))
+    blocks = planner.blocks(Parallelism(gp.Strategy(tp=2).mesh, 1, False))
     forward = sum(b.times[8][0] for b in blocks)
     # kept and added ops at 1 ms each (not halved) times the program's factor; an op the program
     # replaces by a runtime op (the vocab-parallel loss) keeps its original time split 2 ways

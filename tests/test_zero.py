@@ -83,7 +83,7 @@ def test_the_planners_per_operator_choices_match_one_process(rank_pool, world_si
     # What Planner choices with large_ops become: the embedding whole at ZeRO-3, layer 0's two
     # largest operators (the MLP linears) at ZeRO-3 split in 2 and its other operators at
     # ZeRO-1, layer 1's three largest at ZeRO-2 (recomputed) and the rest plain dp.
-    from graphpass.cost.search import Layout
+    from graphpass.cost.search import Parallelism
     from graphpass.plan import Choice
     from graphpass.planner import Planner
 
@@ -93,7 +93,7 @@ def test_the_planners_per_operator_choices_match_one_process(rank_pool, world_si
     plan = planner.price(gp.Strategy(dp=world_size), choices=choices)
     assert {plan.zero[n] for n in plan.zero if n.startswith("h_0_mlp")} == {3}
     assert {plan.zero[n] for n in plan.zero if n.startswith("h_0_attn")} == {1}
-    layer0 = planner.blocks(Layout.of(1, world_size, 1))[1]
+    layer0 = planner.blocks(Parallelism.of(1, world_size, 1))[1]
     largest = {p for op in layer0.ops[:2] for p in op.params}  # the two linears' weights and biases
     assert len(plan.split) == 2 and set(plan.split) <= largest == {n for n in plan.zero if n.startswith("h_0_mlp")}
     assert plan.recompute == (1,)

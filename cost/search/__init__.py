@@ -4,7 +4,7 @@ One module per step, each importing only those before it:
 
 - :mod:`~graphpass.cost.search.blocks`: the unit of decision, a block, and what the graph side
   measures of it (:class:`BlockCost`).
-- :mod:`~graphpass.cost.search.layouts`: the candidate meshes (:class:`Layout`, :func:`meshes`).
+- :mod:`~graphpass.cost.search.layouts`: the candidate meshes (:class:`Parallelism`, :func:`meshes`).
 - :mod:`~graphpass.cost.search.pricing`: one block under one choice on one mesh, priced from the
   transition table and the cluster's links (:func:`price`).
 - :mod:`~graphpass.cost.search.stages`: pipeline stages by dynamic programming, the clustered
@@ -13,7 +13,7 @@ One module per step, each importing only those before it:
 """
 
 from graphpass.cost.search.blocks import LAYER, POST, PRE, BlockCost, OpParams
-from graphpass.cost.search.layouts import Layout, local_batch, meshes
+from graphpass.cost.search.layouts import Parallelism, local_batch, meshes
 from graphpass.cost.search.pricing import Costing, choices_for, ep_all_to_all, price, transition_s
 from graphpass.cost.search.stages import Candidate, evaluate, solve_stage, uniform_choices
 from graphpass.cost.search.driver import NoPlanError, search, solve_mesh, step_floor
@@ -23,7 +23,7 @@ __all__ = [
     "Candidate",
     "Costing",
     "LAYER",
-    "Layout",
+    "Parallelism",
     "NoPlanError",
     "OpParams",
     "POST",

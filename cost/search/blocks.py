@@ -3,7 +3,7 @@
 The unit of decision is a *block*: one repeated layer (``h.3``), or the segment before the first
 layer (embeddings: ``"pre"``) or after the last one (final norm, head, loss: ``"post"``). The
 graph side (:mod:`graphpass.planner`) measures every block once per tensor-parallel layout
-``(tp, sequence_parallel, tp_layout)`` (:attr:`~graphpass.cost.search.layouts.Layout.key`;
+``(tp, sequence_parallel, tp_layout)`` (:attr:`~graphpass.cost.search.layouts.Parallelism.key`;
 ``tp_layout`` is Megatron's pattern or one of the op-level solver's,
 :mod:`graphpass.planner.op_placement`): compute time per local batch, activations saved for
 backward, parameter bytes per tp rank, and the tensor-parallel collectives the pass would emit

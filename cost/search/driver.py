@@ -27,7 +27,7 @@ from graphpass.plan import Choice
 from graphpass.progress import Progress
 from graphpass.units import format_bytes
 from graphpass.cost.search.blocks import BlockCost
-from graphpass.cost.search.layouts import Layout
+from graphpass.cost.search.layouts import Parallelism
 from graphpass.cost.search.pricing import Costing, Priced, _Prices, choices_for
 from graphpass.cost.search.stages import (
     Candidate,
@@ -83,7 +83,7 @@ class _MeshOptions:
     options: list[list[tuple[Choice, Priced]]]
 
 
-def _mesh_options(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, per_operator: bool) -> _MeshOptions:
+def _mesh_options(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing, per_operator: bool) -> _MeshOptions:
     prices = _Prices(layout, costing)
     offered = [choices_for(b, layout, costing, per_operator) for b in blocks]
     kept: dict[str, list[tuple[Choice, Priced]]] = {}  # identical blocks keep the same options
@@ -96,7 +96,7 @@ def _mesh_options(blocks: Sequence[BlockCost], layout: Layout, costing: Costing,
     return _MeshOptions(prices, offered, options)
 
 
-def step_floor(layout: Layout, options: Sequence[Sequence[tuple[Choice, Priced]]], costing: Costing) -> float:
+def step_floor(layout: Parallelism, options: Sequence[Sequence[tuple[Choice, Priced]]], costing: Costing) -> float:
     """A step time no assignment on ``layout`` beats (0 where none is derived): every block at its
     fastest option, spread perfectly over the stages. With ``T`` the sum of those per-microbatch
     times over ``p`` stages, the 1F1B/GPipe path ``sum_s t_s + (m - 1) max_s t_s`` is at least
@@ -113,7 +113,7 @@ def step_floor(layout: Layout, options: Sequence[Sequence[tuple[Choice, Priced]]
             + (max(0.0, comm) + optimizer) / p)
 
 
-def solve_mesh(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, deadline: float,
+def solve_mesh(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing, deadline: float,
                baselines: Sequence[Choice] = (), per_operator: bool = True,
                prepared: _MeshOptions | None = None) -> tuple[Candidate | None, float]:
     """The best assignment on one mesh, and the smallest stage peak any assignment could reach
@@ -162,7 +162,7 @@ def solve_mesh(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, de
     return best, smallest
 
 
-def _smallest_peak(layout: Layout, options: Sequence[Sequence[tuple[Choice, Priced]]]) -> float:
+def _smallest_peak(layout: Parallelism, options: Sequence[Sequence[tuple[Choice, Priced]]]) -> float:
     """A lower bound of the peak on this mesh: every block at its smallest, spread over pp stages."""
     flight = _stage_flight(layout, 0)
     start = sum(min(pr.start_peak_bytes(flight) for _, pr in opts) for opts in options)
@@ -200,7 +200,7 @@ def _refine_per_operator(layouts: Mapping[tuple[int, bool, str], Sequence[BlockC
     return found
 
 
-def search(layouts: Mapping[tuple[int, bool, str], Sequence[BlockCost]], mesh_list: Sequence[Layout], costing: Costing,
+def search(layouts: Mapping[tuple[int, bool, str], Sequence[BlockCost]], mesh_list: Sequence[Parallelism], costing: Costing,
            time_limit_s: float | None = None, per_operator: bool = True
            ) -> tuple[Candidate, list[Candidate], dict[str, float], int]:
     """Solve every mesh; returns the best candidate, all feasible ones solved (fastest first), the

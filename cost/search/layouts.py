@@ -1,4 +1,4 @@
-"""The meshes the search tries: the :class:`Layout` of a candidate (``pp x dp x tp`` mesh,
+"""The meshes the search tries: the :class:`Parallelism` of a candidate (``pp x dp x tp`` mesh,
 microbatches, sequence parallelism, pipeline schedule) and their enumeration. Torch-free.
 
 :func:`meshes` enumerates every ``pp x dp x tp = world`` with ``tp`` dividing the GPUs of one node
@@ -22,7 +22,7 @@ _MAX_PP = 64
 
 
 @dataclass(frozen=True)
-class Layout:
+class Parallelism:
     """What the search decides for the whole model: the ``pp x dp x tp`` mesh (``ep`` inside
     ``dp`` for Mixture-of-Experts models), the microbatches of a step, and sequence parallelism
     on ``tp``."""
@@ -44,7 +44,7 @@ class Layout:
 
     @classmethod
     def of(cls, pp: int, dp: int, tp: int, microbatches: int = 1, sequence_parallel: bool = False,
-           ep: int = 1, dp_shard: int | None = None) -> "Layout":
+           ep: int = 1, dp_shard: int | None = None) -> "Parallelism":
         return cls(Mesh.of(pp=pp, dp=dp, tp=tp, ep=ep, dp_shard=dp_shard), microbatches, sequence_parallel)
 
     @property
@@ -77,7 +77,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, num_experts: int = 0) -> list[Layout]:
+def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, num_experts: int = 0) -> list[Parallelism]:
     """Every mesh the search considers (see the module docstring); ``tps`` are the tp degrees the
     model's layout allows; with ``num_experts`` (a Mixture-of-Experts model), every ``ep``
     dividing both ``dp`` and the experts too. Where the data-parallel groups span nodes, each
@@ -103,9 +103,9 @@ def meshes(cluster: Cluster, batch: int, tps: Iterable[int], num_blocks: int, nu
             for m in sorted(counts):
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for ep in eps:
-                        out.append(Layout.of(pp, dp, tp, m, sp, ep))
+                        out.append(Parallelism.of(pp, dp, tp, m, sp, ep))
                         if shards[ep] is not None:
-                            out.append(Layout.of(pp, dp, tp, m, sp, ep, dp_shard=shards[ep]))
+                            out.append(Parallelism.of(pp, dp, tp, m, sp, ep, dp_shard=shards[ep]))
     return out
 
 
@@ -119,6 +119,6 @@ def hsdp_shard(cluster: Cluster, mesh: Mesh) -> int | None:
     return cluster.node_aligned_shard(mesh)
 
 
-def local_batch(layout: Layout, batch: int) -> int:
+def local_batch(layout: Parallelism, batch: int) -> int:
     """Samples in one microbatch on one rank."""
     return batch // (layout.mesh.dp * layout.microbatches)

@@ -26,7 +26,7 @@ from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, tr
 from graphpass.cost.collectives import collective_time, sync_time
 from graphpass.cost.experts import imbalance as expert_imbalance
 from graphpass.cost.search.blocks import LAYER, BlockCost
-from graphpass.cost.search.layouts import Layout, local_batch
+from graphpass.cost.search.layouts import Parallelism, local_batch
 
 #: Per-operator choices divide a block's operators (largest first) at most at this many sizes.
 _MAX_CUTS = 3
@@ -119,7 +119,7 @@ class _Collectives:
     """Memoised collective times for one mesh, on rank 0's groups (a pipeline neighbour pair for
     ``pp``)."""
 
-    def __init__(self, cluster: Cluster, layout: Layout):
+    def __init__(self, cluster: Cluster, layout: Parallelism):
         self.cluster = cluster
         self.mesh = mesh = layout.mesh
         self.groups = {axis: mesh.group_ranks(axis) for axis in ("dp", "tp", "ep", "edp")}
@@ -154,7 +154,7 @@ class _Collectives:
         return self.groups[axis]
 
 
-def transition_s(name: str, size: float, layout: Layout, costing: Costing, backward: bool = True) -> float:
+def transition_s(name: str, size: float, layout: Parallelism, costing: Costing, backward: bool = True) -> float:
     """Seconds of the transition-table entry ``name`` (`graphpass.transitions.TABLE`) on a full
     tensor of ``size`` bytes over its axis of ``layout``'s mesh: its collectives, each blocking
     one with the link's synchronisation, and its local copies read and written at the device's
@@ -178,7 +178,7 @@ def _cuts(block: BlockCost) -> list[int]:
     return cuts[:_MAX_CUTS]
 
 
-def choices_for(block: BlockCost, layout: Layout, costing: Costing, per_operator: bool = True) -> list[Choice]:
+def choices_for(block: BlockCost, layout: Parallelism, costing: Costing, per_operator: bool = True) -> list[Choice]:
     """The options the ILP may pick for ``block`` on ``mesh``: a ZeRO stage, split and recompute
     for the whole block, and with ``per_operator`` also (OSDP) a higher stage for its largest
     operators' parameters than for the rest (:attr:`Choice.large_ops`)."""
@@ -248,7 +248,7 @@ class _Params:
     copied: float = 0.0  # bytes its collectives' local copies read and write in a step
 
 
-def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int, axis: str, layout: Layout,
+def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int, axis: str, layout: Parallelism,
                  costing: Costing, comms: _Collectives, split: tuple[float, int, int] = (0.0, 0, 1),
                  divisor: int | None = None) -> _Params:
     """``params`` elements (``p_bytes``, ``tensors`` tensors) synchronised over ``n`` ranks of
@@ -304,7 +304,7 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     return out
 
 
-def _exchange_s(block: BlockCost, layout: Layout, scale: float, slowest: float, comms: _Collectives,
+def _exchange_s(block: BlockCost, layout: Parallelism, scale: float, slowest: float, comms: _Collectives,
                 bandwidth: float) -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch's expert exchanges (the ``ep`` entries of
     the table, blocking), their copies included; the slowest rank receives ``slowest`` times the
@@ -327,7 +327,7 @@ def _exchange_s(block: BlockCost, layout: Layout, scale: float, slowest: float, 
     return forward, backward
 
 
-def ep_all_to_all(blocks: Sequence[BlockCost], layout: Layout, costing: Costing) -> str:
+def ep_all_to_all(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing) -> str:
     """How the runtime should run the experts' exchanges on ``layout`` (``Plan.ep_all_to_all``):
     ``"hierarchical"`` where the link model prices the two-level all-to-all below the flat one
     for the largest exchange of one microbatch (the pricing above takes the cheaper already),
@@ -341,7 +341,7 @@ def ep_all_to_all(blocks: Sequence[BlockCost], layout: Layout, costing: Costing)
     return "hierarchical" if collective_time("all_to_all", size, group, costing.cluster) < flat else "flat"
 
 
-def price(block: BlockCost, choice: Choice, layout: Layout, costing: Costing, comms: _Collectives) -> Priced:
+def price(block: BlockCost, choice: Choice, layout: Parallelism, costing: Costing, comms: _Collectives) -> Priced:
     """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (:mod:`graphpass.cost.search.stages`)."""
     b = local_batch(layout, costing.batch)
     scale = b / costing.batch
@@ -443,7 +443,7 @@ class _Prices:
     """:func:`price` on one mesh, once per distinct block and choice: a model's identical layers
     (equal but for name and index) share their prices, so 96 layers are priced as one."""
 
-    def __init__(self, layout: Layout, costing: Costing):
+    def __init__(self, layout: Parallelism, costing: Costing):
         self.layout, self.costing = layout, costing
         self.comms = _Collectives(costing.cluster, layout)
         self._keys: dict[int, str] = {}

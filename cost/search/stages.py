@@ -64,7 +64,7 @@ from typing import Sequence
 from graphpass.plan import Choice
 from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
 from graphpass.cost.search.blocks import LAYER, POST, BlockCost
-from graphpass.cost.search.layouts import Layout, local_batch
+from graphpass.cost.search.layouts import Parallelism, local_batch
 from graphpass.cost.search.pricing import Costing, Priced, _bucket_spike, _Collectives, _dense_parts, _Prices
 from graphpass.cost.solver import ilp
 
@@ -83,7 +83,7 @@ _STAGE_BACKEND = ilp.SCIP
 class Candidate:
     """A priced mesh + stages + per-block choices."""
 
-    layout: Layout
+    layout: Parallelism
     stages: list[list[int]]
     choices: list[Choice]
     priced: list[Priced]
@@ -104,13 +104,13 @@ class Candidate:
         return max(self.stage_peaks_bytes)
 
 
-def _stage_flight(layout: Layout, stage: int) -> float:
+def _stage_flight(layout: Parallelism, stage: int) -> float:
     if layout.mesh.pp == 1:
         return 1
     return in_flight_microbatches(layout.mesh.pp, layout.microbatches, stage, layout.schedule, layout.virtual_stages)
 
 
-def partition(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, comms: _Collectives,
+def partition(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing, comms: _Collectives,
               options: Sequence[Sequence[tuple[Choice, Priced]]]) -> list[list[int]] | None:
     """Contiguous stages minimising the slowest stage's fastest-choice time, each stage's memory
     lower bound within the budget; None when no split fits."""
@@ -157,7 +157,7 @@ def partition(blocks: Sequence[BlockCost], layout: Layout, costing: Costing, com
 
 
 def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Sequence[Sequence[tuple[Choice, Priced]]],
-                layout: Layout, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
+                layout: Parallelism, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
     """The clustered stage ILP; returns block index -> option index, optimality, gap (None: infeasible)."""
     clusters: dict[str, list[int]] = {}
     for i in indices:
@@ -233,7 +233,7 @@ def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Seq
     return max(start, end, base + max(spikes, default=-math.inf))
 
 
-def compose(blocks: Sequence[BlockCost], layout: Layout, stages: list[list[int]], choices: list[Choice],
+def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[int]], choices: list[Choice],
             priced: list[Priced], costing: Costing, comms: _Collectives, how: str,
             optimal: bool = True, gap: float = 0.0) -> Candidate:
     """Step time and per-stage peaks of a full assignment (the formula in the module docstring)."""
@@ -307,7 +307,7 @@ def _shared_host_step(path: float, pp: int, units: int, contention: float, overs
     return path * sum(max(1.0, oversubscription * (k + fill * (pp - k)) / pp) for k in busy) / (slots * oversubscription)
 
 
-def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], layout: Layout,
+def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices: Sequence[Choice], layout: Parallelism,
                     costing: Costing, comms: _Collectives) -> float:
     """One all-reduce latency per gradient bucket of the stage's pure data-parallel blocks (ZeRO
     stages reduce per parameter group: their latency is in each block's price)."""
@@ -328,7 +328,7 @@ def uniform_choices(blocks: Sequence[BlockCost], choice: Choice) -> list[Choice]
     ]
 
 
-def evaluate(blocks: Sequence[BlockCost], layout: Layout, choices: list[Choice], costing: Costing,
+def evaluate(blocks: Sequence[BlockCost], layout: Parallelism, choices: list[Choice], costing: Costing,
              stages: list[list[int]] | None = None, prices: _Prices | None = None) -> Candidate | None:
     """Price one fixed assignment (a uniform baseline) on ``mesh``; stages by :func:`partition`
     unless given. None when no stage split exists at all."""

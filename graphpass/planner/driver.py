@@ -262,11 +262,11 @@ class Planner:
         self._op_layouts: dict[int, list[OpLayout]] = {}
         self.measure_s = time.perf_counter() - start
 
-    def blocks(self, layout: S.Layout) -> list[S.BlockCost] | None:
+    def blocks(self, layout: S.Parallelism) -> list[S.BlockCost] | None:
         """Block costs for ``layout``'s tensor parallelism (None when the model cannot take its tp)."""
         return self._ensure([layout]).get(layout.key)
 
-    def _ensure(self, layouts: Sequence[S.Layout]) -> dict[tuple[int, bool, str], list[S.BlockCost]]:
+    def _ensure(self, layouts: Sequence[S.Parallelism]) -> dict[tuple[int, bool, str], list[S.BlockCost]]:
         wanted: dict[tuple[int, bool, str], set[int]] = defaultdict(set)
         for layout in layouts:
             wanted[layout.key].add(S.local_batch(layout, self.batch))
@@ -291,10 +291,10 @@ class Planner:
         the projections Megatron's pattern leaves replicated placed by the op-level solver, its
         terms priced at the local batch of a ``tp`` x dp mesh by the transition table and this
         Planner's costing. Each is registered with the profile under its name, for the mesh
-        search to price exactly (``Layout.tp_layout``)."""
+        search to price exactly (``Parallelism.tp_layout``)."""
         if tp not in self._op_layouts:
             world = self.cluster.world_size
-            mesh = S.Layout.of(1, world // tp, tp)
+            mesh = S.Parallelism.of(1, world // tp, tp)
             scale = tp / world  # the local batch of that mesh over the captured one
             element = self.profile.tensors[self.profile.param_nodes[0].name].element_size() if self.profile.param_nodes else 4
             prices = Prices(
@@ -325,7 +325,7 @@ class Planner:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a graphpass.Strategy, got {type(strategy).__name__}")
         strategy.check(self.cluster.world_size)
-        layout = S.Layout(strategy.mesh, strategy.microbatches, strategy.sequence_parallel, strategy.schedule,
+        layout = S.Parallelism(strategy.mesh, strategy.microbatches, strategy.sequence_parallel, strategy.schedule,
                           strategy.virtual_stages)
         if self.batch % (strategy.dp * strategy.microbatches):
             raise ValueError(

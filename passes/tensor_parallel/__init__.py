@@ -41,7 +41,7 @@ import torch.fx as fx
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.plan import Plan
 from graphpass.passes.tensor_parallel import compute_rules, pointwise_rules, view_rules  # noqa: F401 (they register the rules)
-from graphpass.passes.tensor_parallel.dry_run import EmittedCollective, Layout, layout
+from graphpass.passes.tensor_parallel.dry_run import EmittedCollective, DryRun, layout
 from graphpass.passes.tensor_parallel.walker import (
     AXIS, NAME, RULES, MergedShard, PartsShard, TensorParallelError, Walker, keeps_shard, log,
 )
@@ -61,5 +61,5 @@ def tensor_parallel(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Grap
     return gm
 
 
-__all__ = ["EmittedCollective", "Layout", "MergedShard", "PartsShard", "RULES", "TensorParallelError", "keeps_shard",
+__all__ = ["EmittedCollective", "DryRun", "MergedShard", "PartsShard", "RULES", "TensorParallelError", "keeps_shard",
            "layout", "tensor_parallel"]

@@ -85,7 +85,7 @@ class EmittedCollective:
 
 
 @dataclass(frozen=True)
-class Layout:
+class DryRun:
     """What the pass would do for a plan: each original node's ``tp`` placement, the emitted
     collectives, in graph order, and the program itself (rank 0's rewritten graph on a meta
     skeleton: sharded parameters, the pass's added ops and collectives; its fake values are
@@ -110,7 +110,7 @@ def _dtype_of(node: fx.Node) -> torch.dtype:
     return torch.float32
 
 
-def layout(gm: fx.GraphModule, plan: Plan) -> Layout:
+def layout(gm: fx.GraphModule, plan: Plan) -> DryRun:
     """Dry-run this pass for ``plan`` (as rank 0) on a meta skeleton, leaving ``gm`` untouched.
 
     The planner prices tensor parallelism from the result, so it prices exactly the collectives
@@ -121,7 +121,7 @@ def layout(gm: fx.GraphModule, plan: Plan) -> Layout:
     """
     size = plan.mesh.get(AXIS, 1)
     if size == 1:
-        return Layout({n.name: R for n in gm.graph.nodes}, ())
+        return DryRun({n.name: R for n in gm.graph.nodes}, ())
     skeleton = _skeleton(gm)
     walker = Walker(skeleton, plan, size, 0)
     walker.run()
@@ -139,4 +139,4 @@ def layout(gm: fx.GraphModule, plan: Plan) -> Layout:
         ))
     placements = {n.name: Shard(p.dim) if isinstance(p, (PartsShard, MergedShard)) else p
                   for n, p in walker.place.items() if n.meta.get(meta.CREATED_BY) != NAME}
-    return Layout(placements, tuple(emitted), skeleton)
+    return DryRun(placements, tuple(emitted), skeleton)
