@@ -95,7 +95,7 @@ def _check_only_experts_sharded(gm: fx.GraphModule, plan: Plan, experts: set[str
     expert weights only, and the gradient of any other tensor is averaged over ``ep`` like over
     the rest of ``dp``, so such an entry would be ignored or, for a gradient, wrong."""
     nodes = {meta.plan_name(n): n for n in gm.graph.nodes}
-    stray = [name for name in plan.placements if name not in experts and name in nodes
+    stray = [name for name in plan.tensors if name not in experts and name in nodes
              and nodes[name].op == "get_attr" and isinstance(plan.placement(name, EP), Shard)]
     if stray:
         raise ValueError(

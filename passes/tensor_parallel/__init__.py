@@ -1,7 +1,7 @@
 """tensor_parallel: shard parameters over the ``tp`` axis and propagate placements through the
 graph, inserting Megatron's collectives where placements change.
 
-Contract: parameters whose ``plan.placements[name]["tp"]`` is ``Shard(d)`` are replaced by this
+Contract: parameters whose ``plan.placement(name, "tp")`` is ``Shard(d)`` are replaced by this
 rank's chunk of dim ``d`` (its ``gp.layout`` records it; shard_parameters, which runs next, may
 then ZeRO-shard that chunk over ``dp``). Every other tensor starts ``Replicate()``
 (inputs, buffers, constants). Nodes are then visited in order; a rule per op (below) says which

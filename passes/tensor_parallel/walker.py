@@ -272,7 +272,7 @@ class Walker:
                 f"{node.target!r} (module {module_path}, shape {tuple(full.shape)}); choose tp dividing "
                 f"{full.shape[dim]} or leave this parameter replicated"
             )
-        parts = tuple(self.plan.tp_parts.get(meta.plan_name(node), ()))
+        parts = self.plan.tensor(meta.plan_name(node)).parts
         if parts:
             if sum(parts) != full.shape[dim] or any(n % self.size for n in parts):
                 raise TensorParallelError(
