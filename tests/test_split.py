@@ -20,6 +20,7 @@ averaged or a slice gathered into the wrong place are errors of order 1e-2.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -223,6 +224,28 @@ def test_compile_single_process_with_split_trains_and_rebuilds_the_state_dict():
     assert list(state) == list(reference)
     for key, value in reference.items():
         torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+
+
+def test_a_saved_plan_with_splits_keyed_by_the_linear_still_compiles_and_splits():
+    """A plan JSON written before the per-tensor form (placements, zero, split keyed by the
+    linear) compiles to the same program as the same plan keyed by the weight."""
+    batch = zoo.batches("gpt", 1, 4)[0]
+    gm = capture(zoo.build("gpt"), batch).gm
+    plan = _plan(gm, gp.Strategy())
+    up = next(n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get(meta.MODULE_PATH) == "h.0.mlp.up")
+    data = plan.to_dict()
+    tensors = data.pop("tensors")
+    legacy = {**data, "placements": {n: t["placements"] for n, t in tensors.items() if "placements" in t},
+              "split": {up.name: {"dim": "in", "parts": 2}}}
+    old = gp.Plan.from_json(json.dumps(legacy))
+    new = plan.with_tensor("h_0_mlp_up_weight", split=gp.Split("in", 2))
+    assert old.splits(gm) == new.splits(gm) == {up.name: gp.Split("in", 2)}
+    model = zoo.build("gpt")
+    expected = model(*batch).item()
+    dmodel = gp.compile(model, example_inputs=batch, strategy=old)
+    assert "h.0.mlp.up.weight.split1" in dict(dmodel.named_parameters())
+    # the in-split re-associates the sum of the products: fp32 rounding, not a different value
+    assert dmodel.train_step(*batch).item() == pytest.approx(expected, rel=1e-6)
 
 
 # --------------------------------------------------------------------------- multi-rank
