@@ -17,7 +17,7 @@ from typing import Any
 # bound to the functions, so that the package attribute is the function, as users expect, and no
 # later import rebinds it.
 from graphpass.capture import CaptureError, capture, reusing_captures
-from graphpass.layout import Split, TensorPlan
+from graphpass.layout import ActivationPlan, Split, TensorPlan
 from graphpass.plan import Plan, Strategy
 from graphpass.plan_report import PlanReport
 
@@ -62,6 +62,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "ActivationPlan",
     "CaptureError",
     "CheckpointError",
     "Cluster",

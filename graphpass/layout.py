@@ -2,7 +2,9 @@
 
 A plan holds one :class:`TensorPlan` per input, parameter, buffer and the loss
 (``Plan.tensors``): its placement on each mesh axis, ZeRO stage, fused parts, operator
-:class:`Split` and memory tier. The passes turn a parameter's entry into the cuts below.
+:class:`Split` and memory tier; and one :class:`ActivationPlan` per repeated layer's saved
+activations (``Plan.activations``: recomputed or saved, and where). The passes turn a
+parameter's entry into the cuts below.
 
 Every parameter and buffer a pass shards carries one :class:`TensorLayout` in
 ``node.meta[gp.layout]`` (:data:`graphpass.meta.LAYOUT`). It says, in torch's words
@@ -324,6 +326,30 @@ class TensorPlan:
         return out
 
 
+@dataclass(frozen=True)
+class ActivationPlan:
+    """What a plan says of one repeated layer's saved activations (the tensors its forward keeps
+    for backward), the one value ``Plan.activations`` holds per layer.
+
+    Attributes:
+        recompute: recomputed in backward from the layer's input instead of saved (activation
+            checkpointing).
+        tier: the memory tier they are saved in (:data:`TIERS`).
+    """
+
+    recompute: bool = False
+    tier: str = "device"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict, defaults left out."""
+        out: dict[str, Any] = {}
+        if self.recompute:
+            out["recompute"] = True
+        if self.tier != "device":
+            out["tier"] = self.tier
+        return out
+
+
 def placement_from_str(text: str) -> Placement:
     """Parse ``"Shard(0)"``, ``"Replicate()"`` or ``"Partial()"`` (also ``"Partial(avg)"``)."""
     text = text.strip()
@@ -358,5 +384,5 @@ def parse_shard(text: str, axis: str = "?") -> Shard:
     return placement
 
 
-__all__ = ["Cut", "Slice", "Split", "TensorLayout", "TensorPlan", "TIERS", "parse_shard", "placement_from_str", "placement_to_str",
+__all__ = ["ActivationPlan", "Cut", "Slice", "Split", "TensorLayout", "TensorPlan", "TIERS", "parse_shard", "placement_from_str", "placement_to_str",
            "shard_rows"]

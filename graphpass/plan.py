@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
-from graphpass.layout import TIERS, Split, TensorPlan, placement_from_str, placement_to_str
+from graphpass.layout import TIERS, ActivationPlan, Split, TensorPlan, placement_from_str, placement_to_str
 from graphpass.mesh import ORDER, Mesh
 from graphpass.plan_report import PlanReport
 
@@ -350,6 +350,21 @@ def _legacy_tensors(data: Mapping[str, Any]) -> dict[str, TensorPlan]:
     return {node: _tensor_from_json(node, entry) for node, entry in entries.items()}
 
 
+def _activations_from_json(data: Any) -> dict[int, ActivationPlan]:
+    """A plan JSON's ``activations``: ``{"3": {"recompute": true}}`` (layer indices as keys)."""
+    known = ("recompute", "tier")
+    if not isinstance(data, Mapping):
+        raise ValueError(f"Plan.activations must map layer indices to their entries, got {data!r}")
+    out = {}
+    for key, entry in data.items():
+        if not (isinstance(key, int) or (isinstance(key, str) and key.isdigit())):
+            raise ValueError(f"Plan.activations has key {key!r}; its keys are repeated layer indices (0, 1, ...)")
+        if not isinstance(entry, Mapping) or set(entry) - set(known):
+            raise ValueError(f"Plan.activations[{key}] must be an object with some of {list(known)}, got {entry!r}")
+        out[int(key)] = ActivationPlan(entry.get("recompute", False), entry.get("tier", "device"))
+    return out
+
+
 def _bad_split(node: str, spec: Any) -> ValueError:
     return ValueError(f"Plan.split[{node!r}] must be {{'dim': 'out' | 'in', 'parts': k >= 1}}, got {spec!r}")
 
@@ -394,8 +409,10 @@ class Plan:
             :attr:`tp_parts` read one part of every entry.
         stages: node names of each pipeline stage's first node (one stage: ``("*",)``).
         strategy: the uniform strategy this plan was made from, if any.
-        recompute: indices of the repeated layers whose activations are recomputed in backward
-            (activation checkpointing) instead of saved.
+        activations: repeated layer index → :class:`~graphpass.layout.ActivationPlan`, what the
+            plan says of the activations the layer saves for backward: recomputed in backward
+            (activation checkpointing) instead of saved, and their memory tier; a layer not
+            named saves them on the device. :attr:`recompute` lists the recomputed layers.
         sequence_parallel: Megatron sequence parallelism on the ``tp`` axis: partial sums that
             join the residual stream are reduce-scattered along dim 1 instead of all-reduced.
         bucket_cap_bytes: size cap of one gradient all-reduce bucket.
@@ -417,7 +434,7 @@ class Plan:
     tensors: Mapping[str, TensorPlan] = field(default_factory=dict)
     stages: tuple[str, ...] = ("*",)
     strategy: Strategy | None = None
-    recompute: tuple[int, ...] = ()
+    activations: Mapping[int, ActivationPlan] = field(default_factory=dict)
     sequence_parallel: bool = False
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
     microbatches: int = 1
@@ -466,9 +483,15 @@ class Plan:
         cf = self.capacity_factor
         if not (cf is None or cf == "model" or (_is_number(cf) and cf > 0)):
             raise ValueError(f"Plan.capacity_factor must be a positive number, None (dropless) or 'model', got {cf!r}")
-        for layer in self.recompute:
+        if not isinstance(self.activations, Mapping):
+            raise ValueError(f"Plan.activations must map layer indices to ActivationPlans, got {self.activations!r}")
+        for layer, saved in self.activations.items():
             if not _is_int(layer) or layer < 0:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
+            if not isinstance(saved, ActivationPlan) or not isinstance(saved.recompute, bool):
+                raise ValueError(f"Plan.activations[{layer}] must be a graphpass.layout.ActivationPlan, got {saved!r}")
+            if saved.tier not in TIERS:
+                raise ValueError(f"Plan.activations[{layer}].tier must be one of {TIERS}, got {saved.tier!r}")
         if not isinstance(self.report, PlanReport):
             raise ValueError(f"Plan.report must be a graphpass PlanReport, got {self.report!r}")
 
@@ -544,6 +567,11 @@ class Plan:
         return self.tensor(node).placement(axis)
 
     @property
+    def recompute(self) -> tuple[int, ...]:
+        """The repeated layers whose activations are recomputed in backward, in order."""
+        return tuple(sorted(layer for layer, saved in self.activations.items() if saved.recompute))
+
+    @property
     def placements(self) -> dict[str, dict[str, Placement]]:
         """Each tensor's placements: node name → {axis → placement}."""
         return {node: dict(t.placements) for node, t in self.tensors.items()}
@@ -592,7 +620,7 @@ class Plan:
         data["tensors"] = {node: t.to_json() for node, t in self.tensors.items()}
         data["stages"] = list(self.stages)
         data["strategy"] = None if self.strategy is None else asdict(self.strategy)
-        data["recompute"] = list(self.recompute)
+        data["activations"] = {str(layer): saved.to_json() for layer, saved in self.activations.items()}
         data["report"] = self.report.to_dict()
         return data
 
@@ -609,7 +637,7 @@ class Plan:
             raise ValueError(f"a Plan's JSON must be an object of its fields, got {type(data).__name__}")
         data = PlanReport.take_legacy(data)
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known - set(LEGACY_TENSOR_FIELDS)
+        unknown = set(data) - known - set(LEGACY_TENSOR_FIELDS) - {"recompute"}
         if unknown:
             raise ValueError(f"unknown Plan fields {sorted(unknown)}; known fields: {sorted(known)}")
         legacy = [name for name in LEGACY_TENSOR_FIELDS if name in data]
@@ -642,6 +670,13 @@ class Plan:
                 if not isinstance(kwargs[name], (list, tuple)):
                     raise ValueError(f"Plan.{name} must be a list, got {kwargs[name]!r}")
                 kwargs[name] = tuple(kwargs[name])
+        if "recompute" in kwargs:  # written before Plan.activations held it
+            if "activations" in kwargs:
+                raise ValueError("the Plan gives both 'activations' and 'recompute', which a plan wrote before "
+                                 "'activations' held it; mark each layer's entry {'recompute': true} instead")
+            kwargs["activations"] = {layer: ActivationPlan(recompute=True) for layer in kwargs.pop("recompute")}
+        elif "activations" in kwargs:
+            kwargs["activations"] = _activations_from_json(kwargs["activations"])
         return cls(**kwargs)
 
     @classmethod

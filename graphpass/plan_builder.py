@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
-from graphpass.layout import TensorPlan, placement_from_str
+from graphpass.layout import ActivationPlan, TensorPlan, placement_from_str
 from graphpass.megatron import megatron_layout
 from graphpass.experts import expert_weights
 from graphpass.mesh import Mesh
@@ -107,7 +107,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         stages=uniform_stages(gm, mesh.pp, strategy),
         schedule=strategy.schedule if strategy is not None else "1f1b",
         strategy=strategy,
-        recompute=tuple(sorted(layers)),
+        activations={layer: ActivationPlan(recompute=True) for layer in sorted(layers)},
         sequence_parallel=sequence_parallel,
         microbatches=microbatches,
         report=PlanReport(reasons=tuple(reasons)),

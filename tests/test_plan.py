@@ -60,6 +60,19 @@ def test_plan_json_round_trip_and_explain():
     assert plan.placement("unmentioned", "dp") == Replicate()
 
 
+def test_each_layers_saved_activations_are_one_value_and_old_recompute_lists_load():
+    plan = gp.Plan(mesh={"dp": 2}, activations={3: gp.ActivationPlan(recompute=True), 1: gp.ActivationPlan()})
+    assert plan.recompute == (3,) and json.loads(plan.to_json())["activations"] == {"3": {"recompute": True}, "1": {}}
+    assert gp.Plan.from_json(plan.to_json()) == plan
+    old = gp.Plan.from_dict({"mesh": {"dp": 2}, "placements": {}, "recompute": [2, 0]})
+    assert old.recompute == (0, 2) and old.activations == {2: gp.ActivationPlan(True), 0: gp.ActivationPlan(True)}
+    for data, message in (({"recompute": [1], "activations": {}}, "gives both 'activations' and 'recompute'"),
+                          ({"activations": {"first": {}}}, "its keys are repeated layer indices"),
+                          ({"activations": {"1": {"tier": "ssd"}}}, r"Plan.activations\[1\].tier must be one of")):
+        with pytest.raises(ValueError, match=message):
+            gp.Plan.from_dict({"mesh": {"dp": 2}, "tensors": {}, **data})
+
+
 def test_a_plan_saved_before_the_report_was_its_own_type_still_loads():
     """Saved plans and golden files keep the predictions at the plan's top level."""
     plan = gp.Plan(mesh={"dp": 2}, tensors={"x": gp.TensorPlan({"dp": Shard(0)})},

@@ -16,6 +16,7 @@ steps (DESIGN.md), and rtol 1e-5 / atol 1e-6 allow that and nothing more.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 
@@ -168,7 +169,7 @@ def test_unknown_layer_index_is_a_value_error_naming_it_and_the_layers():
     batch = zoo.batches("gpt", 1, 4)[0]
     gm = capture(zoo.build("gpt"), batch).gm
     plan = plan_from_strategy(gm, gp.Strategy(dp=1), [])
-    plan = gp.Plan.from_dict({**plan.to_dict(), "recompute": [1, 7]})
+    plan = dataclasses.replace(plan, activations={layer: gp.ActivationPlan(recompute=True) for layer in (1, 7)})
     message = r"Plan\.recompute names layer 7, which this graph does not have \(its repeated layers are \[0, 1\]"
     with pytest.raises(ValueError, match=message):
         recompute(gm, plan, PassContext(0, 1, batch))

@@ -86,7 +86,9 @@ def plan_lines(plan: Plan) -> list[str]:
                             if any(p != "Replicate()" for p in t.get("placements", {}).values())},
              "zero": {node: t["zero"] for node, t in tensors.items() if "zero" in t},
              "split": {node: t["split"] for node, t in tensors.items() if "split" in t},
-             "tp_parts": {node: t["parts"] for node, t in tensors.items() if "parts" in t}}
+             "tp_parts": {node: t["parts"] for node, t in tensors.items() if "parts" in t},
+             "recompute": list(plan.recompute)}
+    data.pop("activations")
     order = ("mesh", "placements", "stages", "strategy", "zero", "recompute", "split", "sequence_parallel",
              "bucket_cap_bytes", "microbatches", "schedule", "tp_parts")
     data = {**{name: {**data, **parts}[name] for name in order}, **data}
