@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pathlib
+from types import MappingProxyType
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
@@ -571,26 +572,29 @@ class Plan:
         """The repeated layers whose activations are recomputed in backward, in order."""
         return tuple(sorted(layer for layer, saved in self.activations.items() if saved.recompute))
 
+    # Read-only views of one part of every entry: assigning into them raises (edit with
+    # with_tensor), rather than changing a copy nobody reads.
+
     @property
-    def placements(self) -> dict[str, dict[str, Placement]]:
+    def placements(self) -> Mapping[str, Mapping[str, Placement]]:
         """Each tensor's placements: node name → {axis → placement}."""
-        return {node: dict(t.placements) for node, t in self.tensors.items()}
+        return MappingProxyType({node: MappingProxyType(dict(t.placements)) for node, t in self.tensors.items()})
 
     @property
-    def zero(self) -> dict[str, int]:
+    def zero(self) -> Mapping[str, int]:
         """Each ZeRO-sharded parameter's stage: node name → 1, 2 or 3."""
-        return {node: t.zero for node, t in self.tensors.items() if t.zero}
+        return MappingProxyType({node: t.zero for node, t in self.tensors.items() if t.zero})
 
     @property
-    def split(self) -> dict[str, Split]:
+    def split(self) -> Mapping[str, Split]:
         """Each operator split: the weight's node name (the linear's, in a plan JSON written
         before the per-tensor form) → :class:`~graphpass.layout.Split`."""
-        return {node: t.split for node, t in self.tensors.items() if t.split is not None}
+        return MappingProxyType({node: t.split for node, t in self.tensors.items() if t.split is not None})
 
     @property
-    def tp_parts(self) -> dict[str, tuple[int, ...]]:
+    def tp_parts(self) -> Mapping[str, tuple[int, ...]]:
         """Each fused tensor-parallel weight's part sizes."""
-        return {node: t.parts for node, t in self.tensors.items() if t.parts}
+        return MappingProxyType({node: t.parts for node, t in self.tensors.items() if t.parts})
 
     def splits(self, gm: fx.GraphModule) -> dict[str, Split]:
         """The operator splits as the nodes of ``gm`` to split, by node name: a split on a weight

@@ -53,6 +53,9 @@ def test_plan_json_round_trip_and_explain():
         "idx": {"placements": {"dp": "Shard(0)"}}, "wte_weight": {"placements": {"dp": "Replicate()"}, "zero": 3},
         "fc_weight": {"split": {"dim": "out", "parts": 2}}, "loss": {"placements": {"dp": "Partial(avg)"}}}
     assert (plan.zero, plan.split) == ({"wte_weight": 3}, {"fc_weight": gp.Split("out", 2)})
+    with pytest.raises(TypeError):  # the views are read-only: an edit goes through with_tensor
+        plan.placements["idx"]["dp"] = Replicate()
+    assert plan.with_tensor("idx", placements={"dp": Replicate()}).placement("idx", "dp") == Replicate()
     assert again.diff(plan) == []
     text = plan.explain()
     assert "mesh: dp=4 (4 devices)" in text and "12.50 ms" in text and "why: because" in text
