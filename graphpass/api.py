@@ -95,12 +95,19 @@ def _pipeline_stages(gm: fx.GraphModule, plan: Plan, mesh: mesh_lib.ProcessMesh,
     stages = cut_stages(gm, plan.stages)
     pp, index = plan.mesh.pp, mesh.axis_rank("pp")
     mine = [(s, stage) for s, stage in enumerate(stages) if pipeline_rank(s, pp) == index]
-    group = mesh.group("pp")
-    # Parameters read by stages on several ranks (tied embedding and LM head): one group of the
-    # ranks holding it per parameter and pipeline replica, made by every rank in the same order
-    # (creating a group is collective). Stages on one rank share the parameter object itself.
-    shared = []
     pipelines = sorted({tuple(plan.mesh.group_ranks("pp", r)) for r in range(plan.mesh.world_size)})
+    # The stages' sends and receives wait as long as their group's timeout when the group was
+    # made (gloo's point-to-point ignores one set later: a hung peer held its sender for the
+    # default group's 60 s under compile(timeout_s=10)), so each pipeline replica gets a group
+    # made with compile's timeout, by every rank in the same order (creating a group is collective).
+    group = None
+    for ranks in pipelines:
+        made = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
+        if mesh.rank in ranks:
+            group = made
+    # Parameters read by stages on several ranks (tied embedding and LM head): one group of the
+    # ranks holding it per parameter and pipeline replica, made alike.
+    shared = []
     for target, users in sorted(shared_parameters(stages).items()):
         holders = sorted({pipeline_rank(s, pp) for s in users})
         if len(holders) < 2:

@@ -92,6 +92,10 @@ def test_a_rank_that_never_starts_a_step_is_named_by_the_rank_waiting_for_it(tmp
     assert err.value.rank == FAILED_RANK and err.value.reported_by == 0, text
     assert re.search(r"rank 1 did not reach " + missed, text), text
     assert "in train_and_fail\n    _fail(mode)" in text, text  # where rank 1 is
+    # compile's timeout (10 s), not the default group's 60 s: a pipeline's sends and receives
+    # wait as long as the group they were made with allows
+    waited = float(re.search(r"rank 0 waited ([\d.]+) s for it", text).group(1))
+    assert waited < 30, text
     assert_processes_end(_pids(tmp_path))
 
 
