@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from graphpass import meta
 from graphpass.layout import TIERS, ActivationPlan, Split, TensorPlan, placement_from_str, placement_to_str
 from graphpass.mesh import ORDER, Mesh
+from graphpass.ops import is_linear, linear_operands
 from graphpass.plan_report import PlanReport
 
 #: The only schedule names ``Strategy.schedule`` accepts (they map onto torch.distributed.pipelining).
@@ -304,29 +305,28 @@ def _is_number(value: Any) -> bool:
 
 
 def _parse_placement(field: str, text: Any) -> Placement:
-    """``text`` parsed for ``field`` (``Plan.placements['x']['dp']``), refusing what graphpass
-    cannot mean: a dim counted from the end, a reduction other than :data:`PARTIAL_OPS`."""
+    """``text`` parsed for ``field`` (``Plan.placements['x']['dp']``); what it means is checked
+    with every placement of the plan (:func:`_check_placement`)."""
     if not isinstance(text, str):
         raise ValueError(f"{field} must be a placement string ('Shard(d)', 'Replicate()' or 'Partial(avg)'), "
                          f"got {text!r}")
     try:
-        placement = placement_from_str(text)
+        return placement_from_str(text)
     except ValueError as exc:
         raise ValueError(f"{field}: {exc}") from None
-    if isinstance(placement, Shard) and placement.dim < 0:
-        raise ValueError(f"{field}: {text} counts the dim from the end; write it counted from 0 "
-                         "(Shard(1) for the last dim of a 2-D tensor)")
-    if isinstance(placement, Partial) and placement.reduce_op not in PARTIAL_OPS:
-        raise ValueError(f"{field}: {text} is not a reduction graphpass pends; use Partial() (a sum) or "
-                         "Partial(avg)")
-    return placement
 
 
 def _check_placement(field: str, placement: Any) -> None:
-    """A typed placement graphpass can mean (as :func:`_parse_placement` checks a string)."""
+    """A placement graphpass can mean: torch's, no dim counted from the end, no reduction other
+    than :data:`PARTIAL_OPS`."""
     if not isinstance(placement, (Shard, Replicate, Partial)):
         raise ValueError(f"{field} must be a torch Shard(d), Replicate() or Partial() placement, got {placement!r}")
-    _parse_placement(field, placement_to_str(placement))
+    if isinstance(placement, Shard) and placement.dim < 0:
+        raise ValueError(f"{field}: {placement_to_str(placement)} counts the dim from the end; write it counted "
+                         "from 0 (Shard(1) for the last dim of a 2-D tensor)")
+    if isinstance(placement, Partial) and placement.reduce_op not in PARTIAL_OPS:
+        raise ValueError(f"{field}: {placement_to_str(placement)} is not a reduction graphpass pends; use Partial() "
+                         "(a sum) or Partial(avg)")
 
 
 #: What a plan says of a tensor it does not name: whole, replicated on every axis.
@@ -388,9 +388,6 @@ def _tensor_from_json(node: str, data: Any) -> TensorPlan:
         None if spec is None else Split(spec["dim"], spec["parts"]), data.get("tier", "device"))
 
 
-#: Plan fields a plan's JSON must give (the rest have defaults; ``tensors`` was ``placements``
-#: before the per-tensor form).
-REQUIRED = ("mesh", "tensors")
 #: The Plan field that is the planner's account, not the program (``Plan.report``):
 #: ``Plan.diff`` and golden program texts leave it out.
 PREDICTIONS = ("report",)
@@ -601,8 +598,6 @@ class Plan:
         is its linear's (each linear reading it); one on a linear (a plan JSON written before the
         per-tensor form keyed it so) is that linear's; any other name is kept as it is, for
         ``split_operators`` to refuse naming it."""
-        from graphpass.ops import is_linear, linear_operands
-
         named = self.split
         out, weights = {}, set()
         for node in gm.graph.nodes:
