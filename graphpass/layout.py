@@ -20,7 +20,8 @@ Every parameter and buffer a pass shards carries one :class:`TensorLayout` in
   stage 3 around each use; stage 1 all-reduces the gradient, stages 2 and 3 reduce-scatter it
   (:mod:`graphpass.runtime.zero`);
 - the buffer naming the expert each slot holds, for experts that dynamic placement moves;
-- the memory tier the stored tensor lives in (``"device"``; host and disk come with offload).
+- where the parameter's parts live between uses (:class:`Tiers`: its compute copy, gradient and
+  optimizer state on the device, in host memory or on disk: offload).
 
 The cuts compose from the full tensor inwards in one order, the order of :meth:`TensorLayout.cuts`:
 the slice, then the tensor- or expert-parallel ``Shard(d)``, then ZeRO's ``Shard(0)`` of what is
@@ -40,8 +41,73 @@ from typing import Any, Iterator, Mapping
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-#: The memory tiers a stored tensor can live in (the offload issue adds "host" and "disk").
-TIERS = ("device",)
+#: The memory tiers a stored tensor can live in: the accelerator's memory, the host's (pinned
+#: on a GPU) and files on disk.
+TIERS = ("device", "host", "disk")
+#: The tiers of each part of a parameter (:class:`Tiers`): the compute copy and the gradient
+#: stream through host memory; the master copy and optimizer state may also live on disk.
+PART_TIERS = {"parameter": ("device", "host"), "gradient": ("device", "host"), "optimizer": TIERS}
+#: The tiers a layer's saved activations may live in.
+ACTIVATION_TIERS = ("device", "host")
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Where the parts of one parameter live (offload; the memory-tier part of its layout).
+
+    Attributes:
+        parameter: the compute copy. ``"device"``: resident for the whole run; ``"host"``: it
+            streams in ahead of each use (a window of layers, ``Plan.offload_window``) and is
+            dropped after, forward and backward (STRONGHOLD).
+        gradient: ``"device"``: gradients accumulate on the device over the step's
+            microbatches and go down to the host once, after the step's last backward;
+            ``"host"``: each backward's gradient goes down as it lands, and accumulates there.
+        optimizer: the master copy and the optimizer state, and so where the optimizer steps:
+            ``"device"``, ``"host"`` (ZeRO-Offload) or ``"disk"`` (pages in files).
+
+    The host (or disk) keeps the master copy whenever a part is off the device, so a
+    parameter or gradient off the device needs the optimizer off it too.
+    """
+
+    parameter: str = "device"
+    gradient: str = "device"
+    optimizer: str = "device"
+
+    def __post_init__(self) -> None:
+        for part, allowed in PART_TIERS.items():
+            value = getattr(self, part)
+            if value not in allowed:
+                extra = (" (disk holds the master copy and optimizer state: Tiers(optimizer='disk'))"
+                         if value == "disk" else "")
+                raise ValueError(f"Tiers.{part} must be one of {allowed}, got {value!r}{extra}")
+        if self.optimizer == "device":
+            for part in ("parameter", "gradient"):
+                if getattr(self, part) != "device":
+                    raise ValueError(
+                        f"Tiers.{part}={getattr(self, part)!r} needs the optimizer off the device too: the host keeps "
+                        f"the master copy the optimizer steps, and the {part} streams from or to it; use "
+                        f"Tiers({part}={getattr(self, part)!r}, optimizer='host')")
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether any part lives off the device."""
+        return self != Tiers()
+
+    def to_json(self) -> dict[str, str]:
+        """The parts off the device (an empty dict for a tensor on the device)."""
+        return {part: getattr(self, part) for part in PART_TIERS if getattr(self, part) != "device"}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Tiers":
+        """From :meth:`to_json`'s dict, or ``"device"`` (a plan written before offload)."""
+        if data == "device":
+            return cls()
+        if not isinstance(data, Mapping) or set(data) - set(PART_TIERS):
+            raise ValueError(f"tiers must map some of {tuple(PART_TIERS)} to a tier, got {data!r}")
+        return cls(**data)
+
+    def __str__(self) -> str:
+        return ", ".join(f"{part} on {tier}" for part, tier in self.to_json().items()) or "on device"
 
 
 @dataclass(frozen=True)
@@ -110,7 +176,7 @@ class TensorLayout:
     zero: int = 0
     slice: Slice | None = None
     experts: str | None = None
-    tier: str = "device"
+    tiers: Tiers = Tiers()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
@@ -125,8 +191,8 @@ class TensorLayout:
         if self.zero and (not self.placements or self.placements[-1][1] != Shard(0)):
             raise ValueError(f"TensorLayout: ZeRO stage {self.zero} needs its Shard(0) as the last cut, "
                              f"got {self.placements}")
-        if self.tier not in TIERS:
-            raise ValueError(f"TensorLayout.tier must be one of {TIERS}, got {self.tier!r}")
+        if not isinstance(self.tiers, Tiers):
+            raise ValueError(f"TensorLayout.tiers must be a Tiers, got {self.tiers!r}")
 
     @classmethod
     def whole(cls, shape) -> "TensorLayout":
@@ -215,6 +281,10 @@ class TensorLayout:
         """This layout with its slots' experts named by ``buffer`` (dynamic expert placement)."""
         return replace(self, experts=buffer)
 
+    def with_tiers(self, tiers: Tiers) -> "TensorLayout":
+        """This layout with its parts in ``tiers`` (offload)."""
+        return replace(self, tiers=tiers)
+
     # ------------------------------------------------------------------ text
 
     def to_json(self) -> dict[str, Any]:
@@ -230,8 +300,8 @@ class TensorLayout:
             out["slice"] = {**self.slice.__dict__, "state_keys": list(self.slice.state_keys)}
         if self.experts is not None:
             out["experts"] = self.experts
-        if self.tier != "device":
-            out["tier"] = self.tier
+        if self.tiers.offloaded:
+            out["tiers"] = self.tiers.to_json()
         return out
 
     @classmethod
@@ -245,7 +315,7 @@ class TensorLayout:
             data.get("zero", 0),
             None if slice_ is None else Slice(**{**slice_, "state_keys": tuple(slice_["state_keys"])}),
             data.get("experts"),
-            data.get("tier", "device"),
+            Tiers.from_json(data.get("tiers", "device")),
         )
 
     def __str__(self) -> str:
@@ -261,8 +331,8 @@ class TensorLayout:
             cuts.insert(0, f"slice {self.slice.index}/{self.slice.parts} of dim {self.slice.dim}")
         if self.experts is not None:
             cuts.append(f"experts by {self.experts}")
-        if self.tier != "device":
-            cuts.append(self.tier)
+        if self.tiers.offloaded:
+            cuts.append(str(self.tiers))
         return f"TensorLayout({list(self.shape)}{', ' if cuts else ''}{', '.join(cuts)})"
 
 
@@ -297,14 +367,15 @@ class TensorPlan:
             outputs at once (q, k and v): the sizes of its parts along the sharded dim, each
             sharded on its own.
         split: the operator split of the linear this weight feeds (OSDP), or None.
-        tier: the memory tier the stored tensor lives in (:data:`TIERS`).
+        tiers: where a parameter's compute copy, gradient and optimizer state live
+            (:class:`Tiers`; every other tensor stays on the device).
     """
 
     placements: Mapping[str, Placement] = field(default_factory=dict)
     zero: int = 0
     parts: tuple[int, ...] = ()
     split: Split | None = None
-    tier: str = "device"
+    tiers: Tiers = Tiers()
 
     def placement(self, axis: str) -> Placement:
         """The placement on ``axis`` (``Replicate()`` where none is named)."""
@@ -321,8 +392,8 @@ class TensorPlan:
             out["parts"] = list(self.parts)
         if self.split is not None:
             out["split"] = self.split.to_json()
-        if self.tier != "device":
-            out["tier"] = self.tier
+        if self.tiers.offloaded:
+            out["tiers"] = self.tiers.to_json()
         return out
 
 
@@ -334,7 +405,9 @@ class ActivationPlan:
     Attributes:
         recompute: recomputed in backward from the layer's input instead of saved (activation
             checkpointing).
-        tier: the memory tier they are saved in (:data:`TIERS`).
+        tier: the memory tier they are saved in (:data:`ACTIVATION_TIERS`): ``"host"`` copies
+            each saved tensor to host memory when autograd saves it and back ahead of its
+            backward use.
     """
 
     recompute: bool = False
@@ -384,5 +457,5 @@ def parse_shard(text: str, axis: str = "?") -> Shard:
     return placement
 
 
-__all__ = ["ActivationPlan", "Cut", "Slice", "Split", "TensorLayout", "TensorPlan", "TIERS", "parse_shard", "placement_from_str", "placement_to_str",
+__all__ = ["ACTIVATION_TIERS", "ActivationPlan", "Cut", "PART_TIERS", "Slice", "Split", "TensorLayout", "TensorPlan", "TIERS", "Tiers", "parse_shard", "placement_from_str", "placement_to_str",
            "shard_rows"]

@@ -30,11 +30,13 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
-from graphpass.layout import TIERS, ActivationPlan, Split, TensorPlan, placement_from_str, placement_to_str
+from graphpass.layout import ACTIVATION_TIERS, ActivationPlan, Split, TensorPlan, Tiers, placement_from_str, placement_to_str
 from graphpass.mesh import ORDER, Mesh
 from graphpass.ops import is_linear, linear_operands
 from graphpass.plan_report import PlanReport
 
+#: What ``Strategy.offload`` may name, in the order it prints them.
+OFFLOAD_KINDS = ("optimizer", "gradients", "parameters", "activations")
 #: The only schedule names ``Strategy.schedule`` accepts (they map onto torch.distributed.pipelining).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 #: DDP's default bucket size: large enough to amortise per-collective latency, small enough to
@@ -63,6 +65,8 @@ class Choice:
     recompute: bool = False
     large_ops: int = 0
     rest_zero: int = 0
+    tiers: Tiers = Tiers()
+    saved_tier: str = "device"
 
     @property
     def mixed(self) -> bool:
@@ -71,7 +75,7 @@ class Choice:
 
     def rest(self) -> "Choice":
         """The choice of the block's operators after its ``large_ops`` largest."""
-        return Choice(self.rest_zero, 1, self.recompute)
+        return Choice(self.rest_zero, 1, self.recompute, tiers=self.tiers, saved_tier=self.saved_tier)
 
     def __str__(self) -> str:
         parts = [f"zero-{self.zero}" if self.zero else "dp"]
@@ -81,6 +85,10 @@ class Choice:
             parts.append(f"split {self.split}")
         if self.recompute:
             parts.append("recompute")
+        if self.tiers.offloaded:
+            parts.append(str(self.tiers))
+        if self.saved_tier != "device":
+            parts.append(f"activations on {self.saved_tier}")
         return " + ".join(parts)
 
 
@@ -112,6 +120,17 @@ class Strategy:
             ``dp // dp_shard`` groups hold replicas; gradients are reduce-scattered within a group
             and all-reduced across groups. Needs ``zero`` 1-3 and divides ``dp`` (with ``ep``,
             ``ep`` divides it). None: ZeRO shards over all of ``dp`` (see ``docs/sharding.md``).
+        offload: what lives off the device, some of :data:`OFFLOAD_KINDS`: ``"optimizer"``
+            (master weights and optimizer state; the optimizer steps there: ZeRO-Offload),
+            ``"gradients"`` (each backward's gradients go down as they land), ``"parameters"``
+            (the compute copy streams in ahead of each use, a window of layers at a time:
+            STRONGHOLD), ``"activations"`` (each layer's saved activations wait in host memory
+            for their backward). Gradients and parameters need ``"optimizer"`` too: the host
+            keeps the master copy they stream from and to (see ``docs/offload.md``).
+        offload_to: ``"host"`` or ``"disk"``: where the optimizer state and master weights go;
+            the other kinds always go to host memory.
+        offload_window: with ``"parameters"``: how many layers ahead the compute copy is
+            streamed in (at least 1); None: 1.
     """
 
     dp: int = 1
@@ -126,6 +145,9 @@ class Strategy:
     virtual_stages: int = 1
     ep: int = 1
     dp_shard: int | None = None
+    offload: tuple[str, ...] = ()
+    offload_to: str = "host"
+    offload_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "split", "microbatches", "virtual_stages", "ep"):
@@ -147,6 +169,7 @@ class Strategy:
                              f"ep={self.ep}))")
         if self.dp_shard is not None:
             self._check_dp_shard()
+        self._check_offload()
         if self.split > 1 and self.zero != 3:
             # The slices' only gain is that ZeRO-3 gathers each right before its linear and frees it
             # after (split_operators' contract); at stages 0-2 every weight is whole during the step,
@@ -157,9 +180,49 @@ class Strategy:
                 f"use Strategy(zero=3, split={self.split}) with dp > 1, or split=1")
 
     def __repr__(self) -> str:
-        # dp_shard only when set: a Strategy without HSDP reads as before (users' golden files)
+        # dp_shard and offload only when set: a Strategy without them reads as before (users' golden files)
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
-        return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k == "dp_shard" and v is None)) + ")"
+        unset = {"dp_shard": None, "offload": (), "offload_to": "host", "offload_window": None}
+        return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k in unset and v == unset[k])) + ")"
+
+    def _check_offload(self) -> None:
+        offload = self.offload
+        if isinstance(offload, str):
+            offload = (offload,)
+        if not isinstance(offload, (tuple, list, frozenset, set)):
+            raise ValueError(f"Strategy.offload must be a tuple of {OFFLOAD_KINDS}, got {self.offload!r}")
+        unknown = [kind for kind in offload if kind not in OFFLOAD_KINDS]
+        if unknown:
+            raise ValueError(f"Strategy.offload names {unknown[0]!r}, which is not a kind of tensor graphpass offloads; "
+                             f"choose from {OFFLOAD_KINDS}")
+        object.__setattr__(self, "offload", tuple(kind for kind in OFFLOAD_KINDS if kind in offload))
+        if self.offload_to not in ("host", "disk"):
+            raise ValueError(f"Strategy.offload_to must be 'host' or 'disk', got {self.offload_to!r}")
+        streamed = [kind for kind in ("parameters", "gradients") if kind in self.offload]
+        if streamed and "optimizer" not in self.offload:
+            raise ValueError(f"Strategy.offload={self.offload!r} offloads {streamed[0]} but not the optimizer: the host "
+                             f"keeps the master copy the {streamed[0]} stream from and to, so the optimizer steps "
+                             f"there; use offload={tuple(sorted(set(self.offload) | {'optimizer'}, key=OFFLOAD_KINDS.index))!r}")
+        window = self.offload_window
+        if window is not None:
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise ValueError(f"Strategy.offload_window must be a positive int (layers streamed in ahead) or None, "
+                                 f"got {window!r}")
+            if "parameters" not in self.offload:
+                raise ValueError(f"Strategy.offload_window={window} sizes the window of parameters streamed in ahead of "
+                                 "their use, but Strategy.offload does not offload 'parameters'; add it or drop the "
+                                 "window")
+        if "activations" in self.offload and self.recompute:
+            raise ValueError("Strategy.offload has 'activations' and Strategy.recompute=True: a recomputed layer saves "
+                             "only its input; choose one")
+
+    @property
+    def tiers(self) -> Tiers:
+        """Where every trainable parameter's parts live under :attr:`offload`."""
+        off = "host"
+        return Tiers(parameter=off if "parameters" in self.offload else "device",
+                     gradient=off if "gradients" in self.offload else "device",
+                     optimizer=self.offload_to if "optimizer" in self.offload else "device")
 
     def _check_dp_shard(self) -> None:
         shard = self.dp_shard
@@ -194,7 +257,8 @@ class Strategy:
     @property
     def choice(self) -> Choice:
         """The per-block choice it makes for every block (no ZeRO without a ``dp`` axis)."""
-        return Choice(self.zero if self.dp > 1 else 0, self.split, self.recompute)
+        return Choice(self.zero if self.dp > 1 else 0, self.split, self.recompute, tiers=self.tiers,
+                      saved_tier="host" if "activations" in self.offload else "device")
 
     def check(self, world_size: int) -> None:
         """Raise if this strategy cannot run on ``world_size`` ranks or uses an unbuilt feature.
@@ -372,7 +436,7 @@ def _bad_split(node: str, spec: Any) -> ValueError:
 
 def _tensor_from_json(node: str, data: Any) -> TensorPlan:
     """One entry of a plan JSON's ``tensors`` (see :meth:`TensorPlan.to_json`)."""
-    known = ("placements", "zero", "parts", "split", "tier")
+    known = ("placements", "zero", "parts", "split", "tiers", "tier")
     if not isinstance(data, Mapping) or set(data) - set(known):
         raise ValueError(f"Plan.tensors[{node!r}] must be an object with some of {list(known)}, got {data!r}")
     by_axis, spec = data.get("placements", {}), data.get("split")
@@ -385,7 +449,16 @@ def _tensor_from_json(node: str, data: Any) -> TensorPlan:
     return TensorPlan(
         {axis: _parse_placement(f"Plan.placements[{node!r}][{axis!r}]", text) for axis, text in by_axis.items()},
         data.get("zero", 0), tuple(parts) if isinstance(parts, (list, tuple)) else parts,
-        None if spec is None else Split(spec["dim"], spec["parts"]), data.get("tier", "device"))
+        None if spec is None else Split(spec["dim"], spec["parts"]), _tiers_from_json(node, data))
+
+
+def _tiers_from_json(node: str, data: Mapping[str, Any]) -> Tiers:
+    """An entry's ``tiers`` (``{"optimizer": "host"}``); ``"tier": "device"`` of a plan written
+    before offload reads as every part on the device."""
+    try:
+        return Tiers.from_json(data.get("tiers", data.get("tier", "device")))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"Plan.tensors[{node!r}].tiers: {exc}") from None
 
 
 #: The Plan field that is the planner's account, not the program (``Plan.report``):
@@ -424,6 +497,9 @@ class Plan:
             the ``ep`` group) or ``"hierarchical"`` (two-level, Tutel's 2DH: within each node,
             then one message per node pair; for ``ep`` groups spanning nodes of the cluster
             given to ``compile``). The planner picks the cheaper by its link model.
+        offload_window: for parameters whose compute copy lives on the host
+            (``Tiers(parameter="host")``): how many layers ahead of its use a layer's copy is
+            streamed in (STRONGHOLD's working window).
         report: the planner's predictions and reasons (:class:`~graphpass.plan_report.PlanReport`;
             empty for a plan it did not price).
     """
@@ -439,6 +515,7 @@ class Plan:
     schedule: str = "1f1b"
     ep_all_to_all: str = "flat"
     capacity_factor: float | str | None = "model"
+    offload_window: int = 1
     report: PlanReport = field(default_factory=PlanReport)
 
     def __post_init__(self) -> None:
@@ -481,6 +558,9 @@ class Plan:
         cf = self.capacity_factor
         if not (cf is None or cf == "model" or (_is_number(cf) and cf > 0)):
             raise ValueError(f"Plan.capacity_factor must be a positive number, None (dropless) or 'model', got {cf!r}")
+        if not _is_int(self.offload_window) or self.offload_window < 1:
+            raise ValueError(f"Plan.offload_window must be a positive int (layers streamed in ahead), got "
+                             f"{self.offload_window!r}")
         if not isinstance(self.activations, Mapping):
             raise ValueError(f"Plan.activations must map layer indices to ActivationPlans, got {self.activations!r}")
         for layer, saved in self.activations.items():
@@ -488,8 +568,13 @@ class Plan:
                 raise ValueError(f"Plan.recompute entries must be layer indices >= 0, got {layer!r}")
             if not isinstance(saved, ActivationPlan) or not isinstance(saved.recompute, bool):
                 raise ValueError(f"Plan.activations[{layer}] must be a graphpass.layout.ActivationPlan, got {saved!r}")
-            if saved.tier not in TIERS:
-                raise ValueError(f"Plan.activations[{layer}].tier must be one of {TIERS}, got {saved.tier!r}")
+            if saved.tier not in ACTIVATION_TIERS:
+                extra = " (disk holds master weights and optimizer state only)" if saved.tier == "disk" else ""
+                raise ValueError(f"Plan.activations[{layer}].tier must be one of {ACTIVATION_TIERS}, got "
+                                 f"{saved.tier!r}{extra}")
+            if saved.recompute and saved.tier != "device":
+                raise ValueError(f"Plan.activations[{layer}] is recomputed and saved in {saved.tier!r} memory: a "
+                                 "recomputed layer saves only its inputs; choose one (recompute or tier='host')")
         if not isinstance(self.report, PlanReport):
             raise ValueError(f"Plan.report must be a graphpass PlanReport, got {self.report!r}")
 
@@ -523,8 +608,8 @@ class Plan:
             if parts and not isinstance(tensor.placement("tp"), Shard):
                 raise ValueError(f"Plan.tp_parts names {node!r}, which is not Shard(d) on a 'tp' axis; "
                                  "fused parts apply to column-parallel weights")
-            if tensor.tier not in TIERS:
-                raise ValueError(f"Plan.tensors[{node!r}].tier must be one of {TIERS}, got {tensor.tier!r}")
+            if not isinstance(tensor.tiers, Tiers):
+                raise ValueError(f"Plan.tensors[{node!r}].tiers must be a graphpass.Tiers, got {tensor.tiers!r}")
 
     def _check_stages(self) -> None:
         stages = self.stages
@@ -557,7 +642,7 @@ class Plan:
     def with_tensor(self, node: str, **changes: Any) -> "Plan":
         """This plan with ``node``'s entry changed as ``changes`` say (the fields of
         :class:`~graphpass.layout.TensorPlan`: ``placements``, ``zero``, ``parts``, ``split``,
-        ``tier``), checked as any plan is: ``plan.with_tensor("h_0_mlp_up_weight", zero=3)``."""
+        ``tiers``), checked as any plan is: ``plan.with_tensor("h_0_mlp_up_weight", zero=3)``."""
         return replace(self, tensors={**self.tensors, node: replace(self.tensor(node), **changes)})
 
     def placement(self, node: str, axis: str) -> Placement:

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
-from graphpass.layout import ActivationPlan, TensorPlan, placement_from_str
+from graphpass.layout import ActivationPlan, TensorPlan, Tiers, placement_from_str
 from graphpass.megatron import megatron_layout
 from graphpass.experts import expert_weights
 from graphpass.mesh import Mesh
@@ -30,12 +30,13 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
     """The plan a uniform strategy implies: :func:`plan_from_choices` with
     :attr:`Strategy.choice` for every node."""
     return plan_from_choices(gm, strategy.mesh, strategy.choice, sequence_parallel=strategy.sequence_parallel,
-                             microbatches=strategy.microbatches, strategy=strategy, reasons=reasons)
+                             microbatches=strategy.microbatches, strategy=strategy, reasons=reasons,
+                             offload_window=strategy.offload_window or 1)
 
 
 def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[str, Choice], *,
                       sequence_parallel: bool = False, microbatches: int = 1, strategy: Strategy | None = None,
-                      reasons: Sequence[str] = (),
+                      reasons: Sequence[str] = (), offload_window: int = 1,
                       tp_layout: tuple[Mapping[str, str], Mapping[str, tuple[int, ...]]] | None = None) -> Plan:
     """The plan of ``choices`` (one for every node, or node name → choice; unlisted nodes take
     ``Choice()``) on ``mesh``.
@@ -48,7 +49,9 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     gives it ZeRO stage k when it is trainable and not a scalar (ZeRO shards along dim 0); a
     layer recomputes when its nodes choose ``recompute``; ``split=k`` on a linear splits it k ways
     along its output features when its weight is untied and has at least k rows
-    (``split_operators.default_split``). With ``ep`` in the mesh, every Mixture-of-Experts layer's
+    (``split_operators.default_split``). A trainable parameter's parts live in its node's
+    ``Choice.tiers``, and a layer whose nodes choose ``saved_tier="host"`` saves its activations
+    in host memory (offload). With ``ep`` in the mesh, every Mixture-of-Experts layer's
     expert weights are ``Shard(0)`` on ``ep`` (``expert_parallel.expert_weights``).
 
     Raises:
@@ -69,6 +72,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     tensors: dict[str, TensorPlan] = {}
     nodes = {node.name: node for node in gm.graph.nodes}
     layers: set[int] = set()
+    saved_on_host: set[int] = set()
     split_nodes: dict[int, set[str]] = {}
     for node in gm.graph.nodes:
         choice = choice_of(node.name)
@@ -76,6 +80,8 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         if node.op == "call_function":
             if layer is not None and choice.recompute:
                 layers.add(layer)
+            if layer is not None and choice.saved_tier != "device":
+                saved_on_host.add(layer)
             if choice.split > 1:
                 split_nodes.setdefault(choice.split, set()).add(node.name)
         if node.op == "placeholder":
@@ -86,12 +92,14 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
                 placements["tp"] = placement_from_str(tp_placements[node.name])
             if node.name in experts:
                 placements["ep"] = Shard(0)
-            zero = 0
-            if choice.zero and meta.get(node, meta.ATTR_KIND) == "parameter":
+            zero, tiers = 0, Tiers()
+            if meta.get(node, meta.ATTR_KIND) == "parameter":
                 tensor = gm.get_parameter(node.target)
-                if tensor.dim() > 0 and tensor.requires_grad:
-                    zero = choice.zero
-            tensors[node.name] = TensorPlan(placements, zero, tuple(tp_parts.get(node.name, ())))
+                if tensor.requires_grad:
+                    tiers = choice.tiers
+                    if choice.zero and tensor.dim() > 0:
+                        zero = choice.zero
+            tensors[node.name] = TensorPlan(placements, zero, tuple(tp_parts.get(node.name, ())), tiers=tiers)
     # an operator split is its weight's (the linear reads it alone: default_split checks)
     for parts, names in split_nodes.items():
         for linear, spec in default_split(gm, parts).items():
@@ -107,7 +115,9 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         stages=uniform_stages(gm, mesh.pp, strategy),
         schedule=strategy.schedule if strategy is not None else "1f1b",
         strategy=strategy,
-        activations={layer: ActivationPlan(recompute=True) for layer in sorted(layers)},
+        activations={layer: ActivationPlan(recompute=layer in layers, tier="host" if layer in saved_on_host else "device")
+                     for layer in sorted(layers | saved_on_host)},
+        offload_window=offload_window,
         sequence_parallel=sequence_parallel,
         microbatches=microbatches,
         report=PlanReport(reasons=tuple(reasons)),

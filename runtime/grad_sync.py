@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -132,6 +132,19 @@ class GradSync:
                     p.grad = grad
                 else:
                     p.grad += grad
+                landed = _LANDED.get(p)
+                if landed is not None:
+                    landed(p)
+
+
+# parameter -> called once its synchronised gradient is in .grad (offload sends it to the host)
+_LANDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def when_grad_lands(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Call ``hook(param)`` each time a synchronised gradient is written into ``param.grad``
+    (autograd's own accumulation has ``register_post_accumulate_grad_hook``)."""
+    _LANDED[param] = hook
 
 
 class _SyncBegin(torch.autograd.Function):

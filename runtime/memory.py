@@ -42,6 +42,13 @@ are thread-local); their frees are. A tensor alive before the region but not in 
 counted from the first time an op returns it (a view, an in-place write), so pass every
 pre-existing tensor that matters in ``baseline``. Only CPU storages are counted.
 
+Host memory on a machine without an accelerator (offload): the device is the host, so which
+bytes are "on the device" is bookkeeping. Storages passed to :func:`mark_host` (the offload
+runtime's master copies, gradients and saved activations in host memory) are host memory and
+never counted, and neither is the output of an op whose tensor inputs are all host memory (the
+optimizer stepping host-resident state allocates its state there): the peak is the emulated
+device's. With nothing marked, every CPU storage counts, as before.
+
 Use with a compiled :class:`graphpass.runtime.module.DistributedModule`::
 
     grads = [p.grad for p in dmodel.parameters() if p.grad is not None]
@@ -69,7 +76,37 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryProbe", "measure_peak_bytes", "optimizer_state_tensors", "tensor_bytes"]
+__all__ = ["MemoryProbe", "is_host", "mark_host", "measure_peak_bytes", "optimizer_state_tensors", "tensor_bytes"]
+
+# Storages that stand for host memory (offload on a CPU-only machine): weak, so marking keeps
+# nothing alive. An UntypedStorage keeps one Python object while it lives, so membership holds
+# for every tensor and view on it.
+_HOST: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
+
+
+def mark_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor``'s storage as host memory (offload): a :class:`MemoryProbe` does not count
+    it, nor what ops on host tensors alone allocate. Returns ``tensor``."""
+    if tensor.device.type == "cpu" and tensor.layout == torch.strided:
+        storage = tensor.untyped_storage()
+        if storage not in _HOST:
+            _HOST.add(storage)
+            for probe in list(_ACTIVE_PROBES):  # counted when it was allocated: not device memory after all
+                probe._untrack(storage)
+    return tensor
+
+
+def is_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives in host memory: on a machine with an accelerator, any CPU tensor;
+    on a CPU-only one, a tensor :func:`mark_host` marked (the emulated device is the rest)."""
+    if tensor.device.type != "cpu":
+        return False
+    if torch.cuda.is_available():
+        return True
+    try:
+        return tensor.untyped_storage() in _HOST
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _storages(t: torch.Tensor, fake: bool = False) -> Iterator[torch.UntypedStorage]:
@@ -203,6 +240,8 @@ class MemoryProbe(TorchDispatchMode):
 
     def _track(self, storage: torch.UntypedStorage) -> None:
         """Count ``storage`` if new, else re-read its size (it may have been resized)."""
+        if _HOST and storage in _HOST:
+            return
         key = id(storage)
         with self._lock:
             entry = self._tracked.get(key)
@@ -223,6 +262,12 @@ class MemoryProbe(TorchDispatchMode):
     def _on_storage_freed(self, key: int, _ref: weakref.ref) -> None:
         with self._lock:
             entry = self._tracked.pop(key, None)
+            if entry is not None:
+                self.current_bytes -= entry[1]
+
+    def _untrack(self, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            entry = self._tracked.pop(id(storage), None)
             if entry is not None:
                 self.current_bytes -= entry[1]
 
@@ -277,6 +322,11 @@ class MemoryProbe(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if _HOST and not self._fake and _on_host(args, kwargs):
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor):
+                    mark_host(value)
+            return out
         # DTensor propagates shapes with ops on fake tensors under its own FakeTensorMode;
         # they allocate nothing.
         if active_fake_mode() is self._fake_mode_on_entry:
@@ -294,6 +344,12 @@ class MemoryProbe(TorchDispatchMode):
                             if id(storage) in self._tracked:
                                 self._track(storage)
         return out
+
+
+def _on_host(args: Any, kwargs: Any) -> bool:
+    """Whether an op's tensor arguments are all (and at least one) host memory: it ran there."""
+    tensors = [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+    return bool(tensors) and all(is_host(t) for t in tensors)
 
 
 def measure_peak_bytes(

@@ -29,6 +29,7 @@ from graphpass.runtime import mesh as mesh_lib
 from graphpass.layout import TensorLayout
 from graphpass.runtime.layout import HeldPieces, gather_full, layout_of
 from graphpass.runtime.loss_count import LossCounts
+from graphpass.runtime.offload import OffloadedParams
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.step import StepProgram, accumulation_schedule
 
@@ -132,6 +133,7 @@ class DistributedModule(nn.Module):
         # The state keys of every tensor the whole program reads, by tensor (tied weights: several),
         # also those other pipeline stages hold.
         self._graph_keys = [tuple(k) for k in graph_keys] if graph_keys is not None else state_keys_read(graph_module)
+        offloaded = {}
         for node in graph_module.graph.nodes:
             if node.op == "get_attr":
                 for key in node.meta.get(meta.STATE_KEYS, ()):
@@ -142,15 +144,24 @@ class DistributedModule(nn.Module):
                     if layout.slice is not None:  # a slice of a split operator's parameter
                         for key in layout.slice.state_keys:
                             self._attr_of_key[key] = layout.slice.target
+                    if layout.tiers.offloaded:
+                        offloaded[node.target] = (node.target, self._compute_copy(node.target), layout.tiers)
+        # master copies in host memory of the parameters whose optimizer lives there
+        self._offload = OffloadedParams(offloaded.values())
+        if self._pipeline is not None:  # their stages' gradients are summed after the schedule
+            self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
 
     # ------------------------------------------------------------------ parameters
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's trainable tensors under their original names (first name of tied weights)."""
+        """This rank's trainable tensors under their original names (first name of tied weights):
+        what the optimizer steps. A parameter whose optimizer lives in host memory (offload) is
+        its master copy there; the program computes with a device copy of it."""
         for name, p in self.graph_module.named_parameters(remove_duplicate=remove_duplicate):
-            yield prefix + name, p
+            master = self._offload.master_of(p)
+            yield prefix + name, p if master is None else master
 
     def resident_buffers(self) -> list[torch.Tensor]:
         """Tensors the runtime keeps on this rank between steps besides the parameters: the
@@ -208,6 +219,12 @@ class DistributedModule(nn.Module):
         return entries, unplaced, [k for k in self._state_keys if k not in aliases]
 
     def _attr(self, target: str) -> torch.Tensor:
+        """The tensor the rank stores for attribute ``target``: the master copy of an offloaded
+        parameter (what the optimizer has stepped), else the graph's attribute."""
+        master = self._offload.masters.get(target)
+        return master if master is not None else self._compute_copy(target)
+
+    def _compute_copy(self, target: str) -> torch.Tensor:
         module_path, _, name = target.rpartition(".")
         return getattr(self.graph_module.get_submodule(module_path), name)
 
@@ -278,10 +295,14 @@ class DistributedModule(nn.Module):
         """
         global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
         count = functools.partial(self._loss_counts.fill, self.microbatches(*global_batch)) if self._loss_counts else None
+        self._offload.upload()  # masters changed since (a load, a step without the hook): up they go
         with mesh_lib.active(self._mesh):
             if self._pipeline is not None:  # the engine's schedule cuts the microbatches
-                return self._pipeline.run(self.local_batch(*global_batch), before=count)
-            return self._program.run(self.microbatches(*global_batch), before=count)
+                loss = self._pipeline.run(self.local_batch(*global_batch), before=count)
+            else:
+                loss = self._program.run(self.microbatches(*global_batch), before=count)
+        self._offload.finish_step()  # every gradient down in its master's .grad
+        return loss
 
     def forward(self, *global_batch: torch.Tensor, **keyword_batch: torch.Tensor) -> torch.Tensor:
         """The global-batch loss without a backward pass (for evaluation).
@@ -289,6 +310,7 @@ class DistributedModule(nn.Module):
         Its result has no backward: calling ``.backward()`` on it raises, saying to call
         :meth:`train_step` (which runs forward and backward of the distributed program)."""
         global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
+        self._offload.upload()
         if self._pipeline is not None:
             with mesh_lib.active(self._mesh):
                 loss = self._pipeline.run(self.local_batch(*global_batch), train=False, before=functools.partial(

@@ -16,6 +16,9 @@ training would go silently wrong. So, after the passes:
   at its first ``step()``, naming the parameter and the fix. A parameter that another pipeline
   stage holds is released too, but stepping it is harmless (it gets no gradient here), so it is
   not retired;
+- a parameter whose optimizer lives in host memory (offload) is the program's device *compute
+  copy*; the optimizer must step its master copy (``dmodel.parameters()``). An optimizer that
+  holds the compute copy (built from ``model.parameters()``) raises at its first ``step()``;
 - an optimizer whose state was made before ``compile`` (it stepped the full tensors) and now
   holds an adopted parameter raises at its next step: its state no longer fits the shard.
 
@@ -97,6 +100,14 @@ def _retire(param: nn.Parameter, target: str, gm: fx.GraphModule) -> None:
     _RETIRED[param] = f"{target!r} (now {len(slices)} slices: {', '.join(slices[:4])})"
 
 
+def compute_copy(param: nn.Parameter, target: str) -> None:
+    """Mark ``param`` as the device compute copy of offloaded parameter ``target``: an optimizer
+    stepping it raises (it must step the master copy, from ``dmodel.parameters()``)."""
+    _RETIRED[param] = (f"{target!r} as the device copy it computes with; that parameter's master copy and "
+                       "optimizer state live in host memory (offload), and dmodel.parameters() hands out the master")
+    _install_hook()
+
+
 def _install_hook() -> None:
     global _HOOK
     if _HOOK is None:
@@ -130,4 +141,4 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     _CHECKED[optimizer] = (_COMPILES, len(params))
 
 
-__all__ = ["adopt_replaced", "attr", "release"]
+__all__ = ["adopt_replaced", "attr", "compute_copy", "release"]

@@ -44,6 +44,9 @@ class _Registry:
 
     def __init__(self) -> None:
         self.by_ptr: dict[int, tuple[Rebuildable, int, int]] = {}
+        # while set: saved tensors that are not rebuilt go through it (a handle with unpack(),
+        # or None to keep the tensor)
+        self.spill: Callable[[torch.Tensor], Any] | None = None
 
     def add(self, tensor: torch.Tensor, group: Rebuildable, index: int) -> None:
         storage = tensor.untyped_storage()
@@ -77,7 +80,12 @@ class _Handle:
 
 
 def _pack(t: torch.Tensor) -> Any:
-    found = _ACTIVE[-1].lookup(t)
+    registry = _ACTIVE[-1]
+    found = registry.lookup(t)
+    if found is None and registry.spill is not None:
+        spilled = registry.spill(t)
+        if spilled is not None:
+            return spilled
     if found is None:
         # Not the tensor itself: a node saving its own output would then hold it through its
         # grad_fn, a cycle only a backward that runs the node breaks. The engine's split backward
@@ -90,11 +98,18 @@ def _pack(t: torch.Tensor) -> Any:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    if not isinstance(packed, _Handle):
+    if isinstance(packed, torch.Tensor):
         return packed
+    if not isinstance(packed, _Handle):
+        return packed.unpack()
     full = packed.group.get(packed.index)
     packed.group.release()
     return full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+def current() -> "_Registry | None":
+    """The registry of the forward running under :func:`rebuild_saved_tensors` (None outside)."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def active() -> bool:

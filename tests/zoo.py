@@ -425,13 +425,14 @@ def train_reference(name: str, steps: int = 3, batch: int = 8, lr: float = 0.05)
     return trace.losses, trace.state, trace.grads
 
 
-def train_compiled(dmodel, data, lr: float = 0.05, on_first_step=None) -> list[float]:
-    """Train a compiled model with SGD+momentum (as :func:`train_reference` does); the losses.
+def train_compiled(dmodel, data, lr: float = 0.05, on_first_step=None, optimizer=None) -> list[float]:
+    """Train a compiled model with SGD+momentum (as :func:`train_reference` does), or with
+    ``optimizer``; the losses.
 
     ``on_first_step(dmodel)`` runs after the first backward, before the optimizer step (to read
     gradients).
     """
-    opt = torch.optim.SGD(dmodel.parameters(), lr=lr, momentum=0.9)
+    opt = optimizer if optimizer is not None else torch.optim.SGD(dmodel.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step, b in enumerate(data):
         losses.append(dmodel.train_step(*b).item())

@@ -89,9 +89,19 @@ def plan_lines(plan: Plan) -> list[str]:
              "tp_parts": {node: t["parts"] for node, t in tensors.items() if "parts" in t},
              "recompute": list(plan.recompute)}
     data.pop("activations")
+    # offload's parts only where the plan offloads (texts written before offload read the same)
+    tiers = {node: t["tiers"] for node, t in tensors.items() if "tiers" in t}
+    saved_on_host = [layer for layer, saved in sorted(plan.activations.items()) if saved.tier != "device"]
+    if tiers:
+        parts["tiers"] = tiers
+    if saved_on_host:
+        parts["saved_on_host"] = saved_on_host
+    if not any(t.tiers.parameter != "device" for t in plan.tensors.values()):
+        data.pop("offload_window")
     order = ("mesh", "placements", "stages", "strategy", "zero", "recompute", "split", "sequence_parallel",
              "bucket_cap_bytes", "microbatches", "schedule", "tp_parts")
-    data = {**{name: {**data, **parts}[name] for name in order}, **data}
+    data = {**{name: {**data, **parts}[name] for name in order}, **data,
+            **{name: value for name, value in parts.items() if name not in order}}
     lines = []
     for name, value in data.items():
         if name in PREDICTIONS or name == "strategy":  # the strategy heads the text

@@ -1,0 +1,379 @@
+"""Offload at run time: master copies, gradients and saved activations in host memory.
+
+A parameter whose plan entry puts parts off the device (:class:`graphpass.layout.Tiers`) keeps
+two tensors on its rank:
+
+- the *compute copy*, the graph's attribute (``get_attr``): what forward and backward read, what
+  gradient synchronisation writes ``.grad`` of, on the device;
+- the *master copy* in host memory: what ``dmodel.parameters()`` hands the optimizer, so the
+  optimizer and its state live and step on the host (ZeRO-Offload), and what checkpoints and
+  ``full_state_dict`` read.
+
+Each step, :meth:`OffloadedParams.upload` streams a master that changed since its last upload
+into the compute copy (it starts as soon as the optimizer has stepped, from an optimizer step
+hook, else when the next step begins); the graph's ``fetch_param`` node waits for that copy
+right before the parameter's first use, so the earlier layers compute while the later ones
+arrive. Gradients go down into ``master.grad``: with ``Tiers(gradient="host")`` each one as it
+lands on the compute copy (from gradient synchronisation, or autograd's accumulation), with
+``"device"`` once after the step's backwards; the compute copy's ``.grad`` is then dropped.
+
+A layer whose activations are saved on the host (``ActivationPlan(tier="host")``) runs between
+``saved_to_host`` and ``saved_on_device`` nodes: while it runs, every tensor autograd saves
+(except parameters and what ZeRO-3 re-gathers) is copied to host memory, and in backward the
+layer's tensors come back when the layer after it starts its backward (one layer ahead).
+
+Copies run on one background thread (CPU) or a side CUDA stream: compute that does not need a
+copy never waits for it. On a CPU-only machine the device *is* the host, so the tiers are
+emulated: host buffers are marked (:func:`graphpass.runtime.memory.mark_host`) and a
+:class:`~graphpass.runtime.memory.MemoryProbe` counts only the rest, while every copy is real.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from graphpass.layout import Tiers
+from graphpass.runtime import grad_sync, ownership, regather
+from graphpass.runtime.fake import is_fake
+from graphpass.runtime.memory import is_host, mark_host
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- copies
+
+
+class Transfer:
+    """One copy in flight; :meth:`wait` blocks until it is done (once; later calls return)."""
+
+    __slots__ = ("_future", "_event")
+
+    def __init__(self, future: concurrent.futures.Future | None = None, event: Any = None):
+        self._future, self._event = future, event
+
+    def wait(self) -> None:
+        if self._future is not None:
+            self._future.result()  # re-raises a failed copy here, on the thread that needs it
+            self._future = None
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
+
+class _Copier:
+    """The copy engine: one background thread, and a side stream on a GPU."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stream: Any = None
+
+    def run(self, job: Callable[[], None], device: torch.device) -> Transfer:
+        """Run ``job`` (copies) off the compute path."""
+        if device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream), torch.no_grad():
+                job()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            return Transfer(event=event)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="graphpass-offload")
+            atexit.register(self._pool.shutdown, wait=False)
+        return Transfer(self._pool.submit(_no_grad, job))
+
+
+def _no_grad(job: Callable[[], None]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        job()
+
+
+COPIER = _Copier()
+
+
+def host_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialised host-memory tensor shaped like ``tensor`` (its strides where they are
+    dense, else contiguous; pinned when a GPU copies into it), marked as host memory. Allocated
+    on the calling thread, so a memory probe sees it."""
+    pin = tensor.device.type == "cuda"
+    return mark_host(torch.empty_like(tensor, device="cpu", memory_format=torch.preserve_format, pin_memory=pin))
+
+
+# --------------------------------------------------------------------------- parameters
+
+#: compute copy -> its upload in flight, waited for by the graph's ``fetch_param`` node
+_PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: master copy -> the :class:`OffloadedParams` holding it (for the optimizer step hook)
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def fetch_param(param: torch.Tensor) -> torch.Tensor:
+    """The graph op before a parameter's first use: wait for its compute copy's upload (if one
+    is in flight) and return it."""
+    if not is_fake(param):
+        transfer = _PENDING.pop(param, None)
+        if transfer is not None:
+            transfer.wait()
+    return param
+
+
+class OffloadedParams:
+    """The parameters of one rank's program whose master copy lives in host memory.
+
+    Args:
+        params: ``(attribute target, compute copy, tiers)`` of each offloaded parameter.
+    """
+
+    def __init__(self, params: Iterable[tuple[str, nn.Parameter, Tiers]]):
+        self.tiers: dict[str, Tiers] = {}
+        self.compute: dict[str, nn.Parameter] = {}
+        self.masters: dict[str, nn.Parameter] = {}
+        self._by_compute: WeakIdKeyDictionary = WeakIdKeyDictionary()  # compute copy -> target
+        self._uploaded: dict[str, int] = {}  # target -> the master's version its compute copy holds
+        self._held: set[str] = set()
+        for target, param, tiers in params:
+            if tiers.optimizer == "disk":
+                raise NotImplementedError(
+                    f"the disk tier is not built yet: {target!r} has Tiers(optimizer='disk'); use "
+                    "Strategy(offload_to='host') (issue 39 builds the disk tier)")
+            if tiers.parameter != "device":
+                raise NotImplementedError(
+                    f"streaming parameters in a window of layers (Tiers(parameter='host'), {target!r}) is not built "
+                    "yet; offload the optimizer and gradients (Strategy(offload=('optimizer', 'gradients'))) "
+                    "meanwhile")
+            with torch.no_grad():
+                master = nn.Parameter(mark_host(host_like(param).copy_(param)), requires_grad=param.requires_grad)
+            self.tiers[target], self.compute[target], self.masters[target] = tiers, param, master
+            self._by_compute[param] = target
+            ownership.compute_copy(param, target)
+            self._uploaded[target] = master._version
+            _OWNERS[master] = self
+            _install_step_hook()
+            if tiers.gradient == "host":
+                grad_sync.when_grad_lands(param, self._grad_landed)
+                param.register_post_accumulate_grad_hook(self._grad_landed)
+        self._down: list[Transfer] = []
+
+    def __len__(self) -> int:
+        return len(self.masters)
+
+    def master_of(self, param: torch.Tensor) -> nn.Parameter | None:
+        """The master copy of compute copy ``param`` (None: not offloaded)."""
+        target = self._by_compute.get(param)
+        return None if target is None else self.masters[target]
+
+    def upload(self) -> None:
+        """Start copying every master that changed since its last upload into its compute copy
+        (the graph's ``fetch_param`` waits for it)."""
+        for target, master in self.masters.items():
+            if master._version == self._uploaded[target]:
+                continue
+            param = self.compute[target]
+            previous = _PENDING.pop(param, None)
+            if previous is not None:
+                previous.wait()
+            _PENDING[param] = COPIER.run(lambda p=param, m=master: p.data.copy_(m, non_blocking=True), param.device)
+            self._uploaded[target] = master._version
+
+    def wait_uploads(self) -> None:
+        """Wait for every upload in flight (before something outside the graph reads the
+        compute copies)."""
+        for param in self.compute.values():
+            fetch_param(param)
+
+    def hold_gradients(self, targets: Iterable[str]) -> None:
+        """Keep these parameters' gradients on the device until :meth:`finish_step`, even with
+        ``Tiers(gradient="host")``: something still reduces them after the backwards (a weight
+        that several pipeline stages share sums its stages' gradients at the end of the step)."""
+        self._held = set(targets)
+
+    def _grad_landed(self, param: torch.Tensor) -> None:
+        target = self._by_compute.get(param)
+        if target is not None and param.grad is not None and target not in self._held:
+            self._send_down(target)
+
+    def _send_down(self, target: str) -> None:
+        """Copy the compute copy's gradient into the master's ``.grad`` (added to what is there,
+        as autograd accumulates), then drop it from the device."""
+        param, master = self.compute[target], self.masters[target]
+        grad = param.grad
+        param.grad = None
+        if master.grad is None:
+            master.grad = host_like(grad)
+            job = (lambda dst=master.grad, g=grad: dst.copy_(g, non_blocking=True))
+        else:
+            job = (lambda dst=master.grad, g=grad: dst.add_(g.to(dst.device)))
+        self._down.append(COPIER.run(job, grad.device))
+
+    def finish_step(self) -> None:
+        """After the step's backwards: send every gradient still on the device down and wait
+        for all of them (the optimizer steps the masters next)."""
+        for target, param in self.compute.items():
+            if param.grad is not None:
+                self._send_down(target)
+        down, self._down = self._down, []
+        for transfer in down:
+            transfer.wait()
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Start streaming the updated masters up as soon as an optimizer has stepped them; the
+    state it keeps for them is host memory (what an emulated device does not count)."""
+    owners = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            owner = _OWNERS.get(p)
+            if owner is not None:
+                owners[id(owner)] = owner
+                for value in optimizer.state.get(p, {}).values():
+                    if isinstance(value, torch.Tensor):
+                        mark_host(value)
+    for owner in owners.values():
+        owner.upload()
+
+
+_HOOK: Any = None
+
+
+def _install_step_hook() -> None:
+    global _HOOK
+    if _HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+class _Saved:
+    """One saved tensor in host memory: its copy down in flight, and its copy back once asked."""
+
+    __slots__ = ("host", "down", "device_copy", "up", "device")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.device = tensor.device
+        self.host = host_like(tensor)
+        self.down = COPIER.run(lambda dst=self.host, src=tensor: dst.copy_(src, non_blocking=True), tensor.device)
+        self.device_copy: torch.Tensor | None = None
+        self.up: Transfer | None = None
+
+    def prefetch(self) -> None:
+        if self.device_copy is None:
+            self.down.wait()
+            self.device_copy = torch.empty_like(self.host, device=self.device, memory_format=torch.preserve_format)
+            self.up = COPIER.run(lambda dst=self.device_copy, src=self.host: dst.copy_(src, non_blocking=True),
+                                 self.device)
+
+    def get(self) -> torch.Tensor:
+        self.prefetch()
+        assert self.up is not None and self.device_copy is not None
+        self.up.wait()
+        out, self.device_copy, self.up = self.device_copy, None, None
+        return out
+
+
+class _LayerSaved:
+    """The tensors one layer saved on the host in one forward; the layer saved before it (whose
+    backward comes next) is fetched when this one's backward begins."""
+
+    def __init__(self, layer: int, before: "_LayerSaved | None"):
+        self.layer = layer
+        self.before = before
+        self.by_key: dict[tuple, tuple[_Saved, weakref.ref]] = {}
+        self.started = False
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """A handle for ``tensor`` in host memory, or None to keep it (parameters, which the
+        device holds anyway; host tensors; what is not a plain dense tensor)."""
+        base = tensor._base if tensor._is_view() else tensor
+        if (base.is_leaf and base.requires_grad) or tensor.layout != torch.strided or is_fake(tensor) \
+                or is_host(tensor) or tensor.numel() == 0:
+            return None
+        # One copy of a tensor saved twice (by two ops): keyed by its storage, which must still be
+        # the same one (an address the allocator handed out again is another tensor)
+        storage = tensor.untyped_storage()
+        key = (id(storage), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        entry = self.by_key.get(key)
+        if entry is None or entry[1]() is not storage:
+            entry = self.by_key[key] = (_Saved(tensor), weakref.ref(storage))
+        return _HostHandle(self, entry[0])
+
+    def unpacking(self) -> None:
+        if not self.started:
+            self.started = True
+            if self.before is not None:  # the next backward's activations start their way back
+                for saved, _ in self.before.by_key.values():
+                    saved.prefetch()
+
+
+class _HostHandle:
+    """What autograd keeps for a tensor saved on the host."""
+
+    __slots__ = ("layer", "saved")
+
+    def __init__(self, layer: _LayerSaved, saved: _Saved):
+        self.layer, self.saved = layer, saved
+
+    def unpack(self) -> torch.Tensor:
+        self.layer.unpacking()
+        return self.saved.get()
+
+
+class ActivationScope:
+    """The value of a ``saved_to_host`` node: the layer whose saved tensors go to the host until
+    the matching ``saved_on_device`` node."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: "_LayerSaved | None"):
+        self.layer = layer
+
+
+class _Forward:
+    """The host-saved layers of one forward, in order (tracked per forward of the step program)."""
+
+    def __init__(self) -> None:
+        self.last: _LayerSaved | None = None
+
+
+_FORWARDS: "weakref.WeakKeyDictionary[Any, _Forward]" = weakref.WeakKeyDictionary()
+
+
+def saved_to_host(layer: int) -> ActivationScope:
+    """Graph op before a layer's first node: from here on, what autograd saves goes to the host.
+
+    A no-op outside a training forward (shape propagation, evaluation)."""
+    registry = regather.current()
+    if registry is None or not torch.is_grad_enabled():
+        return ActivationScope(None)
+    forward = _FORWARDS.setdefault(registry, _Forward())
+    saved = _LayerSaved(layer, forward.last)
+    forward.last = saved
+    registry.spill = saved.pack
+    return ActivationScope(saved)
+
+
+def saved_on_device(scope: ActivationScope) -> None:
+    """Graph op after the layer's last node: saved tensors stay on the device again."""
+    registry = regather.current()
+    if registry is not None and scope.layer is not None:
+        registry.spill = None
+
+
+def is_offload_op(target: Any) -> bool:
+    """Whether ``target`` is one of this module's graph ops."""
+    return target in (fetch_param, saved_to_host, saved_on_device)
+
+
+__all__ = ["ActivationScope", "OffloadedParams", "Transfer", "fetch_param", "host_like", "is_offload_op",
+           "saved_on_device", "saved_to_host"]

@@ -1,0 +1,201 @@
+"""Offload: master weights, optimizer state, gradients and saved activations in host memory.
+
+Parity: each kind of offload alone and together, with dp, ZeRO, tp (+ sp), pp and microbatches,
+on 2 and 4 gloo ranks, on the GPT example and a Hugging Face Llama, against one process (loss and
+full state after 3 SGD-momentum steps). Offload moves values between tiers with exact copies
+(a master copy, the gradient added into the master's ``.grad``, a saved tensor and its reload),
+so it adds no rounding of its own: the tolerances are the parity tests' for the layout underneath
+(test_dp.py: rtol 1e-5 / atol 1e-6 over 3 steps, where a wrong or missing transfer is off by a
+whole update). The AdamW case is stricter: the same plan with and without optimizer offload must
+agree bitwise, since the same gradients reach the same optimizer, only on another tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.placement_types import Shard
+
+import graphpass as gp
+import zoo
+from graphpass.runtime.memory import MemoryProbe, is_host, optimizer_state_tensors
+
+RTOL, ATOL = 1e-5, 1e-6
+BATCH, STEPS = 8, 3
+OPT = ("optimizer",)
+GRADS = ("optimizer", "gradients")
+ACTS = ("activations",)
+ALL = ("optimizer", "gradients", "activations")
+
+
+def _cases(world: int) -> dict[str, tuple[str, dict]]:
+    """label -> (model, Strategy keywords) run on ``world`` ranks."""
+    if world == 2:
+        return {
+            "gpt optimizer dp": ("gpt", dict(dp=2, offload=OPT)),
+            "gpt optimizer+gradients zero3 m=2": ("gpt", dict(dp=2, zero=3, microbatches=2, offload=GRADS)),
+            "gpt activations dp": ("gpt", dict(dp=2, offload=ACTS)),
+            "gpt all pp m=2": ("gpt", dict(pp=2, microbatches=2, offload=ALL)),
+            "llama optimizer+gradients tp": ("hf_llama", dict(tp=2, offload=GRADS)),
+            "llama all zero3": ("hf_llama", dict(dp=2, zero=3, offload=ALL)),
+            "llama activations tp sp m=2": ("hf_llama", dict(tp=2, sequence_parallel=True, microbatches=2,
+                                                              offload=ACTS)),
+        }
+    return {
+        "gpt all zero3 m=2": ("gpt", dict(dp=4, zero=3, microbatches=2, offload=ALL)),
+        "gpt optimizer dp x tp": ("gpt", dict(dp=2, tp=2, offload=OPT)),
+        "gpt activations pp x dp m=2": ("gpt", dict(pp=2, dp=2, microbatches=2, offload=ACTS)),
+        "llama all dp x tp": ("hf_llama", dict(dp=2, tp=2, offload=ALL)),
+        "llama optimizer+gradients zero1 m=2": ("hf_llama", dict(dp=4, zero=1, microbatches=2, offload=GRADS)),
+    }
+
+
+def _train_offloaded() -> dict[str, tuple[list[float], dict]]:
+    world = dist.get_world_size()
+    out = {}
+    for label, (name, kwargs) in _cases(world).items():
+        data = zoo.batches(name, STEPS, BATCH)
+        dmodel = zoo.compile(zoo.build(name), data[0], gp.Strategy(**kwargs))
+        losses = zoo.train_compiled(dmodel, data)
+        out[label] = (losses, dmodel.full_state_dict())
+    return out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_offload_trains_like_one_process(rank_pool, world_size):
+    results = rank_pool(world_size).run(_train_offloaded, timeout_s=600)
+    references = {name: zoo.train_reference(name, steps=STEPS, batch=BATCH)[:2] for name in ("gpt", "hf_llama")}
+    for rank, cases in enumerate(results):
+        assert cases.keys() == _cases(world_size).keys()
+        for label, (losses, state) in cases.items():
+            ref_losses, ref_state = references[_cases(world_size)[label][0]]
+            zoo.assert_matches_reference(f"{label} rank {rank}/{world_size}", losses, state, ref_losses, ref_state,
+                                         rtol=RTOL, atol=ATOL)
+
+
+def _adamw(offload: tuple[str, ...]) -> tuple[list[float], dict]:
+    data = zoo.batches("gpt", STEPS, BATCH)
+    dmodel = zoo.compile(zoo.build("gpt"), data[0], gp.Strategy(dp=2, zero=1, offload=offload))
+    losses = zoo.train_compiled(dmodel, data, optimizer=torch.optim.AdamW(dmodel.parameters(), lr=1e-3))
+    return losses, dmodel.full_state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_adamw_on_host_masters_steps_exactly_as_on_the_device(rank_pool):
+    pool = rank_pool(2)
+    on_device = pool.run(_adamw, (), timeout_s=200)
+    on_host = pool.run(_adamw, GRADS, timeout_s=200)
+    for (losses, state), (ref_losses, ref_state) in zip(on_host, on_device):
+        assert losses == ref_losses
+        for key in ref_state:
+            assert torch.equal(state[key], ref_state[key]), key
+
+
+# ------------------------------------------------------------------------------ one process
+
+
+def _compile(offload, **kwargs):
+    data = zoo.batches("gpt", 2, BATCH)
+    return zoo.compile(zoo.build("gpt"), data[0], gp.Strategy(offload=offload, **kwargs)), data
+
+
+def test_the_optimizer_steps_host_masters_and_the_program_reads_their_uploaded_copies():
+    dmodel, data = _compile(GRADS)
+    params = list(dmodel.parameters())
+    compute = dict(dmodel.graph_module.named_parameters())
+    assert params and all(is_host(p) for p in params)
+    assert not any(is_host(p) for p in compute.values())
+    for (name, master), copy in zip(dmodel.named_parameters(), compute.values()):
+        assert master is not copy and torch.equal(master, copy), name
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.1)
+    dmodel.train_step(*data[0])
+    # the gradients are on the masters, none left on the device copies
+    assert all(p.grad is not None and is_host(p.grad) for p in params)
+    assert all(c.grad is None for c in compute.values())
+    opt.step()
+    dmodel.train_step(*data[1])  # waits for the upload of the stepped masters before each use
+    for (name, master), copy in zip(dmodel.named_parameters(), compute.values()):
+        assert torch.equal(master, copy), name
+
+
+def test_an_optimizer_over_the_models_own_parameters_is_refused_under_offload():
+    model = zoo.build("gpt")
+    data = zoo.batches("gpt", 1, BATCH)
+    dmodel = zoo.compile(model, data[0], gp.Strategy(offload=OPT))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the device copies, not the masters
+    dmodel.train_step(*data[0])
+    with pytest.raises(ValueError, match=r"master copy and optimizer state live in host memory"):
+        opt.step()
+
+
+def _device_peak(dmodel, data, opt) -> int:
+    grads = [p.grad for p in dmodel.parameters() if p.grad is not None]
+    baseline = [*dmodel.parameters(), *dmodel.graph_module.parameters(), *grads, *optimizer_state_tensors(opt)]
+    with MemoryProbe(baseline=baseline) as probe:
+        dmodel.train_step(*data[1])
+        opt.step()
+        opt.zero_grad()
+    return probe.peak_bytes
+
+
+def test_host_resident_parts_leave_the_emulated_devices_peak():
+    peaks = {}
+    for label, offload in (("none", ()), ("optimizer", GRADS), ("activations", ACTS)):
+        dmodel, data = _compile(offload)
+        opt = torch.optim.Adam(dmodel.parameters(), lr=1e-3)
+        dmodel.train_step(*data[0])
+        opt.step()
+        opt.zero_grad()
+        peaks[label] = _device_peak(dmodel, data, opt)
+    params = sum(p.numel() * 4 for p in zoo.build("gpt").parameters())
+    # Adam's two moments live on the host (2 parameter sizes off the peak); the gradients go down
+    # as they land, so at most some of them are on the device at once
+    assert peaks["optimizer"] <= peaks["none"] - 2 * params, peaks
+    # the saved activations wait on the host: the peak drops (the one layer in backward and the
+    # one being reloaded stay)
+    assert peaks["activations"] < peaks["none"], peaks
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_offload_strategy_mistakes_name_the_field():
+    with pytest.raises(ValueError, match=r"Strategy.offload names 'weights'"):
+        gp.Strategy(offload=("weights",))
+    with pytest.raises(ValueError, match=r"offloads gradients but not the optimizer"):
+        gp.Strategy(offload=("gradients",))
+    with pytest.raises(ValueError, match=r"Strategy.offload_to must be 'host' or 'disk'"):
+        gp.Strategy(offload=OPT, offload_to="nvme")
+    with pytest.raises(ValueError, match=r"Strategy.offload_window=2 .* does not offload 'parameters'"):
+        gp.Strategy(offload=OPT, offload_window=2)
+    with pytest.raises(ValueError, match=r"Strategy.offload_window must be a positive int"):
+        gp.Strategy(offload=("optimizer", "parameters"), offload_window=0)
+    with pytest.raises(ValueError, match=r"recomputed layer saves only its input"):
+        gp.Strategy(offload=ACTS, recompute=True)
+
+
+def test_a_plan_offloading_a_buffer_or_a_missing_layer_names_it():
+    dmodel, data = _compile(())
+    plan = dmodel.plan
+    node = next(n for n, t in plan.tensors.items() if t.placement("dp") == Shard(0))  # an input
+    with pytest.raises(gp.PassError, match=rf"Plan.tensors\['{node}'\].tiers .* only trainable parameters"):
+        zoo.compile(zoo.build("gpt"), data[0], plan.with_tensor(node, tiers=gp.Tiers(optimizer="host")))
+    bad = gp.Plan.from_json(plan.to_json().replace('"activations": {}', '"activations": {"7": {"tier": "host"}}'))
+    with pytest.raises(gp.PassError, match=r"Plan.activations\[7\] saves layer 7's activations on the host, but"):
+        zoo.compile(zoo.build("gpt"), data[0], bad)
+    with pytest.raises(ValueError, match=r"Tiers.gradient='host' needs the optimizer off the device"):
+        gp.Tiers(gradient="host")
+    with pytest.raises(ValueError, match=r"Tiers.parameter must be one of \('device', 'host'\), got 'disk'"):
+        gp.Tiers(parameter="disk", optimizer="disk")
+
+
+def test_a_plan_with_tiers_round_trips_through_json():
+    dmodel, _ = _compile(ALL)
+    plan = dmodel.plan
+    again = gp.Plan.from_json(plan.to_json())
+    assert again == plan
+    weights = [t for t in plan.tensors.values() if t.tiers.offloaded]
+    assert weights and all(t.tiers == gp.Tiers(gradient="host", optimizer="host") for t in weights)
+    assert plan.activations and all(a.tier == "host" for a in plan.activations.values())
