@@ -361,6 +361,12 @@ def is_collective(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in ops.COLLECTIVE_OPS
 
 
+def is_bucket(node: fx.Node) -> bool:
+    """True for a data-parallel gradient bucket (``all_reduce_grads``): in forward it hands out
+    views of its parameters, reading none of their data."""
+    return node.op == "call_function" and node.target is _op(TABLE["dp gradient bucket"])
+
+
 __all__ = [
     "bucket_params",
     "emit_all_reduce",
@@ -369,6 +375,7 @@ __all__ = [
     "emit_param_all_gather",
     "emit_tp_redistribute",
     "emit_vocab_parallel_cross_entropy",
+    "is_bucket",
     "ensure_grad_sync",
     "gather_groups",
     "is_collective",

@@ -28,6 +28,8 @@ Before/after (the zoo GPT's first block, optimizer and activations on the host):
 from __future__ import annotations
 
 import logging
+import operator
+from typing import Any
 
 import torch.fx as fx
 
@@ -36,15 +38,16 @@ from graphpass.layout import TensorLayout
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes.recompute import layer_regions
 from graphpass.plan import Plan
-from graphpass.runtime.offload import fetch_param, saved_on_device, saved_to_host
+from graphpass.passes.collectives import is_bucket
+from graphpass.runtime.offload import fetch_param, prefetch_params, release_params, saved_on_device, saved_to_host
 
 log = logging.getLogger(__name__)
 
 NAME = "offload"
 
 # fx drops a call without users as dead code unless it is marked as having side effects
-fx.node.has_side_effect(saved_to_host)
-fx.node.has_side_effect(saved_on_device)
+for _op in (prefetch_params, release_params, saved_to_host, saved_on_device):
+    fx.node.has_side_effect(_op)
 
 
 @graph_pass(NAME, requires=(), provides=("offload",))
@@ -68,7 +71,6 @@ def offload(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
 
 
 def _fetch_parameters(gm: fx.GraphModule, plan: Plan) -> int:
-    count, order = 0, {}
     attrs = {meta.plan_name(n) for n in gm.graph.nodes if n.op == "get_attr"}
     for name, tensor in plan.tensors.items():
         if tensor.tiers.offloaded and name not in attrs:
@@ -76,6 +78,9 @@ def _fetch_parameters(gm: fx.GraphModule, plan: Plan) -> int:
                 f"Plan.tensors[{name!r}].tiers puts {tensor.tiers} off the device, but {name!r} is not a parameter of "
                 "this graph (an input, the loss, or a name the graph lacks): only trainable parameters have a "
                 "master copy, gradient and optimizer state to offload; drop its tiers")
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    streamed: list[tuple[fx.Node, list[fx.Node]]] = []  # (parameter, the fetches its data uses read)
+    count = 0
     for node in list(gm.graph.nodes):
         if node.op != "get_attr":
             continue
@@ -91,20 +96,84 @@ def _fetch_parameters(gm: fx.GraphModule, plan: Plan) -> int:
                 "only trainable parameters have a master copy, gradient and optimizer state to offload; drop its tiers")
         layout = meta.layout(node) or TensorLayout.whole(value.shape)
         node.meta[meta.LAYOUT] = layout.with_tiers(tiers)
-        users = list(node.users)
-        # right before the first use, so that the layers before it compute while it arrives
-        order = {n: i for i, n in enumerate(gm.graph.nodes)} if not count else order
-        first = min(users, key=order.__getitem__) if users else node.next
-        with gm.graph.inserting_before(first):
-            fetch = gm.graph.call_function(fetch_param, (node,))
-        meta.copy_meta(node, fetch, exclude=meta.TENSOR_KEYS)
-        fetch.meta[meta.CREATED_BY] = NAME
-        if users:
-            fetch.meta.setdefault(meta.STAGE, users[0].meta.get(meta.STAGE))
-        for user in users:
-            user.replace_input_with(node, fetch)
+        fetches = [_insert_fetch(gm, value_node, users, order) for value_node, users in _data_reads(node)]
+        if tiers.parameter == "host":
+            streamed.append((node, fetches))
         count += 1
+    if streamed:
+        _stream(gm, streamed, plan.offload_window)
     return count
+
+
+def _data_reads(param: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """``(value, its users)`` for each value through which ``param``'s data is read: the
+    parameter itself, and the view that a gradient-synchronisation bucket hands out for it (the
+    bucket makes views only, so a streamed parameter need not be resident there)."""
+    direct = [u for u in param.users if not is_bucket(u)]
+    out = [(param, direct)] if direct else []
+    for bucket in (u for u in param.users if is_bucket(u)):
+        index = list(bucket.args).index(param) - 1  # all_reduce_grads(sync, *params)
+        for item in bucket.users:
+            if item.target is operator.getitem and item.args[1] == index and item.users:
+                out.append((item, list(item.users)))
+    return out
+
+
+def _insert_fetch(gm: fx.GraphModule, value: fx.Node, users: list[fx.Node], order: dict[fx.Node, int]) -> fx.Node:
+    """A ``fetch_param(value)`` right before the first of ``users``, which read it instead: the
+    layers before it compute while it arrives."""
+    first = min(users, key=lambda u: order.get(u, len(order)))
+    with gm.graph.inserting_before(first):
+        fetch = gm.graph.call_function(fetch_param, (value,))
+    meta.copy_meta(value, fetch, exclude=meta.TENSOR_KEYS)
+    fetch.meta[meta.CREATED_BY] = NAME
+    fetch.meta[meta.STAGE] = first.meta.get(meta.STAGE, value.meta.get(meta.STAGE))
+    for user in users:
+        user.replace_input_with(value, fetch)
+    return fetch
+
+
+def _stream(gm: fx.GraphModule, streamed: list[tuple[fx.Node, list[fx.Node]]], window: int) -> None:
+    """The STRONGHOLD window: the streamed parameters grouped in units (a repeated layer's, or
+    one parameter outside the layers) in the order they are first read; unit ``u`` is brought in
+    (``prefetch_params``) when unit ``u - window`` starts, and each parameter is released
+    (``release_params``) after its last read."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    units: dict[Any, list[fx.Node]] = {}
+    first_read: dict[Any, fx.Node] = {}
+    for param, fetches in streamed:
+        if not fetches:
+            continue
+        layer = param.meta.get(meta.LAYER)
+        stage = param.meta.get(meta.STAGE)  # a window never reaches into another pipeline stage
+        key = (stage, "layer", layer) if layer is not None else (stage, "param", param.name)
+        units.setdefault(key, []).append(param)
+        fetch = min(fetches, key=order.__getitem__)
+        if key not in first_read or order[fetch] < order[first_read[key]]:
+            first_read[key] = fetch
+        last = max((u for f in fetches for u in f.users), key=order.__getitem__)
+        with gm.graph.inserting_after(last):
+            release = gm.graph.call_function(release_params, (param,))
+        meta.copy_meta(last, release, exclude=meta.TENSOR_KEYS)
+        release.meta.update({meta.CREATED_BY: NAME, meta.OPAQUE: True})
+    by_stage: dict[Any, list[Any]] = {}
+    for key in sorted(units, key=lambda k: order[first_read[k]]):
+        by_stage.setdefault(key[0], []).append(key)
+    for ordered in by_stage.values():
+        for u, key in enumerate(ordered):
+            _prefetch(gm, units[key], first_read[ordered[max(0, u - window)]], order)
+
+
+def _prefetch(gm: fx.GraphModule, params: list[fx.Node], anchor: fx.Node, order: dict[fx.Node, float]) -> None:
+    """A ``prefetch_params(*params)`` right before ``anchor``."""
+    for param in params:  # a get_attr has no inputs: moving it earlier is always valid
+        if order[param] > order[anchor]:
+            anchor.prepend(param)
+            order[param] = order[anchor] - 0.5
+    with gm.graph.inserting_before(anchor):
+        prefetch = gm.graph.call_function(prefetch_params, tuple(params))
+    meta.copy_meta(anchor, prefetch, exclude=meta.TENSOR_KEYS)
+    prefetch.meta.update({meta.CREATED_BY: NAME, meta.OPAQUE: True})
 
 
 def _attr(gm: fx.GraphModule, target: str):

@@ -147,7 +147,7 @@ class DistributedModule(nn.Module):
                     if layout.tiers.offloaded:
                         offloaded[node.target] = (node.target, self._compute_copy(node.target), layout.tiers)
         # master copies in host memory of the parameters whose optimizer lives there
-        self._offload = OffloadedParams(offloaded.values())
+        self._offload = OffloadedParams(offloaded.values(), plan.offload_window)
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
 

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import logging
+import operator
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -114,16 +116,104 @@ def host_like(tensor: torch.Tensor) -> torch.Tensor:
 _PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: master copy -> the :class:`OffloadedParams` holding it (for the optimizer step hook)
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: compute copy -> its :class:`_Streamed` (``Tiers(parameter="host")``)
+_STREAMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Streamed:
+    """A compute copy that is resident only around its uses (``Tiers(parameter="host")``): its
+    storage is released between them and streamed in from the master copy ahead of each."""
+
+    def __init__(self, param: nn.Parameter, master: nn.Parameter, window: int):
+        self.param, self.master, self.window = param, master, window
+        self.nbytes = param.untyped_storage().nbytes()
+        self.resident = True
+
+    def bring_in(self) -> None:
+        """Make the storage resident again and start filling it from the master (no-op if it is)."""
+        if self.resident:
+            return
+        self.param.untyped_storage().resize_(self.nbytes)  # on this thread: a memory probe sees it
+        self.resident = True
+        _PENDING[self.param] = COPIER.run(lambda d=self.param.data, m=self.master: d.copy_(m, non_blocking=True),
+                                          self.param.device)
+
+    def release(self) -> None:
+        """Drop the storage (after its last forward use: backward reloads what it saved)."""
+        if not self.resident:
+            return
+        transfer = _PENDING.pop(self.param, None)
+        if transfer is not None:
+            transfer.wait()
+        regather.forget(self.param)
+        self.param.untyped_storage().resize_(0)
+        self.resident = False
+
+    def reload(self) -> list[torch.Tensor]:
+        """A fresh device copy of the master (what backward reads instead of the released copy)."""
+        out = torch.empty_like(self.param, memory_format=torch.preserve_format)
+        COPIER.run(lambda d=out, m=self.master: d.copy_(m, non_blocking=True), out.device).wait()
+        return [out]
+
+
+def _parameter_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._base if tensor._is_view() and tensor._base is not None else tensor
 
 
 def fetch_param(param: torch.Tensor) -> torch.Tensor:
-    """The graph op before a parameter's first use: wait for its compute copy's upload (if one
-    is in flight) and return it."""
-    if not is_fake(param):
-        transfer = _PENDING.pop(param, None)
+    """The graph op before a parameter's first use that reads its data (``param`` or the view
+    gradient synchronisation hands out): wait for its compute copy (a streamed one is brought
+    in now if no prefetch did) and return it. A streamed copy is then released after its last
+    use, so what autograd saves of it is reloaded from the master in backward."""
+    if is_fake(param):
+        return param
+    base = _parameter_of(param)
+    streamed = _STREAMED.get(base)
+    if streamed is not None:
+        streamed.bring_in()
+        regather.register((base,), streamed.reload)
+    transfer = _PENDING.pop(base, None)
+    if transfer is not None:
+        transfer.wait()
+    return param
+
+
+def prefetch_params(*params: torch.Tensor) -> None:
+    """Graph op a window of layers ahead of these streamed parameters' use: start bringing them in."""
+    for param in params:
+        streamed = None if is_fake(param) else _STREAMED.get(param)
+        if streamed is not None:
+            streamed.bring_in()
+
+
+def release_params(*params: torch.Tensor) -> None:
+    """Graph op after these streamed parameters' last forward use: drop their device storage."""
+    for param in params:
+        streamed = None if is_fake(param) else _STREAMED.get(param)
+        if streamed is not None:
+            streamed.release()
+
+
+@contextlib.contextmanager
+def resident(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Offloaded parameters among ``tensors`` up to date and resident for the block (read outside
+    their graph nodes: ZeRO prefetching the next group's gather, or re-gathering in backward);
+    streamed ones it brought in are released after."""
+    brought = []
+    for tensor in tensors:
+        streamed = _STREAMED.get(tensor)
+        if streamed is not None:
+            if not streamed.resident:
+                brought.append(streamed)
+            streamed.bring_in()
+        transfer = _PENDING.pop(tensor, None)  # an upload after the optimizer step, too
         if transfer is not None:
             transfer.wait()
-    return param
+    try:
+        yield
+    finally:
+        for streamed in brought:
+            streamed.release()
 
 
 class OffloadedParams:
@@ -131,9 +221,10 @@ class OffloadedParams:
 
     Args:
         params: ``(attribute target, compute copy, tiers)`` of each offloaded parameter.
+        window: layers a streamed parameter is brought in ahead of its use (in backward too).
     """
 
-    def __init__(self, params: Iterable[tuple[str, nn.Parameter, Tiers]]):
+    def __init__(self, params: Iterable[tuple[str, nn.Parameter, Tiers]], window: int = 1):
         self.tiers: dict[str, Tiers] = {}
         self.compute: dict[str, nn.Parameter] = {}
         self.masters: dict[str, nn.Parameter] = {}
@@ -145,11 +236,6 @@ class OffloadedParams:
                 raise NotImplementedError(
                     f"the disk tier is not built yet: {target!r} has Tiers(optimizer='disk'); use "
                     "Strategy(offload_to='host') (issue 39 builds the disk tier)")
-            if tiers.parameter != "device":
-                raise NotImplementedError(
-                    f"streaming parameters in a window of layers (Tiers(parameter='host'), {target!r}) is not built "
-                    "yet; offload the optimizer and gradients (Strategy(offload=('optimizer', 'gradients'))) "
-                    "meanwhile")
             with torch.no_grad():
                 master = nn.Parameter(mark_host(host_like(param).copy_(param)), requires_grad=param.requires_grad)
             self.tiers[target], self.compute[target], self.masters[target] = tiers, param, master
@@ -158,6 +244,9 @@ class OffloadedParams:
             self._uploaded[target] = master._version
             _OWNERS[master] = self
             _install_step_hook()
+            if tiers.parameter == "host":
+                streamed = _STREAMED[param] = _Streamed(param, master, window)
+                streamed.release()  # resident only around its uses from now on
             if tiers.gradient == "host":
                 grad_sync.when_grad_lands(param, self._grad_landed)
                 param.register_post_accumulate_grad_hook(self._grad_landed)
@@ -175,8 +264,8 @@ class OffloadedParams:
         """Start copying every master that changed since its last upload into its compute copy
         (the graph's ``fetch_param`` waits for it)."""
         for target, master in self.masters.items():
-            if master._version == self._uploaded[target]:
-                continue
+            if master._version == self._uploaded[target] or self.compute[target] in _STREAMED:
+                continue  # streamed copies are filled from the master at each use
             param = self.compute[target]
             previous = _PENDING.pop(param, None)
             if previous is not None:
@@ -370,10 +459,88 @@ def saved_on_device(scope: ActivationScope) -> None:
         registry.spill = None
 
 
+# --------------------------------------------------------------------------- the schedule's rules
+
+
+def schedule_problems(gm: Any) -> list[str]:
+    """What is wrong with the transfers of a rank's program (``gm``, after any pass), read from
+    its nodes before anything runs: a parameter whose parts live off the device read other than
+    through a ``fetch_param`` (its compute copy may not have arrived); a streamed parameter read
+    after a ``release_params`` dropped it and before a fetch brought it back, or released twice;
+    a ``saved_to_host`` scope not closed by its ``saved_on_device`` or nested in another."""
+    from graphpass import meta  # the core's metadata keys (this module is imported by passes too)
+
+    problems: list[str] = []
+    bucket_ops = {"all_reduce_grads"}
+    resident: dict[Any, Any] = {}  # streamed parameter -> the node that last brought it in / released it
+    released_by: dict[Any, Any] = {}
+    open_scope = None
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            layout = meta.layout(node)
+            if layout is None or not layout.tiers.offloaded:
+                continue
+            for user in node.users:
+                name = getattr(user.target, "__name__", "")
+                if user.op == "call_function" and (user.target in OFFLOAD_OPS or name in bucket_ops):
+                    if name in bucket_ops:
+                        for item in user.users:
+                            if item.args[1] == list(user.args).index(node) - 1:
+                                problems += [f"node {u.name!r} reads {node.target!r} (through gradient bucket "
+                                             f"{user.name!r}) without a fetch_param: its compute copy may not have "
+                                             "arrived" for u in item.users if u.target is not fetch_param]
+                    continue
+                problems.append(f"node {user.name!r} reads {node.target!r}, whose parts live off the device "
+                                f"({layout.tiers}), without a fetch_param: its compute copy may not have arrived")
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is prefetch_params:
+            for param in node.args:
+                resident[param] = node
+        elif node.target is release_params:
+            for param in node.args:
+                if param in released_by and param not in resident:
+                    problems.append(f"{node.name!r} releases {param.target!r} again ({released_by[param].name!r} "
+                                    "already did, with no fetch between)")
+                resident.pop(param, None)
+                released_by[param] = node
+        elif node.target is fetch_param:
+            param = node.args[0]
+            base = param.args[0].args[1 + param.args[1]] if param.target is operator.getitem else param
+            resident[base] = node
+        elif node.target is saved_to_host:
+            if open_scope is not None:
+                problems.append(f"{node.name!r} opens layer {node.args[0]}'s host-saved scope inside "
+                                f"{open_scope.name!r}'s (layer {open_scope.args[0]}), which is not closed yet")
+            open_scope = node
+        elif node.target is saved_on_device:
+            if node.args[0] is not open_scope:
+                problems.append(f"{node.name!r} closes {node.args[0].name!r}'s host-saved scope, which is not the "
+                                "open one")
+            open_scope = None
+        for arg in node.all_input_nodes:
+            if arg.op == "call_function" and arg.target is fetch_param:
+                base = arg.args[0]
+                base = base.args[0].args[1 + base.args[1]] if base.target is operator.getitem else base
+                if base in released_by and base not in resident:
+                    problems.append(f"node {node.name!r} reads {base.target!r} after {released_by[base].name!r} "
+                                    "released it, with no fetch_param bringing it back")
+    if open_scope is not None:
+        problems.append(f"{open_scope.name!r} saves layer {open_scope.args[0]}'s activations on the host and no "
+                        "saved_on_device closes it")
+    return problems
+
+
+#: This module's graph ops (inserted only by the offload pass).
+OFFLOAD_OPS = (fetch_param, prefetch_params, release_params, saved_to_host, saved_on_device)
+
+
 def is_offload_op(target: Any) -> bool:
     """Whether ``target`` is one of this module's graph ops."""
-    return target in (fetch_param, saved_to_host, saved_on_device)
+    return target in OFFLOAD_OPS
 
 
-__all__ = ["ActivationScope", "OffloadedParams", "Transfer", "fetch_param", "host_like", "is_offload_op",
-           "saved_on_device", "saved_to_host"]
+__all__ = ["OFFLOAD_OPS", "ActivationScope", "OffloadedParams", "Transfer", "fetch_param", "host_like",
+           "is_offload_op", "prefetch_params", "release_params", "resident", "saved_on_device", "saved_to_host",
+           "schedule_problems"]

@@ -107,6 +107,14 @@ def _unpack(packed: Any) -> torch.Tensor:
     return full.as_strided(packed.size, packed.stride, packed.offset)
 
 
+def forget(tensor: torch.Tensor) -> None:
+    """Unmark ``tensor`` before its storage is freed while it lives on (a streamed parameter
+    released after its last forward use): the address may be handed to another tensor, which
+    must then be saved normally. Handles saved so far keep their rebuild."""
+    if _ACTIVE and tensor.layout == torch.strided and not is_fake(tensor):
+        _ACTIVE[-1].by_ptr.pop(tensor.untyped_storage().data_ptr(), None)
+
+
 def current() -> "_Registry | None":
     """The registry of the forward running under :func:`rebuild_saved_tensors` (None outside)."""
     return _ACTIVE[-1] if _ACTIVE else None

@@ -45,6 +45,7 @@ from graphpass.plan import Plan
 from graphpass.units import format_bytes
 from graphpass.runtime.collectives import COLLECTIVE_OPS
 from graphpass.runtime.layout import layout_of
+from graphpass.runtime.offload import schedule_problems
 
 #: A process group as the verifier names it: (axis, or axes joined by commas, its member ranks).
 #: The ``shards`` group holds what each rank of a data x tensor parallel group holds.
@@ -193,9 +194,13 @@ class Recorder:
     plan: Plan
     rank: int
     snapshots: list[tuple[str, dict[Group, tuple[Entry, ...]]]] = field(default_factory=list)
+    #: what is wrong with the program on this rank alone, each named with the pass that made it
+    problems: list[str] = field(default_factory=list)
 
     def after_pass(self, index: int, record: Any, gm: fx.GraphModule) -> None:
         self.snapshots.append((record.name, program(gm, self.plan, self.rank)))
+        seen = {p.split(": ", 1)[1] for p in self.problems}
+        self.problems += [f"after pass {record.name}: {p}" for p in schedule_problems(gm) if p not in seen]
 
     def digests(self) -> list[dict[Group, str]]:
         return [{g: _digest(entries) for g, entries in groups.items()} for _, groups in self.snapshots]
@@ -384,7 +389,8 @@ def check_programs(recorders: Iterable[Recorder], problems: Iterable[tuple[int, 
     Raises:
         VerificationError: a local problem, or the first disagreement (pass, node, ranks).
     """
-    problems = list(problems)
+    recorders = list(recorders)
+    problems = list(problems) + [(rec.rank, p) for rec in recorders for p in rec.problems]
     if problems:
         raise VerificationError(_problems_text(problems))
     by_rank = {rec.rank: rec for rec in recorders}
@@ -408,7 +414,8 @@ def check_across_ranks(recorder: Recorder, problems: Sequence[tuple[int, str]]) 
         return
     world = dist.get_world_size()
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (recorder.digests(), list(problems)))
+    problems = list(problems) + [(recorder.rank, p) for p in recorder.problems]
+    dist.all_gather_object(gathered, (recorder.digests(), problems))
     everyone = [p for _, ps in gathered for p in ps]
     if everyone:
         raise VerificationError(_problems_text(everyone))

@@ -42,6 +42,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.layout import shard_rows
 from graphpass.runtime import mesh as mesh_lib
+from graphpass.runtime import offload
 from graphpass.runtime import rank_progress
 from graphpass.runtime import regather
 from graphpass.runtime.fake import is_fake
@@ -117,7 +118,8 @@ def gather_full_parameters(
     group = mesh.group(axis)
     if group is None:
         return [s.detach()[: shape[0]].clone() for s, shape in zip(shards, shapes)]
-    return _unpack_full(_gather_flat(shards, group, mesh.axis_size(axis)), shards, shapes)
+    with offload.resident(shards):  # shards streamed from host memory come back for the gather
+        return _unpack_full(_gather_flat(shards, group, mesh.axis_size(axis)), shards, shapes)
 
 
 def _rank_major_grads(
@@ -210,7 +212,8 @@ def _forward_gather(sync: GradSync, shards: tuple[torch.Tensor, ...], group: Any
         mesh = mesh_lib.current()
         next_group = mesh.group(upcoming[1])
         if next_group is not None:
-            state.ahead[id(upcoming[0][0])] = _Gather(upcoming[0], next_group, mesh.axis_size(upcoming[1]), True)
+            with offload.resident(upcoming[0]):
+                state.ahead[id(upcoming[0][0])] = _Gather(upcoming[0], next_group, mesh.axis_size(upcoming[1]), True)
     return gather.result()
 
 
@@ -399,4 +402,5 @@ def _regathered(shards, shapes, axis: str, mesh, index: int = 0) -> list[torch.T
     group = mesh.group(axis)
     if group is not None:
         rank_progress.enter("backward re-gather of all_gather_params group", index)
-    return _unpack_full(_gather_flat(shards, group, mesh.axis_size(axis)), shards, shapes)
+    with offload.resident(shards):  # shards streamed from host memory come back for the gather
+        return _unpack_full(_gather_flat(shards, group, mesh.axis_size(axis)), shards, shapes)

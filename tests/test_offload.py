@@ -26,7 +26,8 @@ BATCH, STEPS = 8, 3
 OPT = ("optimizer",)
 GRADS = ("optimizer", "gradients")
 ACTS = ("activations",)
-ALL = ("optimizer", "gradients", "activations")
+PARAMS = ("optimizer", "parameters")
+ALL = ("optimizer", "gradients", "parameters", "activations")
 
 
 def _cases(world: int) -> dict[str, tuple[str, dict]]:
@@ -36,6 +37,7 @@ def _cases(world: int) -> dict[str, tuple[str, dict]]:
             "gpt optimizer dp": ("gpt", dict(dp=2, offload=OPT)),
             "gpt optimizer+gradients zero3 m=2": ("gpt", dict(dp=2, zero=3, microbatches=2, offload=GRADS)),
             "gpt activations dp": ("gpt", dict(dp=2, offload=ACTS)),
+            "gpt parameters dp window 2": ("gpt", dict(dp=2, offload=PARAMS, offload_window=2)),
             "gpt all pp m=2": ("gpt", dict(pp=2, microbatches=2, offload=ALL)),
             "llama optimizer+gradients tp": ("hf_llama", dict(tp=2, offload=GRADS)),
             "llama all zero3": ("hf_llama", dict(dp=2, zero=3, offload=ALL)),
@@ -45,6 +47,7 @@ def _cases(world: int) -> dict[str, tuple[str, dict]]:
     return {
         "gpt all zero3 m=2": ("gpt", dict(dp=4, zero=3, microbatches=2, offload=ALL)),
         "gpt optimizer dp x tp": ("gpt", dict(dp=2, tp=2, offload=OPT)),
+        "gpt parameters zero2 m=2": ("gpt", dict(dp=4, zero=2, microbatches=2, offload=PARAMS)),
         "gpt activations pp x dp m=2": ("gpt", dict(pp=2, dp=2, microbatches=2, offload=ACTS)),
         "llama all dp x tp": ("hf_llama", dict(dp=2, tp=2, offload=ALL)),
         "llama optimizer+gradients zero1 m=2": ("hf_llama", dict(dp=4, zero=1, microbatches=2, offload=GRADS)),
@@ -197,5 +200,55 @@ def test_a_plan_with_tiers_round_trips_through_json():
     again = gp.Plan.from_json(plan.to_json())
     assert again == plan
     weights = [t for t in plan.tensors.values() if t.tiers.offloaded]
-    assert weights and all(t.tiers == gp.Tiers(gradient="host", optimizer="host") for t in weights)
+    assert weights and all(t.tiers == gp.Tiers("host", "host", "host") for t in weights)
     assert plan.activations and all(a.tier == "host" for a in plan.activations.values())
+
+
+# ------------------------------------------------------------------------------ the schedule's check
+
+
+def _streamed_program():
+    dmodel, _ = _compile(("optimizer", "parameters"), offload_window=1)
+    return dmodel.graph_module
+
+
+def _first(gm, target):
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def test_the_compiled_schedule_has_no_problems_and_a_corrupted_one_names_node_and_tensor():
+    from graphpass.runtime.offload import fetch_param, release_params, schedule_problems
+
+    gm = _streamed_program()
+    assert schedule_problems(gm) == []
+    # a read moved after the release of what it reads
+    release = _first(gm, release_params)
+    param = release.args[0]
+    reader = next(u for f in param.users if f.target is fetch_param for u in f.users)
+    reader.prepend(release)
+    problems = schedule_problems(gm)
+    assert any(f"node {reader.name!r} reads {param.target!r} after {release.name!r} released it" in p
+               for p in problems), problems
+    # a read that skips its fetch
+    gm = _streamed_program()
+    fetch = _first(gm, fetch_param)
+    user = next(iter(fetch.users))
+    user.replace_input_with(fetch, fetch.args[0])
+    problems = schedule_problems(gm)
+    assert any(f"node {user.name!r} reads {fetch.args[0].target!r}" in p and "without a fetch_param" in p
+               for p in problems), problems
+
+
+def test_a_pass_that_corrupts_the_schedule_is_named_before_anything_runs():
+    from graphpass.runtime import verifier
+    from graphpass.runtime.offload import saved_on_device
+
+    dmodel, _ = _compile(ACTS)
+    gm = dmodel.graph_module
+    recorder = verifier.Recorder(dmodel.plan, 0)
+    recorder.after_pass(1, type("Record", (), {"name": "offload"})(), gm)
+    gm.graph.erase_node(_first(gm, saved_on_device))  # a later pass drops a scope's end
+    recorder.after_pass(2, type("Record", (), {"name": "my_pass"})(), gm)
+    with pytest.raises(verifier.VerificationError, match=r"after pass my_pass: 'saved_to_host_1' opens layer 1's "
+                                                         r"host-saved scope inside 'saved_to_host''s \(layer 0\)"):
+        verifier.check_programs([recorder])
