@@ -102,6 +102,12 @@ MATRIX = [
     # holds the same shards, one of them saves each
     ("gpt", dict(dp=4, zero=3, dp_shard=2), 4, dict(dp=2, tp=2), 4, "adamw"),
     ("hf_llama", dict(dp=2, zero=2), 2, dict(dp=4, zero=1, dp_shard=2), 4, "sgd"),
+    # offload: host masters (streamed, with ZeRO-3) saved and loaded like any stored tensor, to and
+    # from other plans; the loaded masters reach the device copies before the resumed step
+    ("gpt", dict(dp=2, zero=3, offload=("optimizer", "gradients", "parameters")), 2, dict(dp=2, tp=2), 4, "adamw"),
+    ("hf_llama", dict(tp=2), 2, dict(dp=2, offload=("optimizer", "activations")), 2, "sgd"),
+    ("gpt", dict(dp=4, offload=("optimizer",)), 4,
+     dict(pp=2, microbatches=2, offload=("optimizer", "parameters"), offload_window=2), 2, "adamw"),
 ]
 
 
