@@ -156,6 +156,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     verify: bool = True,
     timeout_s: float | None = None,
     loss_fn: Callable | None = None,
+    offload_dir: str | os.PathLike | None = None,
 ) -> DistributedModule:
     """Compile ``model`` into this rank's distributed training program.
 
@@ -183,6 +184,10 @@ def compile(  # noqa: A001 - the public name the contract uses
         loss_fn: ``loss_fn(output, target) -> loss`` for a model that returns its output only:
             the last example input is the target (with a dict batch, the entries
             ``model.forward`` does not take go to ``loss_fn`` by keyword).
+        offload_dir: where a plan that keeps optimizer state on disk
+            (``Strategy(offload_to="disk")``) writes its files, one directory per rank under it
+            (default: ``GRAPHPASS_OFFLOAD_DIR``); a local SSD, writable, with room for about four
+            times the disk-tier parameters' bytes.
 
     Returns:
         the :class:`DistributedModule` for this rank.
@@ -248,7 +253,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     ownership.adopt_replaced(gm, originals)
     if plan.mesh.pp == 1:
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
-                                 captured.route, input_keys=batch.keys)
+                                 captured.route, input_keys=batch.keys, offload_dir=offload_dir)
     output = gm.graph.find_nodes(op="output")[0]
     with phase(f"building the pipeline stages of {named}"):
         mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
@@ -265,7 +270,7 @@ def compile(  # noqa: A001 - the public name the contract uses
                              [t.shape for t in local_inputs], model, captured.route, pipeline=program,
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
                              roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm),
-                             input_keys=batch.keys)
+                             input_keys=batch.keys, offload_dir=offload_dir)
 
 
 def verify(

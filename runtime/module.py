@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -29,6 +30,7 @@ from graphpass.runtime import mesh as mesh_lib
 from graphpass.layout import TensorLayout
 from graphpass.runtime.layout import HeldPieces, gather_full, layout_of
 from graphpass.runtime.loss_count import LossCounts
+from graphpass.runtime.disk import DiskStore, check_offload_dir
 from graphpass.runtime.offload import OffloadedParams
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.step import StepProgram, accumulation_schedule
@@ -98,6 +100,7 @@ class DistributedModule(nn.Module):
         roles: Mapping[str, int] | None = None,
         graph_keys: Sequence[tuple[str, ...]] | None = None,
         input_keys: Sequence[str] | None = None,
+        offload_dir: str | os.PathLike | None = None,
     ):
         super().__init__()
         self.graph_module = graph_module
@@ -147,7 +150,12 @@ class DistributedModule(nn.Module):
                     if layout.tiers.offloaded:
                         offloaded[node.target] = (node.target, self._compute_copy(node.target), layout.tiers)
         # master copies in host memory of the parameters whose optimizer lives there
-        self._offload = OffloadedParams(offloaded.values(), plan.offload_window)
+        store = None
+        on_disk = [param for _, param, tiers in offloaded.values() if tiers.optimizer == "disk"]
+        if on_disk:  # master, gradient and (about) two optimizer states per parameter in files
+            need = 4 * sum(p.numel() * p.element_size() for p in on_disk)
+            store = DiskStore(check_offload_dir(offload_dir, need), process_mesh.rank)
+        self._offload = OffloadedParams(offloaded.values(), plan.offload_window, store)
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
 

@@ -43,7 +43,8 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.layout import Tiers
-from graphpass.runtime import grad_sync, ownership, regather
+from graphpass.runtime import disk, grad_sync, ownership, regather
+from graphpass.runtime.disk import DiskStore
 from graphpass.runtime.fake import is_fake
 from graphpass.runtime.memory import is_host, mark_host
 
@@ -222,22 +223,29 @@ class OffloadedParams:
     Args:
         params: ``(attribute target, compute copy, tiers)`` of each offloaded parameter.
         window: layers a streamed parameter is brought in ahead of its use (in backward too).
+        store: the rank's files, for parameters whose optimizer lives on disk.
     """
 
-    def __init__(self, params: Iterable[tuple[str, nn.Parameter, Tiers]], window: int = 1):
+    def __init__(self, params: Iterable[tuple[str, nn.Parameter, Tiers]], window: int = 1,
+                 store: DiskStore | None = None):
         self.tiers: dict[str, Tiers] = {}
         self.compute: dict[str, nn.Parameter] = {}
         self.masters: dict[str, nn.Parameter] = {}
         self._by_compute: WeakIdKeyDictionary = WeakIdKeyDictionary()  # compute copy -> target
         self._uploaded: dict[str, int] = {}  # target -> the master's version its compute copy holds
         self._held: set[str] = set()
+        self._store = store
+        self._grad_files: dict[str, torch.Tensor] = {}
         for target, param, tiers in params:
-            if tiers.optimizer == "disk":
-                raise NotImplementedError(
-                    f"the disk tier is not built yet: {target!r} has Tiers(optimizer='disk'); use "
-                    "Strategy(offload_to='host') (issue 39 builds the disk tier)")
+            on_disk = tiers.optimizer == "disk"
+            if on_disk and store is None:
+                raise ValueError(f"{target!r} keeps its optimizer on disk but no offload directory was given: "
+                                 "gp.compile(..., offload_dir=)")
             with torch.no_grad():
-                master = nn.Parameter(mark_host(host_like(param).copy_(param)), requires_grad=param.requires_grad)
+                copy = store.tensor(f"{target}.master", param) if on_disk else host_like(param)
+                master = nn.Parameter(mark_host(copy.copy_(param)), requires_grad=param.requires_grad)
+            if on_disk:
+                disk.register(master, store)
             self.tiers[target], self.compute[target], self.masters[target] = tiers, param, master
             self._by_compute[param] = target
             ownership.compute_copy(param, target)
@@ -297,11 +305,20 @@ class OffloadedParams:
         grad = param.grad
         param.grad = None
         if master.grad is None:
-            master.grad = host_like(grad)
+            master.grad = self._grad_buffer(target, grad)
             job = (lambda dst=master.grad, g=grad: dst.copy_(g, non_blocking=True))
         else:
             job = (lambda dst=master.grad, g=grad: dst.add_(g.to(dst.device)))
         self._down.append(COPIER.run(job, grad.device))
+
+    def _grad_buffer(self, target: str, grad: torch.Tensor) -> torch.Tensor:
+        """Where a master's gradient lands: host memory, or its file for the disk tier (made
+        once, reused every step)."""
+        if self.tiers[target].optimizer != "disk":
+            return host_like(grad)
+        if target not in self._grad_files:
+            self._grad_files[target] = self._store.tensor(f"{target}.grad", grad)
+        return self._grad_files[target]
 
     def finish_step(self) -> None:
         """After the step's backwards: send every gradient still on the device down and wait

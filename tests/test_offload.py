@@ -12,6 +12,8 @@ agree bitwise, since the same gradients reach the same optimizer, only on anothe
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 import graphpass as gp
 import zoo
+from graphpass.runtime import disk
 from graphpass.runtime.memory import MemoryProbe, is_host, optimizer_state_tensors
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -38,6 +41,7 @@ def _cases(world: int) -> dict[str, tuple[str, dict]]:
             "gpt optimizer+gradients zero3 m=2": ("gpt", dict(dp=2, zero=3, microbatches=2, offload=GRADS)),
             "gpt activations dp": ("gpt", dict(dp=2, offload=ACTS)),
             "gpt parameters dp window 2": ("gpt", dict(dp=2, offload=PARAMS, offload_window=2)),
+            "gpt optimizer+gradients on disk zero3": ("gpt", dict(dp=2, zero=3, offload=GRADS, offload_to="disk")),
             "gpt all pp m=2": ("gpt", dict(pp=2, microbatches=2, offload=ALL)),
             "llama optimizer+gradients tp": ("hf_llama", dict(tp=2, offload=GRADS)),
             "llama all zero3": ("hf_llama", dict(dp=2, zero=3, offload=ALL)),
@@ -50,11 +54,20 @@ def _cases(world: int) -> dict[str, tuple[str, dict]]:
         "gpt parameters zero2 m=2": ("gpt", dict(dp=4, zero=2, microbatches=2, offload=PARAMS)),
         "gpt activations pp x dp m=2": ("gpt", dict(pp=2, dp=2, microbatches=2, offload=ACTS)),
         "llama all dp x tp": ("hf_llama", dict(dp=2, tp=2, offload=ALL)),
+        "llama all on disk dp m=2": ("hf_llama", dict(dp=4, microbatches=2, offload=ALL, offload_to="disk")),
         "llama optimizer+gradients zero1 m=2": ("hf_llama", dict(dp=4, zero=1, microbatches=2, offload=GRADS)),
     }
 
 
-def _train_offloaded() -> dict[str, tuple[list[float], dict]]:
+def _small_pages(tmp: str) -> None:
+    """Disk-tier files under ``tmp``, in pages of 64 KiB: the zoo models' optimizer steps in
+    several pages, as a large model's does."""
+    os.environ["GRAPHPASS_OFFLOAD_DIR"] = tmp
+    disk.PAGE_BYTES = 64 * 2**10
+
+
+def _train_offloaded(tmp: str) -> dict[str, tuple[list[float], dict]]:
+    _small_pages(tmp)
     world = dist.get_world_size()
     out = {}
     for label, (name, kwargs) in _cases(world).items():
@@ -67,8 +80,8 @@ def _train_offloaded() -> dict[str, tuple[list[float], dict]]:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_offload_trains_like_one_process(rank_pool, world_size):
-    results = rank_pool(world_size).run(_train_offloaded, timeout_s=600)
+def test_offload_trains_like_one_process(rank_pool, world_size, tmp_path):
+    results = rank_pool(world_size).run(_train_offloaded, str(tmp_path), timeout_s=600)
     references = {name: zoo.train_reference(name, steps=STEPS, batch=BATCH)[:2] for name in ("gpt", "hf_llama")}
     for rank, cases in enumerate(results):
         assert cases.keys() == _cases(world_size).keys()
@@ -252,3 +265,78 @@ def test_a_pass_that_corrupts_the_schedule_is_named_before_anything_runs():
     with pytest.raises(verifier.VerificationError, match=r"after pass my_pass: 'saved_to_host_1' opens layer 1's "
                                                          r"host-saved scope inside 'saved_to_host''s \(layer 0\)"):
         verifier.check_programs([recorder])
+
+
+# ------------------------------------------------------------------------------ the disk tier
+
+
+def test_the_disk_tier_steps_in_pages_with_the_state_in_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "PAGE_BYTES", 64 * 2**10)
+    data = zoo.batches("gpt", 2, BATCH)
+    dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], offload_dir=tmp_path,
+                        strategy=gp.Strategy(offload=GRADS, offload_to="disk"))
+    params = list(dmodel.parameters())
+    assert len(disk.pages(params)) > 3  # the step below runs in several pages
+    (store,) = {disk._STORES[p] for p in params}
+    assert store.dir.parent == tmp_path and all(store.holds(p) for p in params)
+    opt = torch.optim.Adam(dmodel.parameters(), lr=1e-3)
+    steps = []
+    monkeypatch.setattr(opt, "_optimizer_step_code", lambda: steps.append(1))  # runs once per step()
+    dmodel.train_step(*data[0])
+    opt.step()
+    # one step per page, then the step the user called, which finds no gradient on them
+    assert len(steps) == len(disk.pages(params)) + 1
+    assert all(p.grad is not None and store.holds(p.grad) for p in params)  # given back after the step
+    for p in params:
+        assert [store.holds(t) for t in opt.state[p].values() if t.dim()] == [True, True]
+    files = sorted(f.name for f in store.dir.iterdir())
+    assert sum(f.endswith(".master.bin") for f in files) == len(params)
+
+
+def test_disk_tier_mistakes_name_offload_dir(tmp_path, monkeypatch):
+    data = zoo.batches("gpt", 1, BATCH)
+    strategy = gp.Strategy(offload=OPT, offload_to="disk")
+    monkeypatch.delenv("GRAPHPASS_OFFLOAD_DIR", raising=False)
+    with pytest.raises(ValueError, match=r"no directory was given: pass gp.compile\(..., offload_dir="):
+        gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=strategy)
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with pytest.raises(ValueError, match=rf"offload_dir '{blocked}' is not a writable directory"):
+        gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=strategy, offload_dir=blocked)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
+    with pytest.raises(ValueError, match=rf"offload_dir '{tmp_path}' has 1000 B free, but the disk tier needs about"):
+        gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=strategy, offload_dir=tmp_path)
+
+
+def test_a_disk_write_failing_mid_step_raises_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk, "PAGE_BYTES", 64 * 2**10)
+    data = zoo.batches("gpt", 3, BATCH)
+    dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], offload_dir=tmp_path / "off",
+                        strategy=gp.Strategy(offload=OPT, offload_to="disk"))
+    opt = torch.optim.SGD(dmodel.parameters(), lr=0.05, momentum=0.9)
+    dmodel.train_step(*data[0])
+    opt.step()
+    opt.zero_grad()
+    gp.save(dmodel, opt, str(tmp_path / "ckpt"))
+    saved = dmodel.full_state_dict()
+    writes = []
+
+    def failing(self, tensors):
+        writes.append(1)
+        if len(writes) == 2:
+            future = disk.concurrent.futures.Future()
+            future.set_exception(OSError(28, "No space left on device"))
+            return future
+        return real(self, tensors)
+
+    real = disk.DiskStore.write_back
+    monkeypatch.setattr(disk.DiskStore, "write_back", failing)
+    dmodel.train_step(*data[1])
+    with pytest.raises(OSError, match="No space left on device"):
+        opt.step()
+    monkeypatch.setattr(disk.DiskStore, "write_back", real)
+    again = gp.compile(zoo.build("gpt", seed=3), example_inputs=data[0], offload_dir=tmp_path / "off",
+                       strategy=gp.Strategy(offload=OPT, offload_to="disk"))
+    gp.load(again, torch.optim.SGD(again.parameters(), lr=0.05, momentum=0.9), str(tmp_path / "ckpt"))
+    for key, value in again.full_state_dict().items():
+        assert torch.equal(value, saved[key]), key
