@@ -31,7 +31,8 @@ def plan(*args: Any, **kwargs: Any):
 
 _LAZY = {
     "compile": "graphpass.api", "verify": "graphpass.api",
-    "Cluster": "graphpass.cluster", "DeviceSpec": "graphpass.cluster", "LinkSpec": "graphpass.cluster",
+    "Cluster": "graphpass.cluster", "DeviceSpec": "graphpass.cluster", "HostSpec": "graphpass.cluster",
+    "LinkSpec": "graphpass.cluster",
     "presets": "graphpass.cluster",
     "PassError": "graphpass.pass_manager", "PassRecord": "graphpass.pass_manager",
     "profile": "graphpass.cost.profiler",
@@ -70,6 +71,7 @@ __all__ = [
     "DistributedModule",
     "ExpertPlacement",
     "HungRankError",
+    "HostSpec",
     "LinkSpec",
     "PassError",
     "PassRecord",

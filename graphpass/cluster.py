@@ -50,7 +50,7 @@ import math
 import os
 import pathlib
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 from graphpass.mesh import DP_SHARD, Mesh
@@ -60,6 +60,7 @@ __all__ = [
     "DEFAULT_MEMORY_EFFICIENCY",
     "Cluster",
     "DeviceSpec",
+    "HostSpec",
     "LinkSpec",
     "cache_dir",
     "presets",
@@ -283,6 +284,47 @@ class LinkSpec:
         return cls(**_from_fields(cls, data, "LinkSpec"))
 
 
+@dataclass(frozen=True)
+class HostSpec:
+    """What one device has on its host's side, for offload: its share of the node's host memory
+    and local disk, and its link to host memory (the node's figures divided by its devices).
+
+    Attributes:
+        memory_bytes: Host memory (RAM) for one device's offloaded tensors.
+        link_gbps: Device <-> host memory copy bandwidth, GB/s per direction (PCIe 4.0 x16
+            about 25, PCIe 5.0 x16 about 50, GH200's NVLink-C2C 450).
+        memory_bandwidth_gbps: The device's share of host DRAM bandwidth, GB/s (an optimizer
+            stepping host-resident state streams through it).
+        disk_bytes: Local disk (NVMe) for one device's disk tier; 0: none.
+        disk_gbps: The device's share of the disk's write bandwidth, GB/s (0 with no disk).
+    """
+
+    memory_bytes: int
+    link_gbps: float
+    memory_bandwidth_gbps: float
+    disk_bytes: int = 0
+    disk_gbps: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive_int("HostSpec", "memory_bytes", self.memory_bytes)
+        for name in ("link_gbps", "memory_bandwidth_gbps"):
+            object.__setattr__(self, name, _check_number("HostSpec", name, getattr(self, name)))
+        if isinstance(self.disk_bytes, bool) or not isinstance(self.disk_bytes, int) or self.disk_bytes < 0:
+            raise ValueError(f"HostSpec.disk_bytes must be an int >= 0, got {self.disk_bytes!r}")
+        object.__setattr__(self, "disk_gbps", _check_number("HostSpec", "disk_gbps", self.disk_gbps, allow_zero=True))
+        if self.disk_bytes and not self.disk_gbps:
+            raise ValueError("HostSpec.disk_gbps must be > 0 where disk_bytes is: a disk moves bytes at some speed")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns a JSON-ready dict; `from_dict` inverts it exactly."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HostSpec:
+        """Builds a spec from `to_dict` output; unknown or missing keys raise ValueError."""
+        return cls(**_from_fields(cls, data, "HostSpec"))
+
+
 # --------------------------------------------------------------------------- preset figures
 
 # Latencies (alpha). NCCL's own tuning model (src/graph/tuning.cc) charges a
@@ -311,6 +353,19 @@ _A100_TFLOPS = {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5, "tf32": 156.0}
 # H100 SXM (NVIDIA H100 data sheet): bf16/fp16 989 (1979 sparse), tf32 494 (989 sparse),
 # fp32 67. H200 SXM has the same GH100 compute (NVIDIA H200 data sheet).
 _H100_TFLOPS = {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "tf32": 494.0}
+
+# Host side per GPU (each node's figures over its 8 GPUs). DGX A100 (NVIDIA DGX A100 user guide):
+# 2 TB DDR4 (1 TB on the 320 GB model), 2 x AMD EPYC 7742 with 8 DDR4-3200 channels each
+# (2 x 204.8 GB/s), 15 TB of NVMe (4 x 3.84 TB U.2, about 3.5 GB/s sequential write each), one
+# PCIe 4.0 x16 per GPU (32 GB/s raw; pinned copies reach about 25). DGX H100 (DGX H100 user
+# guide): 2 TB DDR5, 2 x Xeon 8480C with 8 DDR5-4800 channels each (2 x 307 GB/s), 30 TB of NVMe
+# (8 x 3.84 TB, ~3.5 GB/s write each), PCIe 5.0 x16 per GPU (64 GB/s raw, ~50 pinned). GH200
+# (NVIDIA Grace Hopper data sheet): 480 GB LPDDR5X at 512 GB/s per superchip, NVLink-C2C
+# 900 GB/s total (450 each way); a disk per superchip taken as one 3.84 TB NVMe.
+_DGX_A100_HOST = HostSpec(2 * 1024**4 // 8, 25.0, 409.6 / 8, 15 * 10**12 // 8, 4 * 3.5 / 8)
+_DGX_A100_40G_HOST = HostSpec(1024**4 // 8, 25.0, 409.6 / 8, 15 * 10**12 // 8, 4 * 3.5 / 8)
+_DGX_H100_HOST = HostSpec(2 * 1024**4 // 8, 50.0, 614.4 / 8, 30 * 10**12 // 8, 8 * 3.5 / 8)
+_GH200_HOST = HostSpec(480 * 10**9, 450.0, 512.0, 3840 * 10**9, 3.5)
 
 # name -> (DeviceSpec, intra-node link, inter-node link)
 _PRESETS: dict[str, tuple[DeviceSpec, LinkSpec, LinkSpec]] = {
@@ -341,7 +396,17 @@ _PRESETS: dict[str, tuple[DeviceSpec, LinkSpec, LinkSpec]] = {
         _NVLINK4,
         _IB_NDR,
     ),
+    # GH200 superchip: the H100 GPU with 96 GB HBM3 at 4 TB/s (NVIDIA Grace Hopper data sheet),
+    # NVLink4 between superchips of a node, NDR InfiniBand across.
+    "gh200": (
+        DeviceSpec("gh200", "cuda", _H100_TFLOPS, 96 * 10**9, 4000.0),
+        _NVLINK4,
+        _IB_NDR,
+    ),
 }
+#: Each preset's host side (:class:`HostSpec`), per GPU.
+_PRESET_HOSTS: dict[str, HostSpec] = {"a100-40g": _DGX_A100_40G_HOST, "a100-80g": _DGX_A100_HOST,
+                                      "h100-80g": _DGX_H100_HOST, "h200": _DGX_H100_HOST, "gh200": _GH200_HOST}
 
 
 def presets() -> list[str]:
@@ -494,6 +559,8 @@ class Cluster:
         inter_node: Link between nodes (InfiniBand, RoCE, Ethernet).
         backend: ``"nccl"`` or ``"gloo"``.
         name: Free-form label, e.g. the preset name.
+        host: Each device's host side (:class:`HostSpec`: host memory, its link, disk), what
+            offload may use; None: not known, and the planner offloads nothing.
     """
 
     device: DeviceSpec
@@ -503,6 +570,7 @@ class Cluster:
     inter_node: LinkSpec
     backend: str
     name: str = ""
+    host: HostSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, DeviceSpec):
@@ -516,6 +584,15 @@ class Cluster:
                 )
         _check_str("Cluster", "backend", self.backend, BACKENDS)
         _check_str("Cluster", "name", self.name)
+        if self.host is not None and not isinstance(self.host, HostSpec):
+            raise ValueError(f"Cluster.host must be a HostSpec or None, got {type(self.host).__name__}")
+
+    def with_host(self, **changes: Any) -> Cluster:
+        """This cluster with its host side changed (``cluster.with_host(memory_bytes=2**40)``:
+        1 TiB of host memory per device); a cluster without one takes ``changes`` as a whole
+        :class:`HostSpec`."""
+        host = replace(self.host, **changes) if self.host is not None else HostSpec(**changes)
+        return replace(self, host=host)
 
     @property
     def world_size(self) -> int:
@@ -562,12 +639,15 @@ class Cluster:
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
             "backend": self.backend,
+            **({"host": self.host.to_dict()} if self.host is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
         """Builds a cluster from `to_dict` output; unknown or missing keys raise ValueError."""
         kwargs = _from_fields(cls, data, "Cluster")
+        if kwargs.get("host") is not None:
+            kwargs["host"] = HostSpec.from_dict(kwargs["host"])
         kwargs["device"] = DeviceSpec.from_dict(kwargs["device"])
         kwargs["intra_node"] = LinkSpec.from_dict(kwargs["intra_node"])
         kwargs["inter_node"] = LinkSpec.from_dict(kwargs["inter_node"])
@@ -608,7 +688,8 @@ class Cluster:
         """A cluster of identical SXM GPUs from public spec-sheet figures.
 
         Args:
-            name: One of `presets()`: ``"a100-40g"``, ``"a100-80g"``, ``"h100-80g"``, ``"h200"``.
+            name: One of `presets()`: ``"a100-40g"``, ``"a100-80g"``, ``"h100-80g"``, ``"h200"``,
+                ``"gh200"`` (each with its DGX / Grace Hopper host side, :class:`HostSpec`).
             nodes: Number of nodes.
             gpus_per_node: GPUs per node (8 in a DGX/HGX node).
 
@@ -630,6 +711,7 @@ class Cluster:
             inter_node=inter,
             backend="nccl",
             name=name,
+            host=_PRESET_HOSTS.get(name),
         )
 
     @classmethod

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 import graphpass as gp
 import zoo
+from graphpass.cost.search import NoPlanError
 from graphpass.runtime import disk
 from graphpass.runtime.memory import MemoryProbe, is_host, optimizer_state_tensors
 
@@ -340,3 +341,77 @@ def test_a_disk_write_failing_mid_step_raises_and_leaves_the_last_checkpoint(tmp
     gp.load(again, torch.optim.SGD(again.parameters(), lr=0.05, momentum=0.9), str(tmp_path / "ckpt"))
     for key, value in again.full_state_dict().items():
         assert torch.equal(value, saved[key]), key
+
+
+# ------------------------------------------------------------------------------ the planner
+
+
+def _meta_gpt(name: str):
+    from configs import build
+
+    with torch.device("meta"):
+        return build(name).to(torch.bfloat16)
+
+
+def test_the_planner_fits_13b_on_one_h100_only_with_offload():
+    """ZeRO-Offload's headline (13B on one device, the optimizer on the host), reached by the
+    search: GPT-3 13B's bf16 weights, fp32 Adam state and activations need about 190 GiB at
+    the device's most memory-saving choice; with 1 TiB of host memory the optimizer state and
+    gradients of most layers go to the host, and the plan fits the H100's budget."""
+    from configs import example_inputs
+
+    model, inputs = _meta_gpt("gpt3-13b"), example_inputs("gpt3-13b", batch=8, device="meta")
+    h100 = gp.Cluster.preset("h100-80g", nodes=1, gpus_per_node=1)
+    with pytest.raises(NoPlanError, match="no plan fits"):
+        gp.plan(model, h100, inputs, offload=False)
+    plan = gp.plan(model, h100.with_host(memory_bytes=2**40), inputs)
+    assert plan.report.predicted_peak_memory_bytes <= 72 * 2**30
+    off = [t for t in plan.tensors.values() if t.tiers.offloaded]
+    assert len(off) >= len(list(model.parameters())) // 2  # most of the model's parameters
+    why = next(r for r in plan.report.reasons if r.startswith("offload, chosen with ZeRO"))
+    assert "optimizer on host" in why and "GiB in host memory" in why
+    # what it keeps on the host is priced against the host's memory: 64 GiB holds it only with
+    # the preset's disk taking optimizer state, and without a disk no plan fits
+    small = h100.with_host(memory_bytes=2**36)
+    why = next(r for r in gp.plan(model, small, inputs).report.reasons if r.startswith("offload, chosen"))
+    assert "optimizer on disk" in why and "GiB on disk" in why
+    with pytest.raises(NoPlanError, match="no plan fits"):
+        gp.plan(model, small.with_host(disk_bytes=0, disk_gbps=0.0), inputs)
+
+
+def test_pricing_offload_on_a_cluster_without_a_host_side_names_cluster_host():
+    model, data = zoo.build("gpt"), zoo.batches("gpt", 1, BATCH)
+    local = gp.Cluster.local(1)
+    with pytest.raises(ValueError, match=r"has none: give one with cluster.with_host\(memory_bytes="):
+        gp.plan(model, local, data[0], strategy=gp.Strategy(offload=OPT))
+    hosted = local.with_host(memory_bytes=2**34, link_gbps=10.0, memory_bandwidth_gbps=10.0)
+    with pytest.raises(ValueError, match=r"Cluster.host.disk_bytes=0: give one with cluster.with_host\(disk_bytes="):
+        gp.plan(model, hosted, data[0], strategy=gp.Strategy(offload=OPT, offload_to="disk"))
+    plan = gp.plan(model, hosted, data[0], strategy=gp.Strategy(offload=ALL, offload_window=2))
+    assert plan.offload_window == 2
+    assert all(t.tiers == gp.Tiers("host", "host", "host") for t in plan.tensors.values() if t.tiers.offloaded)
+
+
+def _train_planned(plan_json: str):
+    data = zoo.batches("gpt", STEPS, BATCH)
+    dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], strategy=gp.Plan.from_json(plan_json))
+    return zoo.train_compiled(dmodel, data), dmodel.full_state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_the_planner_offloads_trains_like_one_process(rank_pool):
+    """Under a budget no plan on the devices alone fits, the search offloads; the plan it writes
+    compiles and trains as one process does (tolerances as above)."""
+    model, data = zoo.build("gpt"), zoo.batches("gpt", 1, BATCH)
+    cluster = gp.Cluster.local(2).with_host(memory_bytes=2**34, link_gbps=5.0, memory_bandwidth_gbps=5.0)
+    free = gp.plan(model, cluster, data[0], offload=False).report.predicted_peak_memory_bytes
+    budget = int(0.3 * free)
+    with pytest.raises(NoPlanError):
+        gp.plan(model, cluster, data[0], memory_budget=budget, offload=False)
+    plan = gp.plan(model, cluster, data[0], memory_budget=budget)
+    assert plan.report.predicted_peak_memory_bytes <= budget
+    assert any(t.tiers.offloaded for t in plan.tensors.values()) or plan.activations
+    ref_losses, ref_state = zoo.train_reference("gpt", steps=STEPS, batch=BATCH)[:2]
+    for rank, (losses, state) in enumerate(rank_pool(2).run(_train_planned, plan.to_json(), timeout_s=200)):
+        zoo.assert_matches_reference(f"planned offload rank {rank}/2", losses, state, ref_losses, ref_state,
+                                     rtol=RTOL, atol=ATOL)

@@ -60,8 +60,10 @@ def small_planner():
 
 @pytest.fixture(scope="module")
 def planner_13b():
-    """GPT-3 13B, global batch 64, on 4 nodes of 8 A100-40GB (InfiniBand between nodes)."""
-    return Planner(_meta("gpt3-13b"), "a100-40g:4x8", example_inputs("gpt3-13b", batch=64, device="meta"))
+    """GPT-3 13B, global batch 64, on 4 nodes of 8 A100-40GB (InfiniBand between nodes), on the
+    devices alone: the classic tools' rediscovery (offload has tests of its own, test_offload.py)."""
+    return Planner(_meta("gpt3-13b"), "a100-40g:4x8", example_inputs("gpt3-13b", batch=64, device="meta"),
+                   offload=False)
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -240,7 +242,8 @@ def test_wide_layers_on_single_gpu_nodes_rediscover_osdp_splitting():
     gathered weights and full gradient are the transient peak; splitting the big matmuls into
     slices gathered one at a time is what shrinks it, and the planner reaches for it."""
     cfg = GPTConfig(vocab_size=32768, block_size=256, n_layer=8, n_head=64, n_embd=8192, dropout=0.0, bias=False)
-    planner = Planner(_meta(cfg), "a100-40g:8x1", example_inputs(cfg, batch=16, device="meta"))
+    planner = Planner(_meta(cfg), "a100-40g:8x1", example_inputs(cfg, batch=16, device="meta"),
+                      offload=False)  # the devices alone: offload would take the weights off the device instead
     peak = planner.auto().report.predicted_peak_memory_bytes
     plans = [planner.auto(memory_budget=int(peak * f)) for f in (0.9, 0.85)]
     for f, plan in zip((0.9, 0.85), plans):
@@ -367,7 +370,7 @@ def test_bad_input_errors():
         gp.plan(model, "b200", inputs)
     with pytest.raises(ValueError, match="memory_budget='seventy' is not a memory size"):
         gp.plan(model, "h100-80g", inputs, memory_budget="seventy")
-    with pytest.raises(NoPlanError, match="no plan fits memory_budget=1 MiB per device: the smallest peak .* MiB"):
+    with pytest.raises(NoPlanError, match="no plan fits memory_budget=1 MiB per device: the smallest peak .* [KM]iB"):
         gp.plan(model, "h100-80g", inputs, memory_budget="1MiB")
     with pytest.raises(ValueError, match="write a preset as NAME or NAME:NODESxGPUS"):
         gp.plan(model, "h100-80g:1y8", inputs)

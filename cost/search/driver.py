@@ -62,7 +62,8 @@ def _undominated(options: list[tuple[Choice, Priced]], m: int) -> list[tuple[Cho
     def terms(pr: Priced) -> tuple[float, ...]:
         return (m * pr.time_s + pr.optimizer_s, pr.dp_comm_s, pr.dp_comm_s - pr.window_s,
                 pr.state_bytes - pr.grad_bytes + pr.held_bytes + pr.start_bytes, pr.act_bytes, pr.state_bytes,
-                pr.transient_bytes, pr.bucket_bytes, pr.time_s)
+                pr.transient_bytes, pr.bucket_bytes, pr.time_s, pr.host_link_s, pr.host_link_s - pr.host_window_s,
+                pr.host_bytes, pr.host_act_bytes, pr.disk_bytes)
 
     rows = np.array([terms(pr) for _, pr in options])
     # beats[j, i]: option j is no worse than option i on every term; equal rows: the first stays.

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from graphpass.cluster import Cluster
+from graphpass.layout import Tiers
 from graphpass.plan import Choice
 from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
 from graphpass.cost.collectives import collective_time, sync_time
@@ -65,6 +66,10 @@ class Costing:
             Under ``ep`` the slowest rank's experts set the pace (:mod:`graphpass.cost.experts`).
         capacity_factor: the MoE layers' capacity factor (None: dropless): each expert computes
             at most ``cf / E`` of the routed rows.
+        offload: offer offload (where the cluster has a host side, ``Cluster.host``): parts of a
+            block's parameters in host memory or on disk, its activations in host memory.
+        offload_overlap: the share of the device <-> host copies' time that hides behind the
+            step's compute (1: copies on their own stream / DMA engines, as on a GPU).
     """
 
     cluster: Cluster
@@ -80,6 +85,8 @@ class Costing:
     host_oversubscription: float = 1.0
     expert_loads: tuple[float, ...] | None = None
     capacity_factor: float | None = None
+    offload: bool = True
+    offload_overlap: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,11 @@ class Priced:
     held_bytes: float = 0.0  # gradients held from the step's earlier microbatches (accumulation)
     start_bytes: float = 0.0  # the loss's backward working set, on top of every activation
     bucket_bytes: float = 0.0  # gradients bucketed for data-parallel reduction (a second copy while filled)
+    host_bytes: float = 0.0  # host memory kept all step (offload: masters, optimizer state, gradients)
+    host_act_bytes: float = 0.0  # host memory of one microbatch's saved activations (offloaded)
+    disk_bytes: float = 0.0  # disk kept by the disk tier (masters, gradients, optimizer state)
+    host_link_s: float = 0.0  # device <-> host copies of one step (offload), overlappable
+    host_window_s: float = 0.0  # compute those copies overlap with
 
     def start_peak_bytes(self, flight: int) -> float:
         """At the start of backward: state without this step's new gradients (those held from
@@ -194,6 +206,7 @@ def choices_for(block: BlockCost, layout: Parallelism, costing: Costing, per_ope
         for split in splits(zero, block.split_count):
             for recompute in recomputes:
                 out.append(Choice(zero, split, recompute))
+    out += _offload_choices(block, out, costing)
     if not per_operator or block.expert_params > 0:  # experts keep one stage with their block
         return out
     for k in _cuts(block):
@@ -203,6 +216,38 @@ def choices_for(block: BlockCost, layout: Parallelism, costing: Costing, per_ope
                 for split in splits(zero, large_splits):
                     for recompute in recomputes:
                         out.append(Choice(zero, split, recompute, large_ops=k, rest_zero=rest_zero))
+    return out
+
+
+def _host_of(costing: Costing):
+    host = costing.cluster.host
+    if host is None:
+        raise ValueError(f"pricing offload needs the cluster's host side (host memory, its link, disk), and cluster "
+                         f"{costing.cluster.name or costing.cluster.explain()!r} has none: give one with "
+                         "cluster.with_host(memory_bytes=, link_gbps=, memory_bandwidth_gbps=) (presets have theirs)")
+    return host
+
+
+#: Where offload may put a block's parameters' parts (the planner's options; ``Tiers`` allows more).
+OFFLOAD_TIERS = (Tiers(gradient="host", optimizer="host"), Tiers("host", "host", "host"))
+DISK_TIERS = (Tiers(gradient="host", optimizer="disk"),)
+
+
+def _offload_choices(block: BlockCost, whole: Sequence[Choice], costing: Costing) -> list[Choice]:
+    """The whole-block choices ``whole`` (unsplit) with their parameters' parts off the device
+    and, for a layer not recomputed, its saved activations on the host: offered where the
+    cluster has a host side (:class:`graphpass.cluster.HostSpec`; a disk too for the disk tier)."""
+    host = costing.cluster.host
+    if host is None or not costing.offload or block.params <= 0:
+        return []
+    tiers = OFFLOAD_TIERS + (DISK_TIERS if host.disk_bytes else ())
+    out = []
+    for choice in whole:
+        if choice.split > 1:
+            continue
+        out += [replace(choice, tiers=t) for t in tiers]
+        if block.kind == LAYER and not choice.recompute:
+            out += [replace(choice, tiers=t, saved_tier="host") for t in (Tiers(), *tiers)]
     return out
 
 
@@ -246,11 +291,14 @@ class _Params:
     transient: float = 0.0
     optimizer_s: float = 0.0
     copied: float = 0.0  # bytes its collectives' local copies read and write in a step
+    host: float = 0.0  # host memory its offloaded parts keep
+    disk: float = 0.0  # disk its disk tier keeps
+    link_s: float = 0.0  # device <-> host copies of one step
 
 
 def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int, axis: str, layout: Parallelism,
                  costing: Costing, comms: _Collectives, split: tuple[float, int, int] = (0.0, 0, 1),
-                 divisor: int | None = None) -> _Params:
+                 divisor: int | None = None, tiers: Tiers = Tiers()) -> _Params:
     """``params`` elements (``p_bytes``, ``tensors`` tensors) synchronised over ``n`` ranks of
     ``axis`` at ZeRO stage ``zero``; ``split``: (bytes, linears, parts) of OSDP slices."""
     m = layout.microbatches
@@ -301,7 +349,53 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     else:
         out.optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
     out.copied = _copied_bytes(entry, p_bytes, g_bytes, n, m) if synced else 0.0
+    if tiers.offloaded:
+        _offload_terms(out, tiers, p_bytes / n if zero else p_bytes, o_bytes / n if zero >= 1 else o_bytes,
+                       share * g_bytes, zero, m, costing)
     return out
+
+
+def _offload_terms(out: _Params, tiers: Tiers, stored: float, state: float, grads: float, zero: int, m: int,
+                   costing: Costing) -> None:
+    """``out``'s terms with its parts where ``tiers`` puts them (:mod:`graphpass.runtime.offload`):
+    ``stored`` the bytes of the tensor the optimizer steps (this rank's shard), ``state`` its
+    optimizer state, ``grads`` its gradient's bytes there.
+
+    The optimizer off the device: its state (and the master, a copy of the stored tensor) leave
+    the device for the host or the disk; it steps there, streaming ``2 stored + grads + 2 state``
+    bytes through host memory or the disk; the updated tensor goes up once a step. Gradients on
+    the host go down as they land (per microbatch where ZeRO-2/3 reduce every one), off the
+    device's state; on the device they go down once after backward, on the step's path.
+    Parameters on the host leave the device but for the one being used and the one brought in
+    ahead, and come up twice a microbatch (forward, and backward's reload), not once a step."""
+    host = _host_of(costing)
+    link = host.link_gbps * 1e9
+    disk = tiers.optimizer == "disk"
+    if disk and not host.disk_bytes:
+        raise ValueError(f"optimizer state on disk (offload_to='disk') needs a disk, and cluster "
+                         f"{costing.cluster.name or costing.cluster.explain()!r} has Cluster.host.disk_bytes=0: give "
+                         "one with cluster.with_host(disk_bytes=, disk_gbps=), or offload_to='host'")
+    bandwidth = (host.disk_gbps if disk else host.memory_bandwidth_gbps) * 1e9
+    out.state -= state
+    kept = stored + state + out.grads  # master, state, and the gradient it steps with
+    if disk:
+        out.disk += kept
+    else:
+        out.host += kept
+    out.optimizer_s = (2 * stored + grads + 2 * state) / bandwidth
+    if tiers.gradient == "host":
+        out.link_s += (m if zero >= 2 else 1) * out.grads / link
+        out.state -= out.grads
+        out.grads = 0.0
+        out.held = 0.0
+    else:
+        out.optimizer_s += out.grads / link
+    if tiers.parameter == "host":
+        out.state -= stored
+        out.transient += 2 * stored
+        out.link_s += 2 * m * stored / link
+    else:
+        out.link_s += stored / link
 
 
 def _exchange_s(block: BlockCost, layout: Parallelism, scale: float, slowest: float, comms: _Collectives,
@@ -386,7 +480,8 @@ def price(block: BlockCost, choice: Choice, layout: Parallelism, costing: Costin
     parts = _dense_parts(block, choice, expert)
     mesh = layout.mesh
     # ZeRO shards over its axis (all of dp, or HSDP's dp_shard); plain data parallelism over dp
-    groups = [_param_terms(params, p_bytes, tensors, part_zero, mesh.size(axis), axis, layout, costing, comms, split)
+    groups = [_param_terms(params, p_bytes, tensors, part_zero, mesh.size(axis), axis, layout, costing, comms, split,
+                           tiers=choice.tiers)
               for params, p_bytes, tensors, part_zero, split in parts
               for axis in [mesh.zero_axis() if part_zero else "dp"]]
     if expert:
@@ -403,6 +498,13 @@ def price(block: BlockCost, choice: Choice, layout: Parallelism, costing: Costin
     if expert and choice.recompute:  # the dispatched rows, an exchange's output, stay saved
         act += sum(size for name, size in block.exchanges if name == "ep dispatch") * scale
     transient = (saved + block.backward_bytes * scale if choice.recompute else 0.0) + sum(g.transient for g in groups)
+    host_act = link_s = 0.0
+    if choice.saved_tier == "host":
+        # Saved on the host after their forward use, back a layer ahead of their backward: the
+        # device holds the layer being copied and the one reloaded.
+        host_act, act = act, 0.0
+        transient += 2 * host_act
+        link_s += 2 * m * host_act / (_host_of(costing).link_gbps * 1e9)
     # The compute a stage's collectives overlap with: backward for gradient all-reduces (dp,
     # ZeRO-1's once per step), every forward and backward for ZeRO-2/3's per-microbatch
     # movements. Operators of one block at different stages share it by parameter bytes.
@@ -418,7 +520,10 @@ def price(block: BlockCost, choice: Choice, layout: Parallelism, costing: Costin
                   costing.overlap * window, sum(g.state for g in groups), act, transient,
                   tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=sum(g.grads for g in groups),
                   held_bytes=sum(g.held for g in groups), bucket_bytes=sum(g.bucket for g in groups),
-                  start_bytes=block.backward_bytes * scale if block.backward_starts_here else 0.0)
+                  start_bytes=block.backward_bytes * scale if block.backward_starts_here else 0.0,
+                  host_bytes=sum(g.host for g in groups), host_act_bytes=host_act, disk_bytes=sum(g.disk for g in groups),
+                  host_link_s=link_s + sum(g.link_s for g in groups),
+                  host_window_s=costing.offload_overlap * m * (forward_s + backward_s))
 
 
 def _dense_parts(block: BlockCost, choice: Choice, expert: bool) -> list[tuple[float, float, int, int, tuple[float, int, int]]]:

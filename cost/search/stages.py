@@ -68,6 +68,9 @@ from graphpass.cost.search.layouts import Parallelism, local_batch
 from graphpass.cost.search.pricing import Costing, Priced, _bucket_spike, _Collectives, _dense_parts, _Prices
 from graphpass.cost.solver import ilp
 
+#: The share of each device's host memory (``HostSpec.memory_bytes``) offload may fill: the rest
+#: is the training script's, the data loader's and pinned staging buffers'.
+HOST_MEMORY_SHARE = 0.9
 #: Weight of hidden data-parallel communication in the ILP objective: breaks ties between choices
 #: whose step time is equal (everything overlapped) in favour of the one that moves fewer bytes.
 _TIE_BREAK = 1e-3
@@ -178,8 +181,22 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
         priced = {(key, o): options[clusters[key][0]][o][1] for key, o in counts}
         ns, prs = list(counts.values()), list(priced.values())
         # Ties (communication fully hidden) go to the option that communicates least.
-        model.minimize([exposed, *ns], [1.0] + [m * p.time_s + p.optimizer_s + _TIE_BREAK * p.dp_comm_s for p in prs])
+        model.minimize([exposed, *ns], [1.0] + [m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s)
+                                                for p in prs])
         model.add_linear([exposed, *ns], [-1.0] + [p.dp_comm_s - p.window_s for p in prs], -math.inf, 0.0)
+        host = costing.cluster.host
+        if any(p.host_link_s or p.host_bytes or p.host_act_bytes or p.disk_bytes for p in prs):
+            # Offload: the copies to and from host memory hide behind compute, on a link of their
+            # own; what they keep must fit the host's memory and the disk.
+            exposed_host = model.num_var(0.0, math.inf, "exposed_host")
+            model.minimize([exposed, exposed_host, *ns], [1.0, 1.0] + [
+                m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s) for p in prs])
+            model.add_linear([exposed_host, *ns], [-1.0] + [p.host_link_s - p.host_window_s for p in prs], -math.inf, 0.0)
+            host_scale = 1.0 / host.memory_bytes
+            model.add_linear(ns, [(p.host_bytes + flight * p.host_act_bytes) * host_scale for p in prs], -math.inf,
+                             HOST_MEMORY_SHARE)
+            if any(p.disk_bytes for p in prs):
+                model.add_linear(ns, [p.disk_bytes / max(host.disk_bytes, 1) for p in prs], -math.inf, 1.0)
         # The start of backward (every activation alive) and its end.
         model.add_linear(ns, [p.start_peak_bytes(flight) * mem_scale for p in prs], -math.inf, 1.0)
         model.add_linear(ns, [p.end_peak_bytes() * mem_scale for p in prs], -math.inf, 1.0 - spike * mem_scale)
@@ -254,7 +271,9 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
         # The end of backward waits for every asynchronous data-parallel collective at once.
         comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
             blocks, indices, choices, layout, costing, comms) + comms.sync("dp")
-        tails.append(max(0.0, comm) + sum(priced[i].optimizer_s for i in indices))
+        # Offload's copies to and from host memory, on their own link, hide behind the compute.
+        host = max(0.0, sum(priced[i].host_link_s - priced[i].host_window_s for i in indices))
+        tails.append(max(0.0, comm) + host + sum(priced[i].optimizer_s for i in indices))
         exposed.append(max(0.0, comm))
         stage_times.append(sum(chunk_times[s] for s in held))
         peak = _stage_peak(blocks, indices, priced, _stage_flight(layout, held[0]), costing)

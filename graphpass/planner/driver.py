@@ -219,6 +219,7 @@ class Planner:
         capacity_factors: Sequence[float | None] | None = None,
         max_dropped: float = 0.0,
         loss_fn: Callable | None = None,
+        offload: bool = True,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -254,7 +255,7 @@ class Planner:
         capacity = _model_capacity(model) if self.capacity_factor == "model" else self.capacity_factor
         self.costing = replace(_costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                         measure_ops, measure_together),
-                               expert_loads=loads, capacity_factor=capacity)
+                               expert_loads=loads, capacity_factor=capacity, offload=bool(offload))
         self._layouts: dict[tuple[int, bool, str], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool, str], set[int]] = defaultdict(set)
         self._rejected: dict[int, str] = {}  # tp degrees Megatron's layout cannot take, and why
@@ -418,6 +419,7 @@ def plan(
     capacity_factors: Sequence[float | None] | None = None,
     max_dropped: float = 0.0,
     loss_fn: Callable | None = None,
+    offload: bool = True,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -441,6 +443,10 @@ def plan(
             ``compile`` applies ``Plan.capacity_factor`` to the layers.
         max_dropped: the drop budget for ``capacity_factors`` (default 0: no drops predicted).
         loss_fn: as for :func:`graphpass.compile` (``example_inputs`` may be a dict there too).
+        offload: let the search put blocks' optimizer state, gradients, parameters (a streamed
+            window) and saved activations in host memory, or optimizer state on disk, where the
+            cluster has a host side (``Cluster.host``; every preset has one), priced with the
+            host link and its overlap with compute; ``False``: the device alone.
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -457,5 +463,5 @@ def plan(
         raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
     planner = Planner(model, cluster, example_inputs, memory_budget,
                       optimizer_states=optimizer_states, expert_loads=expert_loads,
-                      capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn)
+                      capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn, offload=offload)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)

@@ -7,6 +7,7 @@ ones that do not fit).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
@@ -57,6 +58,54 @@ def _reasons(best: S.Candidate, found: list[S.Candidate], alternatives: Sequence
     return lines
 
 
+def _offload(blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
+             given: int | None = None) -> tuple[int, float, str]:
+    """The window of streamed parameters, the bytes it adds to the peak, and what went where and
+    why. The solve priced one layer brought in ahead; a wider window hides a layer's copy behind
+    the forwards of the layers before it (``ceil(copy / forward)`` layers), as far as the
+    budget's slack holds the extra layers' weights; ``given``: the strategy's window instead."""
+    off = [i for i, c in enumerate(cand.choices) if c.tiers.offloaded or c.saved_tier != "device"]
+    if not off:
+        return 1, 0.0, ""
+    m = cand.layout.microbatches
+    window, extra = 1, 0.0
+    streamed = [i for i in off if cand.choices[i].tiers.parameter == "host"]
+    layers = [i for i in streamed if blocks[i].kind == S.LAYER]
+    if layers:
+        # a layer's weights come up twice a microbatch; its forward is about a third of its time
+        copy = max(cand.priced[i].host_link_s / (2 * m) for i in layers)
+        forward = min(cand.priced[i].time_s / 3 for i in layers)
+        wanted = max(1, min(len(layers), math.ceil(copy / forward) if forward > 0 else 1))
+        weights = copy * costing.cluster.host.link_gbps * 1e9  # one layer's (shard of) weights
+        slack = max(0.0, costing.memory_limit_bytes - cand.peak_memory_bytes)
+        window = given or max(1, min(wanted, 1 + int(slack // weights) if weights > 0 else wanted))
+        extra = (window - 1) * weights
+    kinds: dict[str, int] = {}
+    for i in off:
+        kinds[_where(cand.choices[i])] = kinds.get(_where(cand.choices[i]), 0) + 1
+    host = sum(cand.priced[i].host_bytes + cand.priced[i].host_act_bytes for i in off)
+    disk = sum(cand.priced[i].disk_bytes for i in off)
+    link = sum(cand.priced[i].host_link_s for i in off)
+    hidden = sum(cand.priced[i].host_window_s for i in off)
+    link_name = f"{costing.cluster.host.link_gbps:g} GB/s host link" if costing.cluster.host else "host link"
+    text = ("offload, chosen with ZeRO, split, tp and recompute in one solve (each block's tiers priced by the "
+            "host link, its overlap with compute and the host's memory): "
+            + "; ".join(f"{n} block{'s' if n > 1 else ''} with {what}" for what, n in kinds.items())
+            + f"; {host / 2**30:.2f} GiB in host memory"
+            + (f", {disk / 2**30:.2f} GiB on disk" if disk else "")
+            + f", {link * 1e3:.2f} ms of copies a step on the {link_name}, "
+            + ("hidden behind compute" if link <= hidden else f"{(link - hidden) * 1e3:.2f} ms of them exposed")
+            + (f"; streamed parameters a window of {window} layer{'s' if window > 1 else ''} ahead" if streamed else ""))
+    return window, extra, text
+
+
+def _where(choice) -> str:
+    parts = [str(choice.tiers)] if choice.tiers.offloaded else []
+    if choice.saved_tier != "device":
+        parts.append(f"activations on {choice.saved_tier}")
+    return ", ".join(parts)
+
+
 def _alternatives(best: S.Candidate, found: list[S.Candidate], infeasible: Mapping[str, float]) -> list[dict]:
     """The runner-up meshes (the next three by step time) and the closest ones that do not fit,
     each with why it lost (``PlanReport.alternatives``)."""
@@ -89,7 +138,8 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                 "time_s": pr.time_s * layout.microbatches, "tp_comm_s": pr.tp_comm_s * layout.microbatches,
                 "dp_comm_s": pr.dp_comm_s, "state_bytes": pr.state_bytes, "activation_bytes": pr.act_bytes,
                 "transient_bytes": pr.transient_bytes, "grad_bytes": pr.grad_bytes, "held_bytes": pr.held_bytes,
-                "loss_backward_bytes": pr.start_bytes,
+                "loss_backward_bytes": pr.start_bytes, "host_bytes": pr.host_bytes + pr.host_act_bytes,
+                "disk_bytes": pr.disk_bytes, "host_link_s": pr.host_link_s,
             })
     reasons = list(reasons) + ([capacity_reason] if capacity_reason else [])
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
@@ -108,13 +158,18 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     if op_layout is not None:
         reasons.insert(1, f"tensor-parallel layout: {op_layout.name} (the op-level solver placed the projections "
                           f"Megatron's pattern leaves replicated: {op_layout.describe()})")
+    window, window_bytes, offload_reason = _offload(blocks, cand, costing,
+                                                    strategy.offload_window if strategy is not None else None)
+    if offload_reason:
+        reasons.insert(-1, offload_reason)
     base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
                              microbatches=layout.microbatches, strategy=strategy, reasons=reasons,
+                             offload_window=window,
                              tp_layout=(op_layout.placements, op_layout.parts) if op_layout is not None else None)
     report = replace(
         base.report,
         predicted_step_time_s=cand.step_time_s,
-        predicted_peak_memory_bytes=int(cand.peak_memory_bytes),
+        predicted_peak_memory_bytes=int(cand.peak_memory_bytes + window_bytes),
         predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
         breakdown=tuple(breakdown),
         time_split_s=time_split,
