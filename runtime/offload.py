@@ -129,6 +129,7 @@ class _Streamed:
         self.param, self.master, self.window = param, master, window
         self.nbytes = param.untyped_storage().nbytes()
         self.resident = True
+        self.unit: int | None = None  # its layer's (prefetch_params group's) id: backward's window counts these
 
     def bring_in(self) -> None:
         """Make the storage resident again and start filling it from the master (no-op if it is)."""
@@ -150,11 +151,63 @@ class _Streamed:
         self.param.untyped_storage().resize_(0)
         self.resident = False
 
-    def reload(self) -> list[torch.Tensor]:
-        """A fresh device copy of the master (what backward reads instead of the released copy)."""
-        out = torch.empty_like(self.param, memory_format=torch.preserve_format)
-        COPIER.run(lambda d=out, m=self.master: d.copy_(m, non_blocking=True), out.device).wait()
+
+
+class _Reload:
+    """One streamed parameter as one forward saved it: backward reads a fresh device copy of the
+    master instead of the released compute copy, started a window of layers ahead."""
+
+    __slots__ = ("streamed", "owner", "unit", "out", "transfer", "group")
+
+    def __init__(self, streamed: _Streamed, owner: "_BackwardWindow", unit: int):
+        self.streamed, self.owner, self.unit = streamed, owner, unit
+        self.out: torch.Tensor | None = None
+        self.transfer: Transfer | None = None
+        self.group: regather.Rebuildable | None = None  # the handles autograd saved of it
+
+    def start(self) -> None:
+        if self.out is None and self.group is not None and self.group.outstanding > 0:  # saved, not yet read
+            # allocated on this thread: a memory probe sees it
+            self.out = torch.empty_like(self.streamed.param, memory_format=torch.preserve_format)
+            self.transfer = COPIER.run(lambda d=self.out, m=self.streamed.master: d.copy_(m, non_blocking=True),
+                                       self.out.device)
+
+    def take(self) -> list[torch.Tensor]:
+        """The copy (regather's rebuild: once, at backward's first read), the next layers' started."""
+        self.owner.ahead(self.unit, self.streamed.window)
+        self.start()  # the group's outstanding handle is the one being read
+        assert self.transfer is not None and self.out is not None
+        self.transfer.wait()
+        out, self.out, self.transfer = self.out, None, None
         return [out]
+
+
+class _BackwardWindow:
+    """One forward's streamed parameters by layer, in forward order. Backward reaches the layers
+    in reverse: its first read of layer ``u``'s parameters starts bringing in those of layers
+    ``u - 1 .. u - window`` (STRONGHOLD's window, the other way)."""
+
+    def __init__(self) -> None:
+        self.units: list[list[_Reload]] = []
+        self._index: dict[int | None, int] = {}
+
+    def add(self, streamed: _Streamed) -> _Reload:
+        if streamed.unit not in self._index or streamed.unit is None:
+            self._index[streamed.unit] = len(self.units)
+            self.units.append([])
+        unit = self._index[streamed.unit]
+        reload = _Reload(streamed, self, unit)
+        self.units[unit].append(reload)
+        return reload
+
+    def ahead(self, unit: int, window: int) -> None:
+        for earlier in range(unit - 1, max(-1, unit - 1 - window), -1):
+            for reload in self.units[earlier]:
+                reload.start()
+
+
+#: the forward running (regather's registry) -> its streamed parameters for backward
+_WINDOWS: "weakref.WeakKeyDictionary[Any, _BackwardWindow]" = weakref.WeakKeyDictionary()
 
 
 def _parameter_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,7 +225,13 @@ def fetch_param(param: torch.Tensor) -> torch.Tensor:
     streamed = _STREAMED.get(base)
     if streamed is not None:
         streamed.bring_in()
-        regather.register((base,), streamed.reload)
+        forward = regather.current()
+        if forward is not None:
+            window = _WINDOWS.get(forward)
+            if window is None:
+                window = _WINDOWS[forward] = _BackwardWindow()
+            reload = window.add(streamed)
+            reload.group = regather.register((base,), reload.take)
     transfer = _PENDING.pop(base, None)
     if transfer is not None:
         transfer.wait()
@@ -184,6 +243,7 @@ def prefetch_params(*params: torch.Tensor) -> None:
     for param in params:
         streamed = None if is_fake(param) else _STREAMED.get(param)
         if streamed is not None:
+            streamed.unit = id(params[0])
             streamed.bring_in()
 
 

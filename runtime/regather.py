@@ -125,14 +125,16 @@ def active() -> bool:
     return bool(_ACTIVE)
 
 
-def register(tensors: Sequence[torch.Tensor], rebuild: Callable[[], Sequence[torch.Tensor]]) -> None:
+def register(tensors: Sequence[torch.Tensor], rebuild: Callable[[], Sequence[torch.Tensor]]) -> Rebuildable | None:
     """Mark ``tensors`` (one gather's outputs) as rebuilt by ``rebuild()`` when backward needs
-    them; a no-op outside :func:`rebuild_saved_tensors`."""
+    them (the group: its ``outstanding`` counts the handles autograd saved); a no-op outside
+    :func:`rebuild_saved_tensors`."""
     if not _ACTIVE:
-        return
+        return None
     group = Rebuildable(rebuild)
     for index, tensor in enumerate(tensors):
         _ACTIVE[-1].add(tensor, group, index)
+    return group
 
 
 @contextlib.contextmanager
