@@ -30,6 +30,7 @@ from graphpass.cost.search.blocks import BlockCost
 from graphpass.cost.search.layouts import Parallelism
 from graphpass.cost.search.pricing import Costing, Priced, _Prices, choices_for
 from graphpass.cost.search.stages import (
+    HOST_MEMORY_SHARE,
     Candidate,
     _shared_host_step,
     _stage_flight,
@@ -246,11 +247,17 @@ def search(layouts: Mapping[tuple[int, bool, str], Sequence[BlockCost]], mesh_li
         found = _refine_per_operator(layouts, found, costing, deadline)
     if not found:
         least = min(infeasible.values(), default=math.nan)
+        host = costing.cluster.host
+        limits = ""
+        if costing.offload and host is not None:  # what offload keeps is bounded too
+            limits = (f"; offload may fill {HOST_MEMORY_SHARE:.0%} of Cluster.host.memory_bytes="
+                      f"{format_bytes(host.memory_bytes)} per device and its disk_bytes={format_bytes(host.disk_bytes)}: "
+                      "give more with cluster.with_host(memory_bytes=, disk_bytes=, disk_gbps=)")
         raise NoPlanError(
             f"no plan fits memory_budget={format_bytes(costing.memory_limit_bytes)} per device: the "
             f"smallest peak any of {len(infeasible)} meshes reaches is about {format_bytes(least)} "
             "(every block at its most memory-saving choice); raise memory_budget, add devices, or "
-            "shrink the batch"
+            f"shrink the batch{limits}"
         )
     found.sort(key=lambda c: c.step_time_s)
     tied = [c for c in found if c.step_time_s <= found[0].step_time_s * (1 + _TIE_REL)]

@@ -230,7 +230,7 @@ def _host_of(costing: Costing):
 
 #: Where offload may put a block's parameters' parts (the planner's options; ``Tiers`` allows more).
 OFFLOAD_TIERS = (Tiers(gradient="host", optimizer="host"), Tiers("host", "host", "host"))
-DISK_TIERS = (Tiers(gradient="host", optimizer="disk"),)
+DISK_TIERS = (Tiers(gradient="host", optimizer="disk"), Tiers("host", "host", "disk"))
 
 
 def _offload_choices(block: BlockCost, whole: Sequence[Choice], costing: Costing) -> list[Choice]:
@@ -367,7 +367,8 @@ def _offload_terms(out: _Params, tiers: Tiers, stored: float, state: float, grad
     the host go down as they land (per microbatch where ZeRO-2/3 reduce every one), off the
     device's state; on the device they go down once after backward, on the step's path.
     Parameters on the host leave the device but for the one being used and the one brought in
-    ahead, and come up twice a microbatch (forward, and backward's reload), not once a step."""
+    ahead, and come up twice a microbatch (forward, and backward's reload), not once a step (from
+    the disk, at its speed, where the master is in a file)."""
     host = _host_of(costing)
     link = host.link_gbps * 1e9
     disk = tiers.optimizer == "disk"
@@ -390,10 +391,10 @@ def _offload_terms(out: _Params, tiers: Tiers, stored: float, state: float, grad
         out.held = 0.0
     else:
         out.optimizer_s += out.grads / link
-    if tiers.parameter == "host":
+    if tiers.parameter == "host":  # streamed from the master, in a file on the disk tier
         out.state -= stored
         out.transient += 2 * stored
-        out.link_s += 2 * m * stored / link
+        out.link_s += 2 * m * stored / (min(link, bandwidth) if disk else link)
     else:
         out.link_s += stored / link
 
