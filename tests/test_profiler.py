@@ -6,6 +6,9 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -139,6 +142,10 @@ def test_profile_one_rank_keeps_the_default_link_and_writes_the_default_path(cac
     assert Cluster.from_json(path.read_text()) == c
     assert c.intra_node == c.inter_node == cluster_module._LOOPBACK  # nothing to measure
     assert c.device.contention is None and c.device.memory_contention is None  # nobody to contend with
+    # the host side, for offload: this machine's memory, a copy rate, the temporary dir's disk
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert c.host.memory_bytes == ram and c.host.link_gbps > 0 and c.host.memory_bandwidth_gbps > 0
+    assert 0 < c.host.disk_bytes <= shutil.disk_usage(tempfile.gettempdir()).total and c.host.disk_gbps > 0
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,9 @@ them with measurements (the primitives are `graphpass.cost.profiler.timing`'s):
   (`graphpass.cost.profiler.op_times.node_times`). An AdamW step over 4M parameters measured
   alike (memory-bound: DRAM is what the ranks share most) gives
   ``DeviceSpec.memory_contention`` for optimizer steps.
+* **Host** (`profile`): host memory, its bandwidth, the device's link to it and the disk tier's
+  free space and write rate, one device's share (`graphpass.cost.profiler.host`), as
+  ``Cluster.host`` for the planner's offload choices.
 * **Links** (`profile`, ``world_size > 1``): ``world_size`` local ranks
   (`graphpass.runtime.launch.launch`, gloo on CPU, nccl on GPU) time ``all_reduce`` over a ladder
   of sizes: median of repeats after warmup on each rank, the slowest rank's median per size. On
@@ -68,6 +71,7 @@ from graphpass.cluster import (
     profile_path,
 )
 from graphpass.cost.collectives import Link, all_gather_time, reduce_scatter_time
+from graphpass.cost.profiler.host import measure_host
 from graphpass.cost.profiler.timing import (
     _TORCH_DTYPES,
     GiB,
@@ -397,6 +401,10 @@ class ProfileReport:
                     )
         else:
             lines.append(f"  links: one rank, nothing measured; kept the default {c.intra_node.name} link")
+        if c.host is not None:
+            h = c.host
+            lines.append(f"  host per rank: {h.memory_bytes / GiB:.1f} GiB memory at {h.memory_bandwidth_gbps:.3g} GB/s, "
+                         f"link {h.link_gbps:.3g} GB/s, disk {h.disk_bytes / GiB:.0f} GiB free at {h.disk_gbps:.3g} GB/s")
         return "\n".join(lines)
 
 
@@ -488,6 +496,7 @@ def run_profile(
     path: str | os.PathLike | None = None,
     dtypes: Sequence[str] | None = None,
     quick: bool = False,
+    disk_dir: str | os.PathLike | None = None,
 ) -> ProfileReport:
     """`profile`, returning the full `ProfileReport` (the raw ladder, the fit residual...)."""
     start_s = time.perf_counter()
@@ -559,7 +568,7 @@ def run_profile(
     today = datetime.date.today().isoformat()
     profiled = Cluster(
         device=device, num_nodes=1, devices_per_node=world_size, intra_node=intra, inter_node=inter,
-        backend="nccl" if kind == "cuda" else "gloo",
+        backend="nccl" if kind == "cuda" else "gloo", host=_host(kind, world_size, disk_dir, quick),
         name=f"local (profiled {today}{', quick' if quick else ''})",
     )
     out_path: pathlib.Path | None = pathlib.Path(path) if path is not None else profile_path(device_name, world_size)
@@ -572,6 +581,15 @@ def run_profile(
         fit_residual=residual, others=others, filled_dtypes=filled,
         seconds=time.perf_counter() - start_s,
     )
+
+
+def _host(kind: str, world_size: int, disk_dir: str | os.PathLike | None, quick: bool):
+    """The host side (`measure_host`); in a running job rank 0 measures it for every rank."""
+    in_job = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    host = [measure_host(kind, world_size, disk_dir, quick) if not in_job or dist.get_rank() == 0 else None]
+    if in_job:
+        dist.broadcast_object_list(host, src=0)
+    return host[0]
 
 
 def _contention(results: Sequence[dict[str, Any]], kind: str) -> float | None:
@@ -643,6 +661,7 @@ def profile(
     path: str | os.PathLike | None = None,
     dtypes: Sequence[str] | None = None,
     quick: bool = False,
+    disk_dir: str | os.PathLike | None = None,
 ) -> Cluster:
     """Measures this machine's device and links and writes a cluster JSON that `Cluster.local` loads.
 
@@ -662,6 +681,9 @@ def profile(
             "tf32")`` on CUDA. Other standard dtypes take a measured stand-in's rate (logged).
         quick: Fewer sizes and repeats: seconds instead of about a minute, noisier figures (a test
             mode; the quick CPU copy may partly hit cache).
+        disk_dir: Where the disk tier will write (its free space and write rate go into
+            ``Cluster.host``, `graphpass.cost.profiler.host`); default ``GRAPHPASS_OFFLOAD_DIR``,
+            else the temporary directory.
 
     Returns:
         The profiled `Cluster` (``compute_efficiency = memory_efficiency = 1.0``).
@@ -671,6 +693,6 @@ def profile(
             bad ``world_size``/``dtypes``.
         RankError, TimeoutError: a profiling rank failed or hung (all ranks were killed).
     """
-    report = run_profile(cluster, world_size=world_size, path=path, dtypes=dtypes, quick=quick)
+    report = run_profile(cluster, world_size=world_size, path=path, dtypes=dtypes, quick=quick, disk_dir=disk_dir)
     logger.info("%s", report.summary())
     return report.cluster
