@@ -15,6 +15,14 @@ layers, width 1792, 14 heads, sequence 2048, vocabulary 50304) in bf16 with Adam
   ``gp.profile(world_size=1)`` with ``measure_ops=True`` (measured matmul rate, bandwidth and op
   times); printed next to the measured step time and peak with the relative error.
 
+**Offload row**: a GPT of width 5120 (GPT-3 13B's) deep enough that its bf16 training state
+(weights, gradients and AdamW's two moments: 8 bytes a parameter) is about twice the GPU's
+memory, capped so that the host (which holds the same 8 bytes a parameter, pinned) keeps 40%
+free, at 1 x 2048 tokens: ``Strategy(offload=("optimizer", "gradients", "parameters"))`` (the
+master weights and AdamW on the host, the compute copies streamed a window of one layer ahead)
+against FSDP2 ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` on a one-rank NCCL group,
+step time and peak for each, and the state over the GPU's memory.
+
 Each part runs in its own ``try`` so that one failure still leaves the other figures printed (a
 GPU session is short). Lines starting with ``RESULT`` are the figures to commit under
 ``bench/results/gpu-*.txt``.
@@ -158,6 +166,68 @@ def main(argv=None) -> None:
             print(line)
         except Exception:  # noqa: BLE001
             print(f"FAILED planner ({label}):\n{traceback.format_exc()}")
+    offload_row(args)
+
+
+def offload_row(args) -> None:
+    """The offload row (see the module docstring)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    device = args.device
+    width = 128 if args.tiny else 5120
+    per_layer = 12 * width * width
+    gpu = torch.cuda.get_device_properties(0).total_memory if device.startswith("cuda") else 2**30
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    layers = 2 if args.tiny else max(2, min(int(2 * gpu / 8 / per_layer), int(0.6 * host / 8 / per_layer)))
+    config = GPTConfig(vocab_size=512 if args.tiny else 50304, block_size=64 if args.tiny else 2048,
+                       n_layer=layers, n_head=width // 128 or 1, n_embd=width)
+    params = layers * per_layer
+    print(f"RESULT offload model: {layers} layers of {width}, {params / 1e9:.1f}B parameters, bf16 state "
+          f"{8 * params / GiB:.0f} GiB = {8 * params / gpu:.2f}x the GPU's memory")
+    idx = torch.randint(config.vocab_size, (1, config.block_size), device=device)
+    targets = torch.randint(config.vocab_size, (1, config.block_size), device=device)
+    measured = {}
+    for name in ("graphpass offload", "FSDP2 CPUOffloadPolicy"):
+        try:
+            torch.manual_seed(0)
+            if name == "graphpass offload":
+                with torch.device(device):
+                    model = GPT(config).to(torch.bfloat16)
+                dmodel = gp.compile(model, gp.Cluster.local(1), example_inputs=(idx, targets),
+                                    strategy=gp.Strategy(offload=("optimizer", "gradients", "parameters")))
+                opt = torch.optim.AdamW(dmodel.parameters(), lr=1e-4)
+
+                def step():
+                    dmodel.train_step(idx, targets)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            else:
+                if not dist.is_initialized():
+                    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                            init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+                model = GPT(config).to(torch.bfloat16)  # on the host: the policy keeps it there
+                mesh = init_device_mesh(device.split(":")[0], (1,))
+                for block in model.h:
+                    fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy())
+                fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+                def step():
+                    model(idx, targets).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            seconds, peak = _run(step, device, 1, max(2, args.steps // 3))
+            measured[name] = seconds
+            print(f"RESULT {name}: step {seconds * 1e3:.1f} ms, GPU peak {peak / GiB:.2f} GiB")
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - keep going: the other figures are still worth printing
+            print(f"FAILED {name}:\n{traceback.format_exc()}")
+    if len(measured) == 2:
+        print(f"RESULT graphpass offload / FSDP2 CPUOffloadPolicy step time: "
+              f"{measured['graphpass offload'] / measured['FSDP2 CPUOffloadPolicy']:.3f}")
 
 
 if __name__ == "__main__":

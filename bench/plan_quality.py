@@ -41,6 +41,16 @@ row fails.
 
     python bench/plan_quality.py                  # all scenarios (~5 min on the 2-core machine)
     python bench/plan_quality.py --only 175b      # scenarios whose label contains "175b"
+    python bench/plan_quality.py --only offload   # the offload scenarios alone
+
+**Offload** (the last two sections): the largest GPT of a ladder of GPT-3 shapes (1.3B to 175B,
+2048 tokens x 8 sequences, bf16, Adam) the planner fits on one A100-80G and on one H100 with
+1 TiB of host memory: with the device alone (``Planner(offload=False)``), with the host's memory
+(the preset's host with no disk) and with the preset's NVMe as well, each with the predicted
+step time, the plan and where its state went (ZeRO-Offload trained 13B on one 32 GB V100 with
+the optimizer on the CPU). Then a scenario where offloading beats ZeRO-3 + recompute and the
+search without offload: GPT-3 13B on one node of 8 A100-40G. The script fails if the host fits
+no larger GPT than the device alone, or if offloading is not faster in the second.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from configs import build, example_inputs  # noqa: E402  (examples/ is not a package)
 
+from graphpass.cluster import Cluster  # noqa: E402
 from graphpass.cost.search import NoPlanError  # noqa: E402
 from graphpass.plan import Plan, Strategy  # noqa: E402
 from graphpass.planner import Planner  # noqa: E402
@@ -116,6 +127,17 @@ SCENARIOS = [
     Scenario("mlp-0.9b", "a100-40g", 1, 1024, "8GiB"),
     Scenario("mlp-0.9b", "a100-80g", 4, 4096, "6GiB"),
 ]
+
+
+# Offload: the GPT-3 family's shapes (paper Table 2.1; 2.7B with d_head 128) and the widths
+# between, to find the largest GPT the planner fits on one device with and without its host.
+GPT_LADDER = {
+    "1.3b": (24, 2048, 16), "2.7b": (32, 2560, 20), "6.7b": (32, 4096, 32), "13b": (40, 5120, 40),
+    "20b": (44, 6144, 48), "30b": (48, 7168, 56), "40b": (52, 8192, 64), "66b": (64, 9216, 72),
+    "175b": (96, 12288, 96),
+}
+OFFLOAD_BATCH = 8  # sequences of 2048 tokens on one device (ZeRO-Offload trained 13B at 8 and up)
+HOST_BYTES = 2**40  # 1 TiB of host memory per device
 
 
 def baselines(world: int, batch: int) -> list[tuple[str, str, list[Strategy]]]:
@@ -193,14 +215,92 @@ def _fits_text(fits: dict[str, list[int]]) -> str:
     return ",".join(parts) or "-"
 
 
+def _ladder_model(name: str) -> torch.nn.Module:
+    from gpt import GPTConfig
+
+    layers, width, heads = GPT_LADDER[name]
+    return _meta(GPTConfig(vocab_size=50304, block_size=2048, n_layer=layers, n_head=heads, n_embd=width,
+                           dropout=0.0, bias=True))
+
+
+def _offload_summary(plan: Plan) -> str:
+    """``zero-1 | 32 opt+grad host, 9 act host, 152 GiB host, 0 GiB disk``."""
+    why = next((r for r in plan.report.reasons if r.startswith("offload, chosen")), None)
+    if why is None:
+        return "no offload"
+    where = why.split(": ", 1)[1]
+    gib = re.findall(r"([\d.]+) GiB (in host memory|on disk)", where)
+    return ", ".join(f"{float(n):.0f} GiB {'host' if 'host' in what else 'disk'}" for n, what in gib)
+
+
+def offload_scenarios(time_limit: float | None) -> list[str]:
+    """The largest GPT of the ladder each column fits on one device, the predicted step time of
+    each fit; and 13B on one node of A100-40G, where offloading beats ZeRO-3 + recompute. Returns
+    the failures."""
+    failures = []
+    print("\nOffload: the largest GPT (2048 tokens x 8 sequences, bf16, Adam) the planner fits on one device; "
+          "host 1 TiB per device")
+    columns = (("device only", False, None), ("host", True, 0), ("host + NVMe", True, None))
+    print(f"{'device':10s} " + " ".join(f"{c[0]:>14s}" for c in columns))
+    for preset in ("a100-80g", "h100-80g"):
+        one = Cluster.preset(preset, nodes=1, gpus_per_node=1)
+        largest: dict[str, tuple[str, Plan]] = {}
+        for label, offload, disk in columns:
+            cluster = one.with_host(memory_bytes=HOST_BYTES, **({} if disk is None else {"disk_bytes": 0}))
+            for name in GPT_LADDER:
+                inputs = example_inputs("gpt3-1.3b", batch=OFFLOAD_BATCH, device="meta")
+                try:
+                    plan = Planner(_ladder_model(name), cluster, inputs, offload=offload).auto(time_limit_s=time_limit)
+                except NoPlanError:
+                    break
+                largest[label] = (name, plan)
+        print(f"{preset:10s} " + " ".join(f"{largest[c[0]][0] if c[0] in largest else '-':>14s}" for c in columns))
+        for label, (name, plan) in largest.items():
+            print(f"  {label:12s} {name:5s} step {plan.report.predicted_step_time_s:7.2f} s, peak "
+                  f"{plan.report.predicted_peak_memory_bytes / GiB:.1f} GiB: {describe(plan)}; {_offload_summary(plan)}")
+        order = list(GPT_LADDER)
+        if "host" not in largest or order.index(largest["host"][0]) <= order.index(largest.get("device only", ("1.3b",))[0]):
+            failures.append(f"offload {preset}: the host fits no larger GPT than the device alone")
+    return failures + offload_beats_zero3(time_limit)
+
+
+def offload_beats_zero3(time_limit: float | None) -> list[str]:
+    """GPT-3 13B on one node of 8 A100-40G at a global batch of 64: ZeRO-3 + recompute fits, and
+    the search without offload finds faster meshes still; with the host it trades recomputation
+    and pipeline bubbles for copies it hides behind compute."""
+    model = _meta("gpt3-13b")
+    inputs = example_inputs("gpt3-13b", batch=64, device="meta")
+    plans = {}
+    for offload in (False, True):
+        planner = Planner(model, "a100-40g:1x8", inputs, offload=offload)
+        plans[offload] = planner.auto(time_limit_s=time_limit)
+    zero3 = planner.price(Strategy(dp=8, zero=3, recompute=True))
+    print("\nOffload against ZeRO-3 + recompute: gpt3-13b a100-40g 1x8 b64 (host per device: 1/8 of the DGX's)")
+    rows = (("zero-3 + recompute", zero3), ("auto, no offload", plans[False]), ("auto, offload", plans[True]))
+    for label, plan in rows:
+        print(f"  {label:20s} step {plan.report.predicted_step_time_s:7.3f} s, peak "
+              f"{plan.report.predicted_peak_memory_bytes / GiB:5.1f} GiB: {describe(plan)}; {_offload_summary(plan)}")
+    off, base = plans[True].report.predicted_step_time_s, zero3.report.predicted_step_time_s
+    print(f"auto with offload / zero-3 + recompute: {off / base:.3f}; / auto without offload: "
+          f"{off / plans[False].report.predicted_step_time_s:.3f} (target: below 1)")
+    return [] if off < min(base, plans[False].report.predicted_step_time_s) else [
+        f"offload: auto with offload {off:.3f} s is not faster than without it"]
+
+
+def _meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return build(name).to(torch.bfloat16)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=None, help="run only scenarios whose label contains this text")
     p.add_argument("--time-limit", type=float, default=None, help="planner.auto(time_limit_s=...)")
     args = p.parse_args(argv)
     scenarios = [s for s in SCENARIOS if args.only is None or args.only in s.label]
-    if not scenarios:
-        p.error(f"no scenario label contains {args.only!r}")
+    run_offload = args.only is None or args.only == "offload"
+    if not scenarios and not run_offload:
+        p.error(f"no scenario label contains {args.only!r} (or --only offload)")
 
     start = time.perf_counter()
     models: dict[str, torch.nn.Module] = {}
@@ -211,8 +311,7 @@ def main(argv=None) -> int:
     passed, failures, auto_only, faster = 0, [], [], []
     for sc in scenarios:
         if sc.model not in models:
-            with torch.device("meta"):
-                models[sc.model] = build(sc.model).to(torch.bfloat16)
+            models[sc.model] = _meta(sc.model)
         inputs = example_inputs(sc.model, batch=sc.batch, device="meta")
         planner = Planner(models[sc.model], f"{sc.preset}:{sc.nodes}x8", inputs, memory_budget=sc.budget)
         try:
@@ -261,6 +360,8 @@ def main(argv=None) -> int:
                 f"{auto.report.predicted_peak_memory_bytes / GiB:.2f} GiB) > {best[0]} "
                 f"{best[1].report.predicted_step_time_s:.4f} s (peak {best[1].report.predicted_peak_memory_bytes / GiB:.2f} GiB)"
             )
+    if run_offload:
+        failures += offload_scenarios(args.time_limit)
     print()
     for label in auto_only:
         print(f"auto only (no uniform baseline fits, auto does): {label}")
