@@ -157,6 +157,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     timeout_s: float | None = None,
     loss_fn: Callable | None = None,
     offload_dir: str | os.PathLike | None = None,
+    delayed_disk_update: bool = False,
 ) -> DistributedModule:
     """Compile ``model`` into this rank's distributed training program.
 
@@ -188,6 +189,11 @@ def compile(  # noqa: A001 - the public name the contract uses
             (``Strategy(offload_to="disk")``) writes its files, one directory per rank under it
             (default: ``GRAPHPASS_OFFLOAD_DIR``); a local SSD, writable, with room for about four
             times the disk-tier parameters' bytes.
+        delayed_disk_update: opt-in, *not exact*: the disk tier's optimizer step runs a step
+            behind, on a thread of its own while the next ``train_step`` computes (Angel-PTM's
+            lock-free update): the update of step k uses the gradients taken at the weights
+            before update k-1. Needs a plan with optimizer state on disk and no streamed
+            parameters (``docs/offload.md``).
 
     Returns:
         the :class:`DistributedModule` for this rank.
@@ -202,6 +208,8 @@ def compile(  # noqa: A001 - the public name the contract uses
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(delayed_disk_update, bool):
+        raise TypeError(f"delayed_disk_update must be True or False, got {delayed_disk_update!r}")
     batch = Batch.of(example_inputs)
     inputs, program_model = batch.tensors, adapt(model, batch, loss_fn)
     rank, world_size = _process_group_size()
@@ -253,7 +261,8 @@ def compile(  # noqa: A001 - the public name the contract uses
     ownership.adopt_replaced(gm, originals)
     if plan.mesh.pp == 1:
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
-                                 captured.route, input_keys=batch.keys, offload_dir=offload_dir)
+                                 captured.route, input_keys=batch.keys, offload_dir=offload_dir,
+                                 delayed_disk_update=delayed_disk_update)
     output = gm.graph.find_nodes(op="output")[0]
     with phase(f"building the pipeline stages of {named}"):
         mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
@@ -270,7 +279,8 @@ def compile(  # noqa: A001 - the public name the contract uses
                              [t.shape for t in local_inputs], model, captured.route, pipeline=program,
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
                              roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm),
-                             input_keys=batch.keys, offload_dir=offload_dir)
+                             input_keys=batch.keys, offload_dir=offload_dir,
+                                 delayed_disk_update=delayed_disk_update)
 
 
 def verify(

@@ -30,6 +30,7 @@ from graphpass.runtime import mesh as mesh_lib
 from graphpass.layout import TensorLayout
 from graphpass.runtime.layout import HeldPieces, gather_full, layout_of
 from graphpass.runtime.loss_count import LossCounts
+from graphpass.runtime import disk
 from graphpass.runtime.disk import DiskStore, check_offload_dir
 from graphpass.runtime.offload import OffloadedParams
 from graphpass.runtime.pipeline import PipelineProgram
@@ -101,6 +102,7 @@ class DistributedModule(nn.Module):
         graph_keys: Sequence[tuple[str, ...]] | None = None,
         input_keys: Sequence[str] | None = None,
         offload_dir: str | os.PathLike | None = None,
+        delayed_disk_update: bool = False,
     ):
         super().__init__()
         self.graph_module = graph_module
@@ -155,7 +157,7 @@ class DistributedModule(nn.Module):
         if on_disk:  # master, gradient and (about) two optimizer states per parameter in files
             need = 4 * sum(p.numel() * p.element_size() for p in on_disk)
             store = DiskStore(check_offload_dir(offload_dir, need), process_mesh.rank)
-        self._offload = OffloadedParams(offloaded.values(), plan.offload_window, store)
+        self._offload = OffloadedParams(offloaded.values(), plan.offload_window, store, delayed_disk_update)
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
 
@@ -230,7 +232,10 @@ class DistributedModule(nn.Module):
         """The tensor the rank stores for attribute ``target``: the master copy of an offloaded
         parameter (what the optimizer has stepped), else the graph's attribute."""
         master = self._offload.masters.get(target)
-        return master if master is not None else self._compute_copy(target)
+        if master is None:
+            return self._compute_copy(target)
+        disk.settle()  # a delayed disk-tier step writing it: done first
+        return master
 
     def _compute_copy(self, target: str) -> torch.Tensor:
         module_path, _, name = target.rpartition(".")
@@ -304,6 +309,7 @@ class DistributedModule(nn.Module):
         global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
         count = functools.partial(self._loss_counts.fill, self.microbatches(*global_batch)) if self._loss_counts else None
         self._offload.upload()  # masters changed since (a load, a step without the hook): up they go
+        self._offload.start_delayed()  # the disk tier's delayed step, while this one computes
         with mesh_lib.active(self._mesh):
             if self._pipeline is not None:  # the engine's schedule cuts the microbatches
                 loss = self._pipeline.run(self.local_batch(*global_batch), before=count)
@@ -318,6 +324,7 @@ class DistributedModule(nn.Module):
         Its result has no backward: calling ``.backward()`` on it raises, saying to call
         :meth:`train_step` (which runs forward and backward of the distributed program)."""
         global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
+        disk.settle()
         self._offload.upload()
         if self._pipeline is not None:
             with mesh_lib.active(self._mesh):

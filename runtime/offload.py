@@ -284,10 +284,21 @@ class OffloadedParams:
         params: ``(attribute target, compute copy, tiers)`` of each offloaded parameter.
         window: layers a streamed parameter is brought in ahead of its use (in backward too).
         store: the rank's files, for parameters whose optimizer lives on disk.
+        delayed: step the disk tier a step behind (:mod:`graphpass.runtime.disk`; not exact).
     """
 
     def __init__(self, params: Iterable[tuple[str, nn.Parameter, Tiers]], window: int = 1,
-                 store: DiskStore | None = None):
+                 store: DiskStore | None = None, delayed: bool = False):
+        params = list(params)
+        if delayed:
+            streamed = [t for t, _, tiers in params if tiers.optimizer == "disk" and tiers.parameter == "host"]
+            if not any(tiers.optimizer == "disk" for _, _, tiers in params):
+                raise ValueError("delayed_disk_update=True delays the disk tier's optimizer step, and this plan keeps "
+                                 "no optimizer state on disk: use Strategy(offload=(...), offload_to='disk') or drop it")
+            if streamed:
+                raise ValueError(f"delayed_disk_update=True with streamed parameters ({streamed[0]!r}: "
+                                 "Tiers(parameter='host')): forward reads their masters while the delayed step writes "
+                                 "them; drop 'parameters' from Strategy.offload or the delayed update")
         self.tiers: dict[str, Tiers] = {}
         self.compute: dict[str, nn.Parameter] = {}
         self.masters: dict[str, nn.Parameter] = {}
@@ -295,7 +306,8 @@ class OffloadedParams:
         self._uploaded: dict[str, int] = {}  # target -> the master's version its compute copy holds
         self._held: set[str] = set()
         self._store = store
-        self._grad_files: dict[str, torch.Tensor] = {}
+        self._grad_files: dict[str, list[torch.Tensor]] = {}
+        self._delayed = delayed
         for target, param, tiers in params:
             on_disk = tiers.optimizer == "disk"
             if on_disk and store is None:
@@ -305,7 +317,7 @@ class OffloadedParams:
                 copy = store.tensor(f"{target}.master", param) if on_disk else host_like(param)
                 master = nn.Parameter(mark_host(copy.copy_(param)), requires_grad=param.requires_grad)
             if on_disk:
-                disk.register(master, store)
+                disk.register(master, store, delayed)
             self.tiers[target], self.compute[target], self.masters[target] = tiers, param, master
             self._by_compute[param] = target
             ownership.compute_copy(param, target)
@@ -376,9 +388,25 @@ class OffloadedParams:
         once, reused every step)."""
         if self.tiers[target].optimizer != "disk":
             return host_like(grad)
-        if target not in self._grad_files:
-            self._grad_files[target] = self._store.tensor(f"{target}.grad", grad)
-        return self._grad_files[target]
+        files = self._grad_files.setdefault(target, [])
+        if not files:
+            files.append(self._store.tensor(f"{target}.grad", grad))
+        elif self._delayed:  # two files, taken in turn: the delayed step reads the other
+            if len(files) == 1:
+                files.append(self._store.tensor(f"{target}.grad.1", grad))
+            files.reverse()
+        return files[0]
+
+    def start_delayed(self) -> None:
+        """Start the disk tier's delayed step (a step behind) once the uploads it would overwrite
+        are done; the step about to run computes meanwhile."""
+        taken = disk.taken()
+        if not taken:
+            return
+        for target, master in self.masters.items():
+            if any(master is t for t in taken):
+                fetch_param(self.compute[target])  # its upload has read the master
+        disk.start_behind()
 
     def finish_step(self) -> None:
         """After the step's backwards: send every gradient still on the device down and wait

@@ -330,6 +330,68 @@ def test_the_disk_tier_steps_in_pages_with_the_state_in_files(tmp_path, monkeypa
     assert sum(f.endswith(".master.bin") for f in files) == len(params)
 
 
+def _sgd_reference(steps: int, lr: float, delayed: bool) -> tuple[list[float], dict]:
+    """One process, by hand, plain SGD: exact (w_k = w_{k-1} - lr * grad L_k(w_{k-1})) or delayed,
+    where the update of step k is the gradient of batch k taken at the weights before update
+    k - 1 (w_k = w_{k-1} - lr * grad L_k(w_{k-2}), w_{-1} = w_0)."""
+    model, data = zoo.build("gpt"), zoo.batches("gpt", steps, BATCH)
+    weights = [{k: v.detach().clone() for k, v in model.named_parameters()}]  # a tied weight once
+    losses = []
+    for k, batch in enumerate(data, start=1):
+        model.load_state_dict(weights[max(k - 2, 0)] if delayed else weights[k - 1], strict=False)
+        model.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        losses.append(loss.item())
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        weights.append({name: v - lr * grads[name] for name, v in weights[-1].items()})
+    return losses, weights[-1]
+
+
+def _train_delayed(data, dmodel, lr: float) -> list[float]:
+    opt = torch.optim.SGD(dmodel.parameters(), lr=lr)
+    losses = []
+    for batch in data:
+        losses.append(dmodel.train_step(*batch).item())
+        if len(losses) > 1:  # the previous step's update ran while this step computed
+            assert all(future.running() or future.done() for future in disk._BEHIND.values())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_the_delayed_disk_update_is_one_step_behind_and_opt_in(tmp_path, monkeypatch):
+    """``delayed_disk_update=True`` steps the disk tier while the next step computes: not the
+    exact update, but exactly the delayed rule (tolerances as the parity tests'); without it the
+    same plan matches one process (the parity matrix above)."""
+    monkeypatch.setattr(disk, "PAGE_BYTES", 64 * 2**10)
+    steps, lr = 4, 0.1
+    data = zoo.batches("gpt", steps, BATCH)
+    dmodel = gp.compile(zoo.build("gpt"), example_inputs=data[0], offload_dir=tmp_path, delayed_disk_update=True,
+                        strategy=gp.Strategy(offload=GRADS, offload_to="disk"))
+    losses = _train_delayed(data, dmodel, lr)
+    ref_losses, ref_state = _sgd_reference(steps, lr, delayed=True)
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=ATOL)
+    state = dmodel.full_state_dict()  # waits for the last step's update
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+    # ... and it is not the exact update: the losses part from step 2 on by far more than that
+    exact_losses = _sgd_reference(steps, lr, delayed=False)[0]
+    assert losses[0] == pytest.approx(exact_losses[0], rel=RTOL)
+    assert all(abs(a - b) > 1e3 * ATOL for a, b in zip(losses[2:], exact_losses[2:])), (losses, exact_losses)
+
+
+def test_delayed_disk_update_mistakes_name_the_argument(tmp_path):
+    data = zoo.batches("gpt", 1, BATCH)
+    for strategy, match in ((gp.Strategy(offload=GRADS), "keeps no optimizer state on disk"),
+                            (gp.Strategy(offload=PARAMS, offload_to="disk"), "with streamed parameters")):
+        with pytest.raises(ValueError, match=rf"delayed_disk_update=True .*{match}"):
+            gp.compile(zoo.build("gpt"), example_inputs=data[0], offload_dir=tmp_path, delayed_disk_update=True,
+                       strategy=strategy)
+    with pytest.raises(TypeError, match="delayed_disk_update must be True or False"):
+        gp.compile(zoo.build("gpt"), example_inputs=data[0], delayed_disk_update="yes")
+
+
 def test_disk_tier_mistakes_name_offload_dir(tmp_path, monkeypatch):
     data = zoo.batches("gpt", 1, BATCH)
     strategy = gp.Strategy(offload=OPT, offload_to="disk")
