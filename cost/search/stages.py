@@ -80,6 +80,11 @@ _TIE_BREAK = 1e-3
 #: below to 4e-5 above SCIP's (its answers within the MIP gap, or its row tolerances, differ),
 #: so it would change plans for a 20% faster solve (0.9 s against 1.1 s over the 31).
 _STAGE_BACKEND = ilp.SCIP
+#: A stage ILP with offload choices (tiers per block, the host's memory a knapsack beside the
+#: device's) may take SCIP minutes to *prove* optimal on a large mesh (llama-70b on 512 H100s:
+#: over 15 minutes for one stage); its best assignment is kept after this long (the gap is
+#: reported with the plan), unless the caller's deadline comes first.
+OFFLOAD_STAGE_LIMIT_S = 20.0
 
 
 @dataclass
@@ -217,6 +222,9 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
             model.add_linear([*ns, z], [*coefs, priced[key, o].transient_bytes * mem_scale], -math.inf, 1.0)
         return counts
 
+    if any(pr.host_link_s or pr.host_bytes or pr.host_act_bytes or pr.disk_bytes
+           for i in indices for _, pr in options[i]):
+        deadline = min(deadline, time.perf_counter() + OFFLOAD_STAGE_LIMIT_S)
     # At least 50 ms, even past the deadline: a stage without an answer loses its mesh.
     result, counts = ilp.solve(build, _STAGE_BACKEND, max(deadline, time.perf_counter() + 0.05))
     if not result.found:
