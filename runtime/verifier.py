@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphpass import meta
+from graphpass.layout import Tiers
 from graphpass.mesh import Mesh, pipeline_rank
 from graphpass.plan import Plan
 from graphpass.units import format_bytes
@@ -344,31 +345,41 @@ def shard_problems(gm: fx.GraphModule, plan: Plan, rank: int) -> list[str]:
 
 
 def memory_problem(plan: Plan, memory_bytes: int | None, held_bytes: int) -> str | None:
-    """Whether the plan's predicted peak (or, unpriced, the parameters and their gradients this
-    rank holds) exceeds the device's memory."""
+    """Whether the plan's predicted peak (or, unpriced, the parameters and gradients this rank
+    keeps on the device, ``held_bytes``) exceeds the device's memory."""
     if memory_bytes is None:
         return None
     if plan.report.predicted_peak_memory_bytes is not None:
         need, what = plan.report.predicted_peak_memory_bytes, "the plan's predicted peak memory"
     else:
-        need, what = 2 * held_bytes, "this rank's parameters and their gradients"
+        need, what = held_bytes, "this rank's device-resident parameters and their gradients"
     if need <= memory_bytes:
         return None
     return (f"{what} is {format_bytes(need)}, more than the device's {format_bytes(memory_bytes)}; "
-            "shard more (zero=3, tp, pp), recompute, or plan with strategy='auto'")
+            "shard more (zero=3, tp, pp), recompute, offload (Strategy(offload=...)), or plan with strategy='auto'")
 
 
 def held_bytes(gm: fx.GraphModule, plan: Plan, rank: int) -> int:
-    """Bytes of the parameters ``rank`` holds (its stages', as shards)."""
+    """Bytes of the parameters ``rank`` holds (its stages', as shards) and of their gradients,
+    where their tiers keep them on the device: a streamed parameter (``Tiers(parameter="host")``)
+    counts as the two in flight at once (the largest), a gradient on the host not at all."""
     runs = _runner(gm, rank_stages(plan, rank))
-    seen, total = set(), 0
+    seen, total, streamed = set(), 0, [0]
     for node in gm.graph.nodes:
         value = node.meta.get(meta.VAL)
         if (node.op == "get_attr" and node.target not in seen and runs(node)
                 and meta.get(node, meta.ATTR_KIND, None) == "parameter" and isinstance(value, torch.Tensor)):
             seen.add(node.target)
-            total += value.numel() * value.element_size()
-    return total
+            nbytes = value.numel() * value.element_size()
+            layout = meta.layout(node)
+            tiers = layout.tiers if layout is not None else Tiers()
+            if tiers.parameter == "host":
+                streamed.append(nbytes)
+            else:
+                total += nbytes
+            if tiers.gradient == "device":
+                total += nbytes
+    return total + 2 * max(streamed)
 
 
 def local_problems(gm: fx.GraphModule, plan: Plan, rank: int, memory_bytes: int | None) -> list[tuple[int, str]]:

@@ -229,6 +229,22 @@ def test_offload_strategy_mistakes_name_the_field():
         gp.Strategy(offload=ACTS, recompute=True)
 
 
+def test_the_verifier_counts_only_what_stays_on_the_device():
+    """A device too small for the parameters and their gradients refuses the plain plan before it
+    runs, and takes the plan that streams them from the host (two parameters in flight)."""
+    import dataclasses
+
+    data = zoo.batches("gpt", 1, BATCH)
+    params = sum(p.numel() * p.element_size() for p in zoo.build("gpt").parameters())
+    local = gp.Cluster.local(1)
+    small = dataclasses.replace(local, device=dataclasses.replace(local.device, memory_bytes=params))
+    with pytest.raises(gp.VerificationError, match="device-resident parameters and their gradients"):
+        gp.compile(zoo.build("gpt"), small, example_inputs=data[0], strategy=gp.Strategy())
+    dmodel = gp.compile(zoo.build("gpt"), small, example_inputs=data[0],
+                        strategy=gp.Strategy(offload=("optimizer", "gradients", "parameters")))
+    assert dmodel.train_step(*data[0]).isfinite()
+
+
 def test_a_plan_offloading_a_buffer_or_a_missing_layer_names_it():
     dmodel, data = _compile(())
     plan = dmodel.plan

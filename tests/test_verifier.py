@@ -140,7 +140,7 @@ def test_a_program_over_the_device_memory_is_refused():
     tiny = dataclasses.replace(H100x4.device, memory_bytes=500_000)
     cluster = dataclasses.replace(H100x4, device=tiny)
     data = zoo.batches("gpt", 1, 8)
-    with pytest.raises(gp.VerificationError, match=r"ranks \[0, 1, 2, 3\]: this rank's parameters and their "
+    with pytest.raises(gp.VerificationError, match=r"ranks \[0, 1, 2, 3\]: this rank's device-resident parameters and their "
                                                     r"gradients is 926 KiB, more than the device's 488 KiB; shard more"):
         gp.verify(zoo.build("gpt"), cluster, example_inputs=data[0], strategy=gp.Strategy(dp=4))
     gp.verify(zoo.build("gpt"), cluster, example_inputs=data[0], strategy=gp.Strategy(dp=4, zero=3))
