@@ -278,8 +278,9 @@ def offload_beats_zero3(time_limit: float | None) -> list[str]:
     print("\nOffload against ZeRO-3 + recompute: gpt3-13b a100-40g 1x8 b64 (host per device: 1/8 of the DGX's)")
     rows = (("zero-3 + recompute", zero3), ("auto, no offload", plans[False]), ("auto, offload", plans[True]))
     for label, plan in rows:
+        over = " (over the budget)" if plan.report.predicted_peak_memory_bytes > planner.budget else ""
         print(f"  {label:20s} step {plan.report.predicted_step_time_s:7.3f} s, peak "
-              f"{plan.report.predicted_peak_memory_bytes / GiB:5.1f} GiB: {describe(plan)}; {_offload_summary(plan)}")
+              f"{plan.report.predicted_peak_memory_bytes / GiB:5.1f} GiB{over}: {describe(plan)}; {_offload_summary(plan)}")
     off, base = plans[True].report.predicted_step_time_s, zero3.report.predicted_step_time_s
     print(f"auto with offload / zero-3 + recompute: {off / base:.3f}; / auto without offload: "
           f"{off / plans[False].report.predicted_step_time_s:.3f} (target: below 1)")
