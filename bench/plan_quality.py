@@ -39,7 +39,7 @@ make it slower. The last lines count the rows where
 auto <= best and where per-operator choices beat the per-block plan; the script exits 1 if any
 row fails.
 
-    python bench/plan_quality.py                  # all scenarios (~22 min on the 2-core machine, offload searched)
+    python bench/plan_quality.py                  # all scenarios (minutes; the offload ones plan 175B)
     python bench/plan_quality.py --only 175b      # scenarios whose label contains "175b"
     python bench/plan_quality.py --only offload   # the offload scenarios alone
 

@@ -219,7 +219,7 @@ class Planner:
         capacity_factors: Sequence[float | None] | None = None,
         max_dropped: float = 0.0,
         loss_fn: Callable | None = None,
-        offload: bool = True,
+        offload: bool | None = None,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -256,6 +256,9 @@ class Planner:
         self.costing = replace(_costing(self.profile, self.cluster, self.batch, self.budget, optimizer_states,
                                         measure_ops, measure_together),
                                expert_loads=loads, capacity_factor=capacity, offload=bool(offload))
+        # None: offload is searched when nothing fits on the devices alone (the tiers multiply
+        # each block's choices, and the stage ILPs take SCIP several times longer)
+        self._offload_when_needed = offload is None and self.cluster.host is not None
         self._layouts: dict[tuple[int, bool, str], list[S.BlockCost]] = {}
         self._batches: dict[tuple[int, bool, str], set[int]] = defaultdict(set)
         self._rejected: dict[int, str] = {}  # tp degrees Megatron's layout cannot take, and why
@@ -397,10 +400,19 @@ class Planner:
         layouts = self._ensure(mesh_list)
         usable = [m for m in mesh_list if m.key in layouts]
         _, costing = self._with_budget(memory_budget)
-        best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
+        try:
+            best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
+            searched = []
+        except S.NoPlanError:
+            if not self._offload_when_needed:
+                raise
+            costing = replace(costing, offload=True)
+            best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
+            searched = ["no plan fits on the devices alone: offload searched (Planner(offload=True) searches it "
+                        "always, in the same solve)"]
         alternatives = _alternatives(best, found, infeasible)
-        reasons = _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
-                           self.measure_s, pruned)
+        reasons = searched + _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
+                                      self.measure_s, pruned)
         return _to_plan(self.profile, layouts[best.layout.key], best, costing,
                         None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
                         alternatives)
@@ -419,7 +431,7 @@ def plan(
     capacity_factors: Sequence[float | None] | None = None,
     max_dropped: float = 0.0,
     loss_fn: Callable | None = None,
-    offload: bool = True,
+    offload: bool | None = None,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -443,10 +455,12 @@ def plan(
             ``compile`` applies ``Plan.capacity_factor`` to the layers.
         max_dropped: the drop budget for ``capacity_factors`` (default 0: no drops predicted).
         loss_fn: as for :func:`graphpass.compile` (``example_inputs`` may be a dict there too).
-        offload: let the search put blocks' optimizer state, gradients, parameters (a streamed
-            window) and saved activations in host memory, or optimizer state on disk, where the
-            cluster has a host side (``Cluster.host``; every preset has one), priced with the
-            host link and its overlap with compute; ``False``: the device alone.
+        offload: ``True``: the search puts blocks' optimizer state, gradients, parameters (a
+            streamed window) and saved activations in host memory, or optimizer state on disk,
+            where the cluster has a host side (``Cluster.host``; every preset has one), priced
+            with the host link and its overlap with compute, in the same solve as the rest;
+            ``None`` (default): only when no plan fits on the devices alone (searching it takes
+            several times longer); ``False``: the devices alone.
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
