@@ -72,7 +72,8 @@ import graphpass as gp
 from graphpass.runtime.memory import MemoryProbe, optimizer_state_tensors
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402  (examples/ is not a package)
+from configs import param_count  # noqa: E402  (examples/ is not a package)
+from gpt import GPT, GPTConfig  # noqa: E402
 from gpt_args import add_gpt_args, gpt_batches, gpt_config  # noqa: E402
 
 MIB = 2**20
@@ -224,8 +225,7 @@ def _big_config(args, layers: int) -> GPTConfig:
 
 
 def _big_params(args, layers: int) -> int:
-    e, v, t = args.big_embd, 8192, 64
-    return layers * (12 * e * e + 13 * e) + v * e + t * e + 2 * e
+    return param_count(_big_config(args, layers))
 
 
 def train_one(args) -> None:
@@ -288,7 +288,8 @@ def largest(args, offload_dir: str) -> None:
         best["eager"] = layers
         layers += 8
     free = shutil.disk_usage(offload_dir).free
-    layers = 8 * max(1, int(free * 0.9 / 16 / (12 * args.big_embd**2 + 13 * args.big_embd) / 8))
+    per_layer = _big_params(args, 2) - _big_params(args, 1)
+    layers = 8 * max(1, int(free * 0.9 / 16 / per_layer / 8))
     print(f"disk: {free / 2**30:.0f} GiB free under {offload_dir}; 16 bytes a parameter in files")
     while layers > best.get("eager", 0):  # disk: downwards from what the disk holds until one trains
         ok, what = _try(args, "disk", layers, os.path.join(offload_dir, f"gpt{layers}"))

@@ -34,6 +34,7 @@ optimizer state in memory until the next step moves it to files again.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import mmap
 import os
 import pathlib
@@ -41,7 +42,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -166,6 +167,16 @@ def _paging() -> bool:
     return getattr(_LOCAL, "paging", False)
 
 
+@contextlib.contextmanager
+def _paging_here() -> Iterator[None]:
+    """This thread steps pages meanwhile: the optimizer steps it takes skip the paging hooks."""
+    _LOCAL.paging = True
+    try:
+        yield
+    finally:
+        _LOCAL.paging = False
+
+
 def register(master: torch.Tensor, store: DiskStore, delayed: bool = False) -> None:
     """Step ``master`` in pages from now on (its files are in ``store``); ``delayed``: a step
     behind, while the next step computes (not exact, see the module docstring)."""
@@ -220,13 +231,12 @@ def _step_in_pages(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
         return
     grads = {id(p): p.grad for p in params}
     paged = {id(p) for p in on_disk}
-    _LOCAL.paging = True
     try:
         for p in params:
             p.grad = None
-        _step_pages(optimizer, on_disk, grads, _own_step(optimizer))
+        with _paging_here():
+            _step_pages(optimizer, on_disk, grads, _own_step(optimizer))
     finally:
-        _LOCAL.paging = False
         for p in params:  # the step that follows skips the paged parameters: they have no gradient
             p.grad = None if id(p) in paged else grads[id(p)]
         _HIDDEN[optimizer] = [(p, grads[id(p)]) for p in on_disk]
@@ -296,12 +306,8 @@ def _step_pages(optimizer: torch.optim.Optimizer, on_disk: list[torch.Tensor], g
 
 
 def _behind(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], grads: dict[int, torch.Tensor]) -> None:
-    _LOCAL.paging = True
-    try:
-        with torch.no_grad():
-            _step_pages(optimizer, params, grads, _stand_in_step(optimizer))
-    finally:
-        _LOCAL.paging = False
+    with _paging_here(), torch.no_grad():
+        _step_pages(optimizer, params, grads, _stand_in_step(optimizer))
 
 
 def taken() -> list[torch.Tensor]:

@@ -400,11 +400,11 @@ class OffloadedParams:
     def start_delayed(self) -> None:
         """Start the disk tier's delayed step (a step behind) once the uploads it would overwrite
         are done; the step about to run computes meanwhile."""
-        taken = disk.taken()
+        taken = {id(t) for t in disk.taken()}
         if not taken:
             return
         for target, master in self.masters.items():
-            if any(master is t for t in taken):
+            if id(master) in taken:
                 fetch_param(self.compute[target])  # its upload has read the master
         disk.start_behind()
 
