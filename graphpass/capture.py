@@ -41,9 +41,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graphpass import meta
+from graphpass.fake_values import FakeAttrProp, carry_over, is_fake, propagate_fake
 from graphpass.model_io import Batch, LossModule, NoLoss, adapt
 from graphpass.nn.grouped_experts import substituted
 
@@ -121,6 +121,8 @@ def capture(
         if not isinstance(model, LossModule) and _several_outputs(gm):  # nanoGPT's (logits, loss)
             return capture(LossModule(model, batch, None), inputs, route=route)
         _check_loss_output(gm, model)
+        if name == "export":  # values of our own fake mode, which later passes re-derive from
+            propagate_fake(gm, inputs)
         if store is not None:  # keep a copy no pass will touch; the caller gets the original
             store[key] = CaptureResult(_rebind(gm, None), name, 0.0, failures)
         seconds = time.perf_counter() - start
@@ -220,7 +222,7 @@ def _plain_attributes(module: nn.Module) -> tuple:
 
 def _tensor_digest(t: torch.Tensor) -> tuple:
     meta_only = (tuple(t.shape), t.dtype, t.device.type)
-    if t.device.type == "meta" or _is_fake(t):
+    if t.device.type == "meta" or is_fake(t):
         return meta_only
     try:
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -255,6 +257,7 @@ def _rebind(src: fx.GraphModule, model: nn.Module | None) -> fx.GraphModule:
         else:
             tensor = tensors[node.target][0]
         _set_attr(holder, node.target, tensor, kind)
+    carry_over(env)  # the copy's next propagation runs only what its tensors change
     return fx.GraphModule(holder, graph, class_name=type(src).__name__)
 
 
@@ -522,7 +525,7 @@ def _specialize_python_values(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
-    class Recorder(_FakeAttrProp):
+    class Recorder(FakeAttrProp):
         def run_node(self, n: fx.Node) -> Any:
             result = super().run_node(n)
             values[n] = result
@@ -600,35 +603,6 @@ def layer_index(module_path: str) -> int | None:
     """The index of the repeated layer a module path sits in: ``"h.3.attn"`` → 3, ``"wte"`` → None."""
     match = _LAYER_RE.search(module_path)
     return int(match.group(1)) if match else None
-
-
-class _FakeAttrProp(FakeTensorProp):
-    """FakeTensorProp that also fakes parameters and buffers, so that in-place ops in the graph
-    (BatchNorm's ``num_batches_tracked.add_``) never touch the real tensors."""
-
-    def fetch_attr(self, target: str) -> Any:
-        value = super().fetch_attr(target)
-        if isinstance(value, torch.Tensor) and not _is_fake(value):
-            value = self._mode.from_tensor(value)
-        return value
-
-
-def propagate_fake(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> None:
-    """Recompute ``meta["val"]`` for every node by running ``gm`` on fake tensors.
-
-    Inputs and attributes may be real, meta or fake tensors; nothing is allocated and no real
-    tensor is modified.
-    """
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_inputs = [mode.from_tensor(t) if not _is_fake(t) else t for t in inputs]
-    with mode:
-        _FakeAttrProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
 
 
 def _several_outputs(gm: fx.GraphModule) -> bool:

@@ -109,7 +109,7 @@ def copy_meta(src: fx.Node, dst: fx.Node, *, exclude: tuple[str, ...] = (VAL,)) 
     """Copy provenance metadata (module path, layer, source, ...) from ``src`` to ``dst``.
 
     ``val`` is excluded by default because the replacement usually has a different shape; the
-    pass recomputes it with :func:`graphpass.capture.propagate_fake`.
+    pass recomputes it with :func:`graphpass.fake_values.propagate_fake`.
     """
     for key, value in src.meta.items():
         if key not in exclude and key not in dst.meta:

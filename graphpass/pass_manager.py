@@ -126,7 +126,7 @@ def verify(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *, propag
     Raises:
         PassError: lint failure, or a tensor-producing node whose value cannot be propagated.
     """
-    from graphpass.capture import propagate_fake
+    from graphpass.fake_values import propagate_fake
 
     if propagate:
         gm.graph.lint()
@@ -179,7 +179,8 @@ def run_passes(
                     f"pass {name} requires {sorted(missing)}, which no earlier pass provided "
                     f"(ran: {', '.join(done) or 'none'})"
                 )
-            # Capture's values come from its own tracer; the first pass re-derives them here.
+            # The first pass always re-derives the values (a graph may come from anywhere); a pass
+            # that changed nothing keeps them. Only what changed runs (graphpass.fake_values).
             state = program_state(gm) if done else None
             try:
                 result = graph_pass_fn(gm, plan, ctx)

@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graphpass.capture import capture, propagate_fake
+from graphpass.capture import capture
+from graphpass.fake_values import propagate_fake
 from graphpass.grads import grad_requiring_nodes
 from graphpass.cluster import Cluster
 from graphpass.cost.compute import node_bytes, node_flops
