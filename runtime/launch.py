@@ -571,6 +571,20 @@ class _Workers:
 # -- the rank side -------------------------------------------------------------------
 
 
+#: what the fork server imports before it forks any rank: torch, graphpass's compile path (its
+#: pipeline runtime imports torch.distributed.pipelining), what torch.export imports at its first
+#: call; 3 s of imports on this machine that no rank then repeats.
+_PRELOAD = ["torch", "torch.distributed", "torch.export._trace", "graphpass.api", __name__]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too before it forks ranks, so that every rank
+    starts with them imported (the model libraries a test suite's ranks all import: each rank
+    would import them again). Takes effect only before this process's first launch; a module that
+    fails to import is left to the ranks."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+
+
 def _start_context() -> multiprocessing.context.BaseContext:
     """How ranks start: forked from a fork server that has imported torch once (a rank then
     starts in a fraction of a second instead of importing torch itself, and leaves with
@@ -580,7 +594,7 @@ def _start_context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])  # no effect once it runs
+    ctx.set_forkserver_preload(list(_PRELOAD))  # no effect once it runs
     return ctx
 
 

@@ -40,6 +40,16 @@ def _isolated_profile_cache(tmp_path_factory):
         os.environ["GRAPHPASS_CACHE_DIR"] = old
 
 
+def pytest_configure(config):
+    """The ranks' fork server imports the Hugging Face models the zoo builds (1.3 s a rank
+    otherwise, and the suite starts ranks by the hundred: a pool per world size, a fresh one after
+    every deliberate failure)."""
+    from graphpass.runtime.launch import preload
+
+    preload(*(f"transformers.models.{m}.modeling_{m}" for m in
+              ("gpt2", "llama", "gpt_neox", "phi3", "t5", "mixtral", "qwen2_moe")))
+
+
 @pytest.fixture(scope="session")
 def rank_pool(graphpass_ranks):
     """``get(world_size) -> RankPool``: the graphpass pytest plugin's ``graphpass_ranks`` (one live
