@@ -206,7 +206,7 @@ def _plain_attributes(module: nn.Module) -> tuple:
             continue
         ok, literal = _as_literal(value)
         if ok:
-            out.append((name, literal))
+            out.append((name, _hashable(literal)))
         elif isinstance(value, torch.Tensor):
             out.append((name, _tensor_digest(value)))
         elif isinstance(value, dict):  # hooks (their reprs hold their addresses), option dicts by value
@@ -218,6 +218,15 @@ def _plain_attributes(module: nn.Module) -> tuple:
         else:
             out.append((name, f"{type(value).__module__}.{type(value).__qualname__}"))
     return tuple(out)
+
+
+def _hashable(literal: Any) -> Any:
+    """A literal as a key: lists as tagged tuples (a module may keep a list of names)."""
+    if isinstance(literal, list):
+        return ("list", tuple(_hashable(v) for v in literal))
+    if isinstance(literal, tuple):
+        return tuple(_hashable(v) for v in literal)
+    return literal
 
 
 def _tensor_digest(t: torch.Tensor) -> tuple:

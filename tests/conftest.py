@@ -50,6 +50,25 @@ def pytest_configure(config):
               ("gpt2", "llama", "gpt_neox", "phi3", "t5", "mixtral", "qwen2_moe")))
 
 
+#: the test process's captures, reused by every test but test_capture.py's (see below)
+_CAPTURES: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _reused_captures(request):
+    """Tests capture the same zoo models again and again (Planner, gp.plan, capture, passes): the
+    process captures each model class, configuration and batch shape once, as
+    ``graphpass.reusing_captures`` promises for equal models (zoo models are fixed code and
+    configs). test_capture.py tests capture itself (routes, failures, timing): it captures afresh."""
+    if request.path.name == "test_capture.py":
+        yield
+        return
+    from graphpass.capture import reusing_captures
+
+    with reusing_captures(_CAPTURES):
+        yield
+
+
 @pytest.fixture(scope="session")
 def rank_pool(graphpass_ranks):
     """``get(world_size) -> RankPool``: the graphpass pytest plugin's ``graphpass_ranks`` (one live

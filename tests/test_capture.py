@@ -156,9 +156,11 @@ def test_example_inputs_of_the_wrong_type_are_rejected(inputs, message):
 class _Scaled(nn.Module):
     """A model whose graph depends on a plain attribute and a plain tensor attribute."""
 
-    def __init__(self, eps: float = 1e-5, offset: float = 0.0, tie: bool = False, power: int = 2):
+    def __init__(self, eps: float = 1e-5, offset: float = 0.0, tie: bool = False, power: int = 2,
+                 order=("a", "b")):
         super().__init__()
         self.eps = eps
+        self.order = list(order)  # a list attribute (unhashable) the forward reads
         self.options = {"power": power}
         self.offset = torch.full((4,), offset)
         self.a = nn.Linear(4, 4, bias=False)
@@ -167,7 +169,8 @@ class _Scaled(nn.Module):
             self.b.weight = self.a.weight
 
     def forward(self, x):
-        return (self.b(self.a(x) + self.offset) / (x.abs().mean() + self.eps)).pow(self.options["power"]).mean()
+        first, second = (getattr(self, name) for name in self.order)
+        return (second(first(x) + self.offset) / (x.abs().mean() + self.eps)).pow(self.options["power"]).mean()
 
 
 def test_a_reused_capture_is_bound_to_the_new_model_and_untouched_by_edits_of_the_first():
@@ -192,6 +195,7 @@ def test_a_reused_capture_is_bound_to_the_new_model_and_untouched_by_edits_of_th
     (lambda: _Scaled(eps=1e-3), None),               # a plain attribute the forward reads
     (lambda: _Scaled(offset=1.0), None),             # a plain tensor attribute, by value
     (lambda: _Scaled(power=4), None),                # a dict of options
+    (lambda: _Scaled(order=("b", "a")), None),       # a list
     (lambda: _Scaled(tie=True), None),               # tying
     (lambda: _Scaled(), (torch.randn(4, 4),)),       # the batch shape
     (lambda: _Scaled().double(), (torch.randn(8, 4, dtype=torch.float64),)),  # dtypes
