@@ -281,6 +281,9 @@ class RankPool:
         world_size: Number of ranks.
         backend: Process group backend.
         collective_timeout_s: Timeout of the ranks' default process group.
+        initializer: a module-level function each rank calls once, after it joined the group
+            and before its first task (e.g. state every task on the rank shares); a rank whose
+            initializer raises fails the run that started it.
     """
 
     def __init__(
@@ -289,12 +292,14 @@ class RankPool:
         *,
         backend: str = "gloo",
         collective_timeout_s: float = 60.0,
+        initializer: Callable[[], Any] | None = None,
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"RankPool world_size must be a positive int, got {world_size!r}")
         self.world_size = world_size
         self.backend = backend
         self.collective_timeout_s = collective_timeout_s
+        self.initializer = initializer
         self._workers: _Workers | None = None
         self._finalizer: multiprocessing.util.Finalize | None = None
         self._lock = threading.Lock()
@@ -376,7 +381,7 @@ class RankPool:
         if self._workers is not None:
             return self._workers
         for attempt in range(_PORT_RETRIES):
-            workers = _Workers.spawn(self.world_size, self.backend, self.collective_timeout_s)
+            workers = _Workers.spawn(self.world_size, self.backend, self.collective_timeout_s, self.initializer)
             self._workers = workers
             self._finalizer = multiprocessing.util.Finalize(
                 self, workers.shutdown, kwargs={"kill": False}, exitpriority=100
@@ -504,7 +509,8 @@ class _Workers:
         self.port = port
 
     @classmethod
-    def spawn(cls, world_size: int, backend: str, collective_timeout_s: float) -> _Workers:
+    def spawn(cls, world_size: int, backend: str, collective_timeout_s: float,
+              initializer: Callable[[], Any] | None = None) -> _Workers:
         ctx = _start_context()
         port = free_port()
         result_queue = ctx.Queue()
@@ -515,7 +521,8 @@ class _Workers:
                 target=_rank_main,
                 name=f"graphpass-rank{rank}",
                 args=(rank, world_size, port, backend, collective_timeout_s, list(sys.path),
-                      dict(os.environ), task_queues[rank], result_queue),
+                      dict(os.environ), task_queues[rank], result_queue,
+                      None if initializer is None else pickle.dumps(initializer)),
             )
             proc.start()
             procs.append(proc)
@@ -599,7 +606,8 @@ def _start_context() -> multiprocessing.context.BaseContext:
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, collective_timeout_s: float,
-               sys_path: list[str], environ: dict[str, str], task_queue, result_queue) -> None:
+               sys_path: list[str], environ: dict[str, str], task_queue, result_queue,
+               initializer: bytes | None = None) -> None:
     """Entry point of a rank: join the group, then run tasks until told to stop.
 
     The rank takes the caller's ``sys.path`` and environment as they are now (a fork server
@@ -623,6 +631,8 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, collective_t
             backend, init_method=f"tcp://{_LOOPBACK}:{port}", rank=rank,
             world_size=world_size, timeout=timedelta(seconds=collective_timeout_s),
         )
+        if initializer is not None:  # unpickled here, where the caller's sys.path holds
+            pickle.loads(initializer)()
     except BaseException:
         result_queue.put((_INIT_FAILED, rank, -1, traceback.format_exc()))
         return

@@ -70,6 +70,14 @@ def _reused_captures(request):
 
 
 @pytest.fixture(scope="session")
+def graphpass_rank_initializer():
+    """Every compile on a pool's rank reuses the rank's captures, as in this process."""
+    import zoo
+
+    return zoo.reuse_captures_on_this_rank
+
+
+@pytest.fixture(scope="session")
 def rank_pool(graphpass_ranks):
     """``get(world_size) -> RankPool``: the graphpass pytest plugin's ``graphpass_ranks`` (one live
     pool per world size for the session; a failed or timed-out run restarts its ranks next time)."""

@@ -164,6 +164,30 @@ def test_unpicklable_function_is_rejected_before_spawning():
     assert pool.pids == []
 
 
+_INITIALIZED: list[int] = []
+
+
+def note_initialized() -> None:
+    _INITIALIZED.append(len(_INITIALIZED))
+
+
+def initializer_fails() -> None:
+    raise KeyError("no dataset here")
+
+
+def times_initialized() -> list[int]:
+    return list(_INITIALIZED)
+
+
+def test_a_pools_initializer_runs_once_on_each_rank_and_its_failure_names_the_rank():
+    with RankPool(2, initializer=note_initialized) as pool:
+        pool.run(times_initialized)
+        assert pool.run(times_initialized) == [[0], [0]]  # once per rank, not per task
+    with RankPool(2, initializer=initializer_fails) as pool:
+        with pytest.raises(RankError, match=r"rank \d failed:(.|\n)*KeyError: 'no dataset here'"):
+            pool.run(times_initialized)
+
+
 def test_rank_error_survives_pickling():
     error = pickle.loads(pickle.dumps(RankError(3, "Traceback ...\nKeyError: 'x'")))
     assert (error.rank, error.remote_traceback, str(error)) == (

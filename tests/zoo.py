@@ -7,6 +7,9 @@ from the same weights and see the same data.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -417,12 +420,21 @@ def batches(name: str, n: int, batch: int = 8, seed: int = 1) -> list[tuple[torc
     return out
 
 
+#: one-process references already trained in this process (the parity tests of several files and
+#: world sizes compare with the same ones)
+_REFERENCES: dict[tuple, tuple] = {}
+
+
 def train_reference(name: str, steps: int = 3, batch: int = 8, lr: float = 0.05):
-    """Train ``name`` in this process with SGD+momentum: (losses, state_dict, grads of step 1)."""
+    """Train ``name`` in this process with SGD+momentum: (losses, state_dict, grads of step 1),
+    a copy of this process's earlier run with the same arguments if there is one."""
     from graphpass.testing import train_reference as reference
 
-    trace = reference(lambda: build(name), batches(name, steps, batch), "sgd-momentum", lr)
-    return trace.losses, trace.state, trace.grads
+    key = (name, steps, batch, lr)
+    if key not in _REFERENCES:
+        trace = reference(lambda: build(name), batches(name, steps, batch), "sgd-momentum", lr)
+        _REFERENCES[key] = (trace.losses, trace.state, trace.grads)
+    return copy.deepcopy(_REFERENCES[key])
 
 
 def train_compiled(dmodel, data, lr: float = 0.05, on_first_step=None, optimizer=None) -> list[float]:
@@ -460,6 +472,19 @@ def assert_matches_reference(where: str, losses, state, ref_losses, ref_state, g
 #: this process's captures of zoo models, reused by :func:`compile` (zoo models are fixed code
 #: and configs, so equal fingerprints mean equal graphs; see graphpass.reusing_captures)
 _CAPTURES: dict = {}
+
+
+def reuse_captures_on_this_rank() -> None:
+    """A pool rank's initializer (tests/conftest.py): every capture on the rank, by
+    :func:`compile` or a test's own ``gp.compile``, reuses the rank's earlier capture of an equal
+    model for as long as the rank lives."""
+    from graphpass.capture import reusing_captures
+
+    _REUSING.enter_context(reusing_captures(_CAPTURES))
+
+
+#: keeps the rank's reuse block open (see reuse_captures_on_this_rank)
+_REUSING = contextlib.ExitStack()
 
 
 def compile(model: nn.Module, example_inputs, strategy):  # noqa: A001 - gp.compile's name

@@ -6,6 +6,7 @@
   pool per world size, kept for the whole session so every test pays each rank's start-up (spawn,
   imports, first capture) once. A run that fails or outlives its timeout kills all its ranks and
   raises with the failing rank's traceback; the pool starts fresh ranks on its next run.
+  ``graphpass_rank_initializer`` (a session fixture to override): a function each rank runs once.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def graphpass_ranks():
+def graphpass_rank_initializer():
+    """The ``RankPool(initializer=)`` of ``graphpass_ranks``' pools: none. Override it in a
+    ``conftest.py`` (session scope) to give every rank shared set-up."""
+    return None
+
+
+@pytest.fixture(scope="session")
+def graphpass_ranks(graphpass_rank_initializer):
     """``get(world_size) -> RankPool``, one live pool per world size for the session."""
     from graphpass.runtime.launch import RankPool
 
@@ -49,7 +57,7 @@ def graphpass_ranks():
 
     def get(world_size: int) -> RankPool:
         if world_size not in pools:
-            pools[world_size] = RankPool(world_size)
+            pools[world_size] = RankPool(world_size, initializer=graphpass_rank_initializer)
         return pools[world_size]
 
     yield get
