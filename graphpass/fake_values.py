@@ -110,7 +110,7 @@ def carry_over(copies: dict[fx.Node, fx.Node]) -> None:
     """Give a faithful copy of a graph (``copies``: each node of the source graph to its copy, in
     one new graph) the source's last run, so that its next propagation runs only what differs
     from the source (a reused capture's tensors, :func:`graphpass.capture.reusing_captures`). The
-    copies must hold the same ``meta["val"]`` objects."""
+    copies' ``meta["val"]`` must equal their sources'."""
     if not copies:
         return
     source = next(iter(copies)).graph
@@ -120,10 +120,10 @@ def carry_over(copies: dict[fx.Node, fx.Node]) -> None:
     now = _LastRun()
     now.mode = last.mode
     for node, new in copies.items():
-        if node in last.results:
+        if node in last.results and node.meta.get("val") is last.vals[node]:
             now.results[new] = last.results[node]
             now.signatures[new] = _signature(new)
-            now.vals[new] = last.vals[node]
+            now.vals[new] = new.meta.get("val")  # the copy's own (a list value is copied)
     setattr(next(iter(copies.values())).graph, _LAST_RUN, now)
 
 
