@@ -40,8 +40,8 @@ _IDEMPOTENT = {"detach_"}
 class _LastRun:
     """What the last propagation over one graph saw."""
 
-    def __init__(self) -> None:
-        self.mode: FakeTensorMode | None = None
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
         self.results: dict[fx.Node, Any] = {}  # the interpreter's value of each node
         self.signatures: dict[fx.Node, tuple] = {}
         self.vals: dict[fx.Node, Any] = {}  # the meta["val"] object the run left on the node
@@ -55,8 +55,7 @@ class FakeAttrProp(FakeTensorProp):
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, last: _LastRun | None = None) -> None:
         super().__init__(gm, mode)
         self.last = last
-        self.now = _LastRun()
-        self.now.mode = mode
+        self.now = _LastRun(mode)
         self.changed: set[fx.Node] = set()
         self.ran = 0
 
@@ -95,7 +94,7 @@ def propagate_fake(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> int:
         how many nodes ran.
     """
     last = getattr(gm.graph, _LAST_RUN, None)
-    if last is None or last.mode is None or _resizes_in_place(gm):
+    if last is not None and _resizes_in_place(gm):
         last = None
     mode = last.mode if last is not None else FakeTensorMode(allow_non_fake_inputs=True)
     setattr(gm.graph, _LAST_RUN, None)  # a run that raises leaves nothing to trust
@@ -117,8 +116,7 @@ def carry_over(copies: dict[fx.Node, fx.Node]) -> None:
     last = getattr(source, _LAST_RUN, None)
     if last is None:
         return
-    now = _LastRun()
-    now.mode = last.mode
+    now = _LastRun(last.mode)
     for node, new in copies.items():
         if node in last.results and node.meta.get("val") is last.vals[node]:
             now.results[new] = last.results[node]

@@ -50,10 +50,6 @@ def pytest_configure(config):
               ("gpt2", "llama", "gpt_neox", "phi3", "t5", "mixtral", "qwen2_moe")))
 
 
-#: the test process's captures, reused by every test but test_capture.py's (see below)
-_CAPTURES: dict = {}
-
-
 @pytest.fixture(autouse=True)
 def _reused_captures(request):
     """Tests capture the same zoo models again and again (Planner, gp.plan, capture, passes): the
@@ -63,9 +59,10 @@ def _reused_captures(request):
     if request.path.name == "test_capture.py":
         yield
         return
+    import zoo
     from graphpass.capture import reusing_captures
 
-    with reusing_captures(_CAPTURES):
+    with reusing_captures(zoo.CAPTURES):  # the store zoo.compile and the ranks use: one per process
         yield
 
 

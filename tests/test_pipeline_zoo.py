@@ -70,7 +70,7 @@ def _captured(name: str):
     """The graph of ``name`` at one microbatch, as compile captures it (so a rank's compiles reuse
     it), and that microbatch."""
     inputs = zoo.batches(name, 1, BATCH // MICROBATCHES)[0]
-    with gp.reusing_captures(zoo._CAPTURES):
+    with gp.reusing_captures(zoo.CAPTURES):
         return capture(zoo.build(name), inputs).gm, inputs
 
 

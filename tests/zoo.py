@@ -471,7 +471,7 @@ def assert_matches_reference(where: str, losses, state, ref_losses, ref_state, g
 
 #: this process's captures of zoo models, reused by :func:`compile` (zoo models are fixed code
 #: and configs, so equal fingerprints mean equal graphs; see graphpass.reusing_captures)
-_CAPTURES: dict = {}
+CAPTURES: dict = {}
 
 
 def reuse_captures_on_this_rank() -> None:
@@ -480,7 +480,7 @@ def reuse_captures_on_this_rank() -> None:
     model for as long as the rank lives."""
     from graphpass.capture import reusing_captures
 
-    _REUSING.enter_context(reusing_captures(_CAPTURES))
+    _REUSING.enter_context(reusing_captures(CAPTURES))
 
 
 #: keeps the rank's reuse block open (see reuse_captures_on_this_rank)
@@ -493,7 +493,7 @@ def compile(model: nn.Module, example_inputs, strategy):  # noqa: A001 - gp.comp
     (export) is most of a compile. Every first capture per model and shape is a real one."""
     import graphpass as gp
 
-    with gp.reusing_captures(_CAPTURES):
+    with gp.reusing_captures(CAPTURES):
         return gp.compile(model, gp.Cluster.local(), example_inputs=example_inputs, strategy=strategy)
 
 
@@ -511,7 +511,7 @@ def compile_on_ranks(name: str, strategy_kwargs: dict, steps: int, batch: int, p
     data = batches(name, steps, batch)
     strategy = gp.Strategy(**{"dp": world, **strategy_kwargs})
     if plan_edit is not None:
-        with gp.reusing_captures(_CAPTURES):
+        with gp.reusing_captures(CAPTURES):
             gm = capture(model, tuple(t[: batch // world] for t in data[0])).gm
         strategy = plan_edit(plan_from_strategy(gm, strategy, ["test"]))
     return compile(model, data[0], strategy), data
