@@ -17,7 +17,7 @@ from typing import Any
 # bound to the functions, so that the package attribute is the function, as users expect, and no
 # later import rebinds it.
 from graphpass.capture import CaptureError, capture, reusing_captures
-from graphpass.layout import ActivationPlan, Split, TensorPlan, Tiers
+from graphpass.layout import ActivationPlan, Jagged, Split, TensorPlan, Tiers
 from graphpass.plan import Plan, Strategy
 from graphpass.plan_report import PlanReport
 
@@ -72,6 +72,7 @@ __all__ = [
     "ExpertPlacement",
     "HungRankError",
     "HostSpec",
+    "Jagged",
     "LinkSpec",
     "PassError",
     "PassRecord",

@@ -12,14 +12,14 @@ import logging
 import os
 import warnings
 from datetime import timedelta
-from typing import Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from graphpass import meta
+from graphpass import batching, meta
 from graphpass.capture import capture
 from graphpass.cluster import Cluster
 from graphpass.dump import Dumper, resolve_dump_dir
@@ -28,6 +28,8 @@ from graphpass.passes import passes_for
 from graphpass.passes.partition_stages import cut_stages, shared_parameters
 from graphpass.mesh import pipeline_rank
 from graphpass.model_io import Batch, adapt
+from graphpass.layout import Jagged
+from graphpass.lookups import IdCheck
 from graphpass.plan import Plan, Strategy, check_pipeline
 from graphpass.plan_builder import plan_from_strategy
 from graphpass.progress import phase
@@ -37,7 +39,6 @@ from graphpass.runtime import verifier
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime.module import (
     DistributedModule,
-    batch_shards,
     broadcast_replicated_state,
     check_divisible,
     state_keys_read,
@@ -158,6 +159,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     loss_fn: Callable | None = None,
     offload_dir: str | os.PathLike | None = None,
     delayed_disk_update: bool = False,
+    batch_dims: Mapping[str | int, int | Jagged | None] | None = None,
 ) -> DistributedModule:
     """Compile ``model`` into this rank's distributed training program.
 
@@ -194,6 +196,11 @@ def compile(  # noqa: A001 - the public name the contract uses
             lock-free update): the update of step k uses the gradients taken at the weights
             before update k-1. Needs a plan with optimizer state on disk and no streamed
             parameters (``docs/offload.md``).
+        batch_dims: how inputs whose samples are not along dim 0 split, keyed by the batch's keys
+            (or positions, for a tuple batch): their batch dim, ``None`` for an input every rank
+            reads whole (a shared mask), or ``graphpass.Jagged(offsets=key)`` for a jagged input
+            (multi-hot ids cut at another input's offsets). Inputs not named keep what graphpass
+            infers from the model's embedding lookups (:mod:`graphpass.batching`), else dim 0.
 
     Returns:
         the :class:`DistributedModule` for this rank.
@@ -225,12 +232,14 @@ def compile(  # noqa: A001 - the public name the contract uses
         )
     device_type = "cuda" if cluster.device.kind == "cuda" else "cpu"
     timeout_s = _check_timeout(timeout_s, device_type)
-    captured, plan, local_inputs = _capture_and_plan(program_model, cluster, inputs, strategy, rank, world_size)
+    captured, plan, local_inputs = _capture_and_plan(program_model, cluster, inputs, strategy, rank, world_size,
+                                                     keys=batch.keys, batch_dims=batch_dims)
     crossing = cluster.hsdp_warning(plan.mesh)
     if crossing and rank == 0:
         warnings.warn(crossing, stacklevel=2)
     named = type(model).__name__
     gm = captured.gm
+    id_check = IdCheck(gm)  # of the tables as captured, before a pass shards them
 
     process_mesh = mesh_lib.ProcessMesh(plan.mesh, device_type=device_type, node_size=(
         cluster.devices_per_node if plan.ep_all_to_all == "hierarchical" else None))
@@ -262,7 +271,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     if plan.mesh.pp == 1:
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
                                  captured.route, input_keys=batch.keys, offload_dir=offload_dir,
-                                 delayed_disk_update=delayed_disk_update)
+                                 delayed_disk_update=delayed_disk_update, id_check=id_check)
     output = gm.graph.find_nodes(op="output")[0]
     with phase(f"building the pipeline stages of {named}"):
         mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
@@ -280,7 +289,7 @@ def compile(  # noqa: A001 - the public name the contract uses
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
                              roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm),
                              input_keys=batch.keys, offload_dir=offload_dir,
-                                 delayed_disk_update=delayed_disk_update)
+                             delayed_disk_update=delayed_disk_update, id_check=id_check)
 
 
 def verify(
@@ -357,32 +366,40 @@ def _check_timeout(timeout_s: float | None, device_type: str) -> float:
 
 
 def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Tensor, ...], strategy: StrategyLike,
-                      rank: int, ranks_present: int, *, world_size: int | None = None):
+                      rank: int, ranks_present: int, *, world_size: int | None = None,
+                      keys: tuple[str, ...] | None = None, batch_dims: Mapping[Any, Any] | None = None):
     """The plan (the user's, or planned: on rank 0 and broadcast when ``ranks_present > 1``) and
     the capture at one microbatch of a rank's share; (capture, plan, local inputs)."""
     world_size = ranks_present if world_size is None else world_size
     chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
     name = type(getattr(model, "wrapped", model)).__name__
+    batches = batching.resolve(model, inputs, keys, batch_dims)
     if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
         with phase(f"planning {name} on {world_size} device{'s' if world_size != 1 else ''}"):
-            given_plan = _auto_plan(model, cluster, inputs, rank, ranks_present)
+            given_plan = _auto_plan(model, cluster, inputs, rank, ranks_present, batches)
     source = given_plan if given_plan is not None else chosen
     dp = source.mesh.dp  # type: ignore[union-attr]
     k = source.microbatches  # type: ignore[union-attr]
+    if source.mesh.pp > 1 and any(b != batching.InputBatch() for b in batches):  # type: ignore[union-attr]
+        odd = [keys[i] if keys else f"example_inputs[{i}]" for i, b in enumerate(batches) if b != batching.InputBatch()]
+        raise NotImplementedError(
+            f"pipeline stages (pp={source.mesh.pp}) cut microbatches along dim 0 of every input, and {odd} hold their "  # type: ignore[union-attr]
+            "samples along another dim or are jagged; use pp=1 for this model")
 
     if given_plan is not None and given_plan.capacity_factor != "model":
         apply_capacity_factor(model, given_plan.capacity_factor)
     # Capture at one microbatch of this rank's share: shapes are specialised in the graph.
-    names = _input_names_guess(len(inputs))
-    check_divisible(inputs, names, [["dp"] if dp > 1 else []] * len(inputs), Plan(mesh={"dp": dp}))
-    _check_microbatches(inputs, names, dp, k, "Plan" if given_plan is not None else "Strategy")
-    local_inputs = tuple(t.narrow(0, 0, t.shape[0] // (dp * k)) if dp * k > 1 else t for t in inputs)
+    names = list(keys) if keys else _input_names_guess(len(inputs))
+    batching.check_divisible(inputs, batches, names, dp, "dp")
+    _check_microbatches(inputs, batches, names, dp, k, "Plan" if given_plan is not None else "Strategy")
+    local_inputs = batching.cut(inputs, batches, dp * k, 0, names)
     with phase(f"capturing {name}"):
         captured = capture(model, local_inputs)
+    batching.annotate(captured.gm, batches)
     plan = given_plan if given_plan is not None else plan_from_strategy(captured.gm, chosen, reasons)  # type: ignore[arg-type]
     plan.check_graph(captured.gm)  # the plan's placements against this model's graph
     input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
-    check_divisible(inputs, input_names, batch_shards(plan, input_names), plan)
+    check_divisible(inputs, input_names, plan)
     return captured, plan, local_inputs
 
 
@@ -407,7 +424,8 @@ def apply_capacity_factor(model: nn.Module, capacity_factor: float | None) -> No
         layer.capacity_factor = capacity_factor
 
 
-def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int) -> Plan:
+def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int,
+               batches: Sequence[batching.InputBatch]) -> Plan:
     """The planner's choice among what the runtime executes, solved on rank 0 and broadcast, so
     that every rank runs the same plan.
 
@@ -419,7 +437,7 @@ def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor
 
     if rank == 0:
         try:
-            text = make_plan(model, cluster, inputs).to_json(indent=None)
+            text = make_plan(model, cluster, inputs, batch_dims=batching.declaration(batches)).to_json(indent=None)
         except Exception as exc:
             if world_size > 1:
                 _broadcast_plan(None, _portable(exc))
@@ -457,15 +475,19 @@ def _portable(exc: BaseException) -> BaseException:
     return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _check_microbatches(inputs: Sequence[torch.Tensor], names: Sequence[str], dp: int, k: int, field: str) -> None:
-    """Raise unless every input's per-replica rows divide into ``k`` microbatches."""
+def _check_microbatches(inputs: Sequence[torch.Tensor], batches: Sequence[batching.InputBatch], names: Sequence[str],
+                        dp: int, k: int, field: str) -> None:
+    """Raise unless every input's per-replica samples divide into ``k`` microbatches."""
     if k == 1:
         return
-    for value, name in zip(inputs, names):
-        rows = value.shape[0] // dp if value.dim() else 0
+    for value, batch, name in zip(inputs, batches, names):
+        count = batching.num_samples(value, batch)
+        if count is None:
+            continue
+        rows = count // dp
         if rows == 0 or rows % k:
             raise ValueError(
-                f"{name} has batch size {value.shape[0] if value.dim() else 0}: {rows} rows per data-parallel "
+                f"{name} has batch size {count}: {rows} rows per data-parallel "
                 f"replica (dp={dp}), which do not divide into {field}.microbatches={k}; make the global "
                 f"batch a multiple of {dp * k} or choose microbatches dividing {rows}"
             )

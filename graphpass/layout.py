@@ -353,6 +353,26 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Jagged:
+    """An input whose samples are bags of different lengths (the ids of a multi-hot feature):
+    a share of the samples ``[lo, hi)`` holds the entries ``[offsets[lo], offsets[hi])`` along
+    the input's last dim, where ``offsets`` is another input (its last dim holds one entry per
+    sample: where the sample's bag starts, as ``nn.EmbeddingBag`` takes them).
+
+    Attributes:
+        offsets: the offsets input: its name in a plan; in ``graphpass.compile(batch_dims=)``
+            the batch's key, or position for a tuple batch.
+        include_last_offset: the offsets hold one more entry, the end of the last bag.
+    """
+
+    offsets: str | int
+    include_last_offset: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": self.offsets, "include_last_offset": self.include_last_offset}
+
+
+@dataclass(frozen=True)
 class TensorPlan:
     """What a plan says of one tensor (an input, a parameter or buffer, the loss): the one value
     ``Plan.tensors`` holds per tensor, from which the passes make each rank's
@@ -369,6 +389,8 @@ class TensorPlan:
         split: the operator split of the linear this weight feeds (OSDP), or None.
         tiers: where a parameter's compute copy, gradient and optimizer state live
             (:class:`Tiers`; every other tensor stays on the device).
+        jagged: for an input whose batch ``Shard`` is cut at another input's offsets (the
+            ids of a multi-hot feature), that input (:class:`Jagged`).
     """
 
     placements: Mapping[str, Placement] = field(default_factory=dict)
@@ -376,6 +398,7 @@ class TensorPlan:
     parts: tuple[int, ...] = ()
     split: Split | None = None
     tiers: Tiers = Tiers()
+    jagged: Jagged | None = None
 
     def placement(self, axis: str) -> Placement:
         """The placement on ``axis`` (``Replicate()`` where none is named)."""
@@ -394,6 +417,8 @@ class TensorPlan:
             out["split"] = self.split.to_json()
         if self.tiers.offloaded:
             out["tiers"] = self.tiers.to_json()
+        if self.jagged is not None:
+            out["jagged"] = self.jagged.to_json()
         return out
 
 

@@ -60,6 +60,12 @@ ROLE = "gp.role"
 #: runner's verification then expects no ``meta["val"]`` on it.
 OPAQUE = "gp.opaque"
 
+#: For an input (``placeholder``): how it splits along the batch
+#: (:class:`graphpass.batching.InputBatch`: its batch dim, or the offsets it is jagged by, as a
+#: position among the graph's inputs), set by ``graphpass.compile`` and the planner before a plan
+#: is made from the graph. Absent: dim 0.
+BATCH = "gp.batch"
+
 #: For the ``get_attr`` of a loss's global count (``global_loss_mean``): the
 #: :class:`graphpass.passes.global_loss_mean.LossCount` that counts one microbatch's targets; the
 #: runtime fills the buffer before each step (:mod:`graphpass.runtime.loss_count`).

@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from graphpass import meta
-from graphpass.layout import ACTIVATION_TIERS, ActivationPlan, Split, TensorPlan, Tiers, placement_from_str, placement_to_str
+from graphpass import batching, meta
+from graphpass.layout import ACTIVATION_TIERS, ActivationPlan, Jagged, Split, TensorPlan, Tiers, placement_from_str, placement_to_str
 from graphpass.mesh import ORDER, Mesh
 from graphpass.ops import is_linear, linear_operands
 from graphpass.plan_report import PlanReport
@@ -436,7 +436,7 @@ def _bad_split(node: str, spec: Any) -> ValueError:
 
 def _tensor_from_json(node: str, data: Any) -> TensorPlan:
     """One entry of a plan JSON's ``tensors`` (see :meth:`TensorPlan.to_json`)."""
-    known = ("placements", "zero", "parts", "split", "tiers", "tier")
+    known = ("placements", "zero", "parts", "split", "tiers", "tier", "jagged")
     if not isinstance(data, Mapping) or set(data) - set(known):
         raise ValueError(f"Plan.tensors[{node!r}] must be an object with some of {list(known)}, got {data!r}")
     by_axis, spec = data.get("placements", {}), data.get("split")
@@ -449,7 +449,20 @@ def _tensor_from_json(node: str, data: Any) -> TensorPlan:
     return TensorPlan(
         {axis: _parse_placement(f"Plan.placements[{node!r}][{axis!r}]", text) for axis, text in by_axis.items()},
         data.get("zero", 0), tuple(parts) if isinstance(parts, (list, tuple)) else parts,
-        None if spec is None else Split(spec["dim"], spec["parts"]), _tiers_from_json(node, data))
+        None if spec is None else Split(spec["dim"], spec["parts"]), _tiers_from_json(node, data),
+        _jagged_from_json(node, data.get("jagged")))
+
+
+def _jagged_from_json(node: str, data: Any) -> Jagged | None:
+    """An input entry's ``jagged`` (``{"offsets": "offsets_0", "include_last_offset": false}``)."""
+    if data is None:
+        return None
+    if not (isinstance(data, Mapping) and isinstance(data.get("offsets"), str)
+            and set(data) <= {"offsets", "include_last_offset"}
+            and isinstance(data.get("include_last_offset", False), bool)):
+        raise ValueError(f"Plan.tensors[{node!r}].jagged must be {{'offsets': <input name>, "
+                         f"'include_last_offset': true | false}}, got {data!r}")
+    return Jagged(data["offsets"], data.get("include_last_offset", False))
 
 
 def _tiers_from_json(node: str, data: Mapping[str, Any]) -> Tiers:
@@ -642,7 +655,7 @@ class Plan:
     def with_tensor(self, node: str, **changes: Any) -> "Plan":
         """This plan with ``node``'s entry changed as ``changes`` say (the fields of
         :class:`~graphpass.layout.TensorPlan`: ``placements``, ``zero``, ``parts``, ``split``,
-        ``tiers``), checked as any plan is: ``plan.with_tensor("h_0_mlp_up_weight", zero=3)``."""
+        ``tiers``, ``jagged``), checked as any plan is: ``plan.with_tensor("h_0_mlp_up_weight", zero=3)``."""
         return replace(self, tensors={**self.tensors, node: replace(self.tensor(node), **changes)})
 
     def placement(self, node: str, axis: str) -> Placement:
@@ -797,6 +810,9 @@ class Plan:
             node = nodes[name]
             if node.op == "placeholder":
                 continue
+            if self.tensor(name).jagged is not None:
+                problems.append(f"Plan.tensors[{name!r}].jagged: {_describe(node)} is not an input; only inputs are "
+                                "cut at offsets (leave jagged out)")
             if node.op == "get_attr":
                 problems += _stored_problems(self, node, by_axis)
             elif node is loss:
@@ -897,9 +913,10 @@ def _describe(node: fx.Node) -> str:
 
 
 def _input_problems(plan: Plan, inputs: list[fx.Node]) -> list[str]:
-    """Inputs split the way compile captures them: all along dim 0 over ``dp`` when the batch is
-    split (``dp * microbatches > 1``; capture takes one microbatch of a rank's share of every
-    input), replicated on the other axes."""
+    """Inputs split the way compile captures them: along their batch dim over ``dp`` when the
+    batch is split (``dp * microbatches > 1``; capture takes one microbatch of a rank's share of
+    every input, :mod:`graphpass.batching`), jagged ones at their offsets, replicated on the
+    other axes."""
     problems = []
     for node in inputs:
         for axis, p in plan.tensor(node.name).placements.items():
@@ -911,27 +928,29 @@ def _input_problems(plan: Plan, inputs: list[fx.Node]) -> list[str]:
                     "Replicate()")
     dp, k = plan.mesh.dp, plan.microbatches
     on_dp = {n.name: plan.placement(n.name, "dp") for n in inputs}
+    wanted = {n.name: batching.input_plan(n, [i.name for i in inputs]) for n in inputs}
     if dp * k == 1:
         problems += [f"Plan.placements[{name!r}]['dp']: {placement_to_str(p)} on an input; inputs are split along "
-                     "their batch dim (Shard(0)) or not at all (Replicate())"
-                     for name, p in on_dp.items() if p not in (Shard(0), Replicate())]
+                     f"their batch dim ({placement_to_str(wanted[name].placement('dp'))}) or not at all (Replicate())"
+                     for name, p in on_dp.items() if p not in (wanted[name].placement("dp"), Replicate())]
         return problems
-    split = [name for name, p in on_dp.items() if p == Shard(0)]
     why = "the batch is split " + " and ".join(
         ([f"over dp={dp}"] if dp > 1 else []) + ([f"into Plan.microbatches={k}"] if k > 1 else []))
-    alike = f" (as {', '.join(repr(n) for n in split)} {'is' if len(split) == 1 else 'are'})" if split else ""
     axis = "" if "dp" in plan.mesh else " (and give Plan.mesh a 'dp' axis, of size 1 if need be)"
     for node in inputs:
-        p = on_dp[node.name]
-        if p == Shard(0):
-            continue
+        p, want = on_dp[node.name], wanted[node.name]
         given = (f"Plan.placements[{node.name!r}] has no 'dp' entry, so {_describe(node)} is Replicate()"
                  if "dp" not in plan.placements.get(node.name, {})
                  else f"Plan.placements[{node.name!r}]['dp']: {placement_to_str(p)} on {_describe(node)}")
-        problems.append(
-            f"{given}, but {why}: compile captures every "
-            f"input at its share of the batch, so every input is Shard(0) on dp{alike}; use "
-            f"{node.name!r}: {{'dp': 'Shard(0)'}}{axis}")
+        if p != want.placement("dp"):
+            problems.append(
+                f"{given}, but {why}: compile captures every input at its share of the batch, and "
+                f"{node.name!r} {batching.describe(node)}; use {node.name!r}: "
+                f"{{'dp': '{placement_to_str(want.placement('dp'))}'}}{axis}")
+        elif plan.tensor(node.name).jagged != want.jagged:
+            problems.append(
+                f"Plan.tensors[{node.name!r}].jagged: {plan.tensor(node.name).jagged}, but {node.name!r} "
+                f"{batching.describe(node)}; use jagged={want.jagged}")
     return problems
 
 

@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from graphpass import meta
+from graphpass.batching import input_plan
 from graphpass.layout import ActivationPlan, TensorPlan, Tiers, placement_from_str
 from graphpass.megatron import megatron_layout
 from graphpass.experts import expert_weights
@@ -41,7 +42,8 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     """The plan of ``choices`` (one for every node, or node name → choice; unlisted nodes take
     ``Choice()``) on ``mesh``.
 
-    Data parallel: every input is ``Shard(0)`` on ``dp`` (the batch is split), every parameter
+    Data parallel: every input is ``Shard(d)`` on ``dp`` along its batch dim (the batch is split;
+    :func:`graphpass.batching.input_plan`), every parameter
     and buffer ``Replicate()``, and the loss ``Partial(avg)`` (a per-rank mean). With ``tp``,
     ``tp_layout`` (``(placements, parts)`` of the weights tensor parallelism shards, as the op-level
     planner's :class:`graphpass.planner.op_placement.OpLayout` holds them), by default the Megatron layout
@@ -71,6 +73,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
                              "use ep=1")
     tensors: dict[str, TensorPlan] = {}
     nodes = {node.name: node for node in gm.graph.nodes}
+    inputs = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
     layers: set[int] = set()
     saved_on_host: set[int] = set()
     split_nodes: dict[int, set[str]] = {}
@@ -85,7 +88,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
             if choice.split > 1:
                 split_nodes.setdefault(choice.split, set()).add(node.name)
         if node.op == "placeholder":
-            tensors[node.name] = TensorPlan({"dp": Shard(0)})
+            tensors[node.name] = input_plan(node, inputs)
         elif node.op == "get_attr":
             placements: dict[str, Placement] = {"dp": Replicate()}
             if node.name in tp_placements:

@@ -36,11 +36,11 @@ NAME = "insert_collectives"
 
 
 def batch_axes(gm: fx.GraphModule, plan: Plan) -> list[str]:
-    """Mesh axes (size > 1) over which some graph input is sharded along dim 0."""
+    """Mesh axes (size > 1) over which some graph input is sharded along its batch dim."""
     axes = []
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     for axis, size in plan.mesh.items():
-        if size > 1 and any(plan.placement(name, axis) == Shard(0) for name in inputs):
+        if size > 1 and any(isinstance(plan.placement(name, axis), Shard) for name in inputs):
             axes.append(axis)
     return axes
 

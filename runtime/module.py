@@ -22,7 +22,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Shard
 
-from graphpass import meta
+from graphpass import batching, meta
+from graphpass.lookups import IdCheck
 from graphpass.model_io import order_call
 from graphpass.plan import Plan
 from graphpass.runtime import grad_sync
@@ -39,38 +40,22 @@ from graphpass.runtime.step import StepProgram, accumulation_schedule
 log = logging.getLogger(__name__)
 
 
-def batch_shards(plan: Plan, input_names: Sequence[str]) -> list[list[str]]:
-    """For each graph input, the mesh axes its dim 0 is sharded over (in mesh order)."""
-    return [
-        [axis for axis in plan.mesh if plan.mesh[axis] > 1 and plan.placement(name, axis) == Shard(0)]
-        for name in input_names
-    ]
+def batch_axes(plan: Plan, input_names: Sequence[str]) -> list[str]:
+    """The mesh axes (of size > 1) the batch is split over: those some input is ``Shard(d)`` on,
+    in mesh order."""
+    return [axis for axis in plan.mesh if plan.mesh[axis] > 1
+            and any(isinstance(plan.placement(name, axis), Shard) for name in input_names)]
 
 
-def batch_inputs(plan: Plan, input_names: Sequence[str]) -> list[bool]:
-    """For each graph input, whether its dim 0 is the batch (``Shard(0)`` on some mesh axis, of
-    any size): those are cut into microbatches."""
-    return [any(plan.placement(name, axis) == Shard(0) for axis in plan.mesh) for name in input_names]
-
-
-def check_divisible(
-    inputs: Sequence[torch.Tensor], input_names: Sequence[str], shards: list[list[str]], plan: Plan
-) -> None:
-    """Raise if a batch-sharded input's dim 0 does not divide by its shard count.
+def check_divisible(inputs: Sequence[torch.Tensor], input_names: Sequence[str], plan: Plan) -> None:
+    """Raise if the batch's samples do not divide over the axes that split it.
 
     Raises:
-        ValueError: naming the input, its size and the mesh axes.
+        ValueError: naming the input, its sample count and the mesh axes.
     """
-    for value, name, axes in zip(inputs, input_names, shards):
-        ways = 1
-        for axis in axes:
-            ways *= plan.mesh[axis]
-        if ways > 1 and (value.dim() == 0 or value.shape[0] % ways):
-            size = "a 0-dim tensor" if value.dim() == 0 else f"batch size {value.shape[0]}"
-            raise ValueError(
-                f"input {name!r} has {size}, which does not divide by {' x '.join(axes)} = {ways}; "
-                f"make the global batch a multiple of {ways}"
-            )
+    axes = batch_axes(plan, input_names)
+    batching.check_divisible(inputs, batching.of_plan(plan, input_names), input_names,
+                             math.prod(plan.mesh[a] for a in axes), " x ".join(axes))
 
 
 class DistributedModule(nn.Module):
@@ -103,8 +88,10 @@ class DistributedModule(nn.Module):
         input_keys: Sequence[str] | None = None,
         offload_dir: str | os.PathLike | None = None,
         delayed_disk_update: bool = False,
+        id_check: IdCheck | None = None,
     ):
         super().__init__()
+        self._id_check = id_check
         self.graph_module = graph_module
         self.plan = plan
         self.history = list(history)
@@ -117,8 +104,8 @@ class DistributedModule(nn.Module):
         self._local_shapes = [torch.Size(s) for s in local_input_shapes]  # of one microbatch
         # compiled from a dict batch: train_step(**batch) takes these keys, in this order
         self._input_keys = tuple(input_keys) if input_keys is not None else None
-        self._shards = batch_shards(plan, self._input_names)
-        self._is_batch = batch_inputs(plan, self._input_names)
+        self._batch_axes = batch_axes(plan, self._input_names)
+        self._batches = batching.of_plan(plan, self._input_names)
         output = graph_module.graph.find_nodes(op="output")[0]
         self._roles = dict(roles) if roles is not None else dict(meta.get(output, meta.ROLE))
         self.num_microbatches = plan.microbatches
@@ -127,7 +114,7 @@ class DistributedModule(nn.Module):
         self._program = StepProgram(
             [graph_module], self._roles["loss"], self._report, accumulation_schedule(self.num_microbatches)
         ) if pipeline is None else None
-        self._loss_counts = LossCounts(graph_module, sorted({a for axes in self._shards for a in axes}), process_mesh)
+        self._loss_counts = LossCounts(graph_module, self._batch_axes, process_mesh)
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
         self._extra_state = {
@@ -244,7 +231,8 @@ class DistributedModule(nn.Module):
     # ------------------------------------------------------------------ running
 
     def local_batch(self, *global_batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's share of the global batch (dim 0 sliced along each batch-sharded axis).
+        """This rank's share of the global batch: cut along each input's batch dim on each axis
+        that splits the batch (jagged inputs at their offsets, :func:`graphpass.batching.cut`).
 
         Raises:
             TypeError/ValueError: wrong number, type or shape of inputs, naming the input.
@@ -259,24 +247,35 @@ class DistributedModule(nn.Module):
                 raise TypeError(
                     f"input {self._input_names[i]!r} must be a torch.Tensor, got {type(value).__name__}"
                 )
-        check_divisible(global_batch, self._input_names, self._shards, self.plan)
-        local = []
+        check_divisible(global_batch, self._input_names, self.plan)
+        batching.check_offsets(global_batch, self._batches, self._input_names)
+        if self._id_check:  # on every rank, on the whole batch: no rank starts a step others refuse
+            ways = math.prod(self.plan.mesh[a] for a in self._batch_axes) * self.num_microbatches
+            self._id_check.check(global_batch, lambda: [batching.cut(global_batch, self._batches, ways, i)
+                                                        for i in range(ways)])
+        local = tuple(global_batch)
+        for axis in self._batch_axes:
+            local = batching.cut(local, self._batches, self.plan.mesh[axis], self._mesh.axis_rank(axis),
+                                 self._input_names)
         k = self.num_microbatches
-        for value, name, axes, shape, cut in zip(
-            global_batch, self._input_names, self._shards, self._local_shapes, self._is_batch
-        ):
-            for axis in axes:
-                ways = self.plan.mesh[axis]
-                chunk = value.shape[0] // ways
-                value = value.narrow(0, self._mesh.axis_rank(axis) * chunk, chunk)
-            cut = cut and k > 1
-            expected = torch.Size((shape[0] * k, *shape[1:])) if cut else shape
-            if value.shape != expected:
-                if cut and value.dim() and value.shape[0] % k:
+        for value, name, batch, shape in zip(local, self._input_names, self._batches, self._local_shapes):
+            cut = batch.dim is not None and k > 1
+            expected = shape
+            if cut and batch.offsets is None:
+                expected = torch.Size((*shape[:batch.dim], shape[batch.dim] * k, *shape[batch.dim + 1:]))
+            if batch.is_offsets and batch.include_last_offset and cut:
+                expected = torch.Size((*shape[:-1], (shape[-1] - 1) * k + 1))
+            if batch.offsets is not None:  # jagged: the ids' count changes from step to step
+                same = value.dim() == len(shape) and value.shape[:-1] == shape[:-1]
+            else:
+                same = value.shape == expected
+            if not same:
+                count = batching.num_samples(value, batch)
+                if cut and count is not None and count % k:
                     raise ValueError(
-                        f"input {name!r}: this rank's share has {value.shape[0]} rows, which do not divide "
+                        f"input {name!r}: this rank's share has {count} rows, which do not divide "
                         f"into Plan.microbatches={k} microbatches; make the global batch a multiple of "
-                        f"{math.prod(self.plan.mesh[a] for a in axes) * k}"
+                        f"{math.prod(self.plan.mesh[a] for a in self._batch_axes) * k}"
                     )
                 raise ValueError(
                     f"input {name!r}: this rank's share has shape {tuple(value.shape)} but the program "
@@ -284,18 +283,16 @@ class DistributedModule(nn.Module):
                     + (f" ({k} microbatches of {tuple(shape)})" if cut else "")
                     + "; call graphpass.compile again for a new shape"
                 )
-            local.append(value)
-        return tuple(local)
+        return local
 
     def microbatches(self, *global_batch: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """This rank's share cut into the plan's microbatches (inputs not sharded over the batch,
+        """This rank's share cut into the plan's microbatches (inputs not split along the batch,
         such as a shared mask, go whole to every microbatch)."""
         local = self.local_batch(*global_batch)
         k = self.num_microbatches
         if k == 1:
             return [local]
-        pieces = [value.chunk(k) if cut else (value,) * k for value, cut in zip(local, self._is_batch)]
-        return [tuple(p[i] for p in pieces) for i in range(k)]
+        return [batching.cut(local, self._batches, k, i, self._input_names) for i in range(k)]
 
     def train_step(self, *global_batch: torch.Tensor, **keyword_batch: torch.Tensor) -> torch.Tensor:
         """Forward and backward on this rank's share; returns the global-batch loss (detached).

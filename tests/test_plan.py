@@ -259,7 +259,7 @@ def _edited(base: dict, mesh=None, **placements) -> gp.Plan:
     # the case: the inputs disagree on the batch split (it failed in train_step on a shape)
     (None, {"idx": {"dp": "Replicate()"}},
      r"^Plan.placements\['idx'\]\['dp'\]: Replicate\(\) on input 'idx', but the batch is split over dp=2: compile "
-     r"captures every input at its share of the batch, so every input is Shard\(0\) on dp \(as 'targets' is\); use "
+     r"captures every input at its share of the batch, and 'idx' holds its samples along dim 0; use "
      r"'idx': \{'dp': 'Shard\(0\)'\}$"),
     (None, {"idx": {}}, r"Plan.placements\['idx'\] has no 'dp' entry, so input 'idx' is Replicate\(\)"),
     ({"dp": 2, "tp": 2}, {"targets": {"dp": "Shard(0)", "tp": "Shard(0)"}},

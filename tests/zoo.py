@@ -308,6 +308,51 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=idx, labels=labels).loss
 
 
+class TableMajor(nn.Module):
+    """Ids given table-major: multi-hot ``ids [tables, batch*hots]`` with ``offsets [tables,
+    batch]`` read through ``zip`` (the reference DLRM's ``lS_i`` / ``lS_o`` as tensors, the ids
+    hashed into the table by ``%``), and one-hot ``onehot [tables, batch]`` read as
+    ``onehot[t]``."""
+
+    def __init__(self, bags: int = 3, onehots: int = 2, rows: int = 40, include_last_offset: bool = False):
+        super().__init__()
+        self.rows = rows
+        self.bags = nn.ModuleList(nn.EmbeddingBag(rows, 4, mode="mean", include_last_offset=include_last_offset)
+                                  for _ in range(bags))
+        self.onehots = nn.ModuleList(nn.Embedding(rows, 4) for _ in range(onehots))
+        self.head = nn.Linear(4 * (bags + onehots) + 5, 1)
+
+    def forward(self, dense, ids, offsets, onehot, labels):
+        pooled = [dense]
+        for table, i, o in zip(self.bags, ids, offsets):
+            pooled.append(table(i % self.rows, o))
+        for t, table in enumerate(self.onehots):
+            pooled.append(table(onehot[t]))
+        return F.mse_loss(self.head(torch.cat(pooled, 1)).squeeze(1), labels)
+
+
+def table_major_batch(batch: int = 8, hots: int = 2, bags: int = 3, onehots: int = 2, seed: int = 0,
+                      include_last_offset: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (bags, batch * hots), generator=g)
+    offsets = torch.arange(0, batch * hots + (1 if include_last_offset else 0), hots).expand(bags, -1).contiguous()
+    return (torch.randn(batch, 5, generator=g), ids, offsets, torch.randint(0, 40, (onehots, batch), generator=g),
+            torch.randn(batch, generator=g))
+
+
+class ScaledBy(nn.Module):
+    """``model``'s loss scaled by a weighted sum of a small input every sample shares (its
+    last input, not split along the batch: ``batch_dims={...: None}``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        *batch, scale = inputs
+        return self.model(*batch) * (scale[0] + scale[1] * 0.25)
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     """A fresh model called ``name`` with weights drawn from ``seed``."""
     torch.manual_seed(seed)

@@ -13,12 +13,13 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from graphpass import batching
 from graphpass.capture import capture
 from graphpass.model_io import Batch, adapt
 from graphpass.cluster import Cluster
@@ -220,6 +221,7 @@ class Planner:
         max_dropped: float = 0.0,
         loss_fn: Callable | None = None,
         offload: bool | None = None,
+        batch_dims: Mapping[Any, Any] | None = None,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -242,8 +244,10 @@ class Planner:
                 f"{type(model).__name__} has no trainable parameters (model.parameters() is empty or "
                 "frozen); there is nothing to parallelise"
             )
-        self.batch = int(inputs[0].shape[0])
+        batches = batching.resolve(model, inputs, batch.keys, batch_dims)
+        self.batch = batching.samples(inputs, batches)
         captured = capture(model, inputs)
+        batching.annotate(captured.gm, batches)
         times, factor = _op_times(captured.gm, self.cluster, measure_ops, inputs, measure_together)
         remeasure = (_Remeasure(model, inputs, captured.gm, self.cluster, factor, measure_together)
                      if measure_ops else None)
@@ -432,6 +436,7 @@ def plan(
     max_dropped: float = 0.0,
     loss_fn: Callable | None = None,
     offload: bool | None = None,
+    batch_dims: Mapping[Any, Any] | None = None,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -461,6 +466,9 @@ def plan(
             with the host link and its overlap with compute, in the same solve as the rest;
             ``None`` (default): only when no plan fits on the devices alone (searching it takes
             several times longer); ``False``: the devices alone.
+        batch_dims: as for :func:`graphpass.compile`: the batch dim of inputs whose samples are
+            not along dim 0, ``None`` for an input read whole, ``graphpass.Jagged(offsets=...)``
+            for a jagged one (:mod:`graphpass.batching`; inferred where embedding lookups show it).
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -477,5 +485,6 @@ def plan(
         raise ValueError(f"strategy must be 'auto' or a graphpass.Strategy, got {strategy!r}")
     planner = Planner(model, cluster, example_inputs, memory_budget,
                       optimizer_states=optimizer_states, expert_loads=expert_loads,
-                      capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn, offload=offload)
+                      capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn, offload=offload,
+                      batch_dims=batch_dims)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
