@@ -20,6 +20,7 @@ from graphpass.capture import CaptureError, capture, reusing_captures
 from graphpass.layout import ActivationPlan, Jagged, Split, TensorPlan, Tiers
 from graphpass.plan import Plan, Strategy
 from graphpass.plan_report import PlanReport
+from graphpass.tables import SparseOptimizer, TableSharding
 
 
 def plan(*args: Any, **kwargs: Any):
@@ -81,7 +82,9 @@ __all__ = [
     "RankError",
     "SavedDataclass",
     "Split",
+    "SparseOptimizer",
     "Strategy",
+    "TableSharding",
     "TensorPlan",
     "Tiers",
     "VerificationError",

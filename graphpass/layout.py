@@ -41,6 +41,8 @@ from typing import Any, Iterator, Mapping
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from graphpass.tables import TableSharding
+
 #: The memory tiers a stored tensor can live in: the accelerator's memory, the host's (pinned
 #: on a GPU) and files on disk.
 TIERS = ("device", "host", "disk")
@@ -138,16 +140,23 @@ class Cut:
     shape: tuple[int, ...]
     parts: tuple[int, ...] = ()
     zero: int = 0
+    rows: bool = False
 
     @property
     def dim(self) -> int:
         return self.placement.dim
 
     @property
+    def padded(self) -> bool:
+        """Whether the cut takes padded dim-0 rows (ZeRO's, or a row-wise embedding table's)
+        rather than chunks."""
+        return bool(self.zero) or self.rows
+
+    @property
     def out_shape(self) -> tuple[int, ...]:
-        """The shape of each rank's piece: chunked (per part), or ZeRO's padded rows."""
+        """The shape of each rank's piece: chunked (per part), or padded rows."""
         out = list(self.shape)
-        if self.zero:
+        if self.padded:
             out[0] = shard_rows(self.shape[0], self.size)
         else:
             out[self.dim] = sum(n // self.size for n in (self.parts or (self.shape[self.dim],)))
@@ -165,8 +174,11 @@ class TensorLayout:
 
     ``placements`` holds the axes the tensor is sharded on, ``(axis, Shard(d))`` in the order the
     cuts apply (every other axis: ``Replicate()``); ``sizes`` the ranks on each of those axes.
-    With ``zero`` > 0 the last placement is ZeRO's ``Shard(0)``. Build one with
-    :meth:`whole` and the ``with_*`` methods (passes add their cut to what earlier passes made).
+    With ``zero`` > 0 the last placement is ZeRO's ``Shard(0)``; with ``rows`` it is a row-wise
+    embedding table's padded ``Shard(0)`` (the same rows, without ZeRO's gathers). ``owner``:
+    ``(axis, rank)`` when only that rank of the axis holds the tensor (a table-wise embedding
+    table; the others hold no rows of it). Build one with :meth:`whole` and the ``with_*``
+    methods (passes add their cut to what earlier passes made).
     """
 
     shape: tuple[int, ...]
@@ -177,9 +189,14 @@ class TensorLayout:
     slice: Slice | None = None
     experts: str | None = None
     tiers: Tiers = Tiers()
+    rows: bool = False
+    owner: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if self.rows and (self.zero or not self.placements or self.placements[-1][1] != Shard(0)):
+            raise ValueError(f"TensorLayout: padded table rows need their Shard(0) as the last cut and no ZeRO, "
+                             f"got {self.placements} with zero={self.zero}")
         if len(self.placements) != len(self.sizes) or any(a != b for (a, _), (b, _) in zip(self.placements, self.sizes)):
             raise ValueError(f"TensorLayout: placements {self.placements} and sizes {self.sizes} name different axes")
         for axis, placement in self.placements:
@@ -216,15 +233,16 @@ class TensorLayout:
     @property
     def sharded(self) -> bool:
         """Whether the rank holds less than the whole tensor."""
-        return bool(self.placements) or self.slice is not None
+        return bool(self.placements) or self.slice is not None or self.owner is not None
 
     def cuts(self) -> Iterator[Cut]:
         """The placements in the order they apply from the full tensor (after the slice) inwards,
         each with the shape of the tensor it cuts. The one place that order is written."""
         shape = self.sliced_shape
         for i, ((axis, placement), (_, size)) in enumerate(zip(self.placements, self.sizes)):
-            zero = self.zero if i == len(self.placements) - 1 else 0
-            cut = Cut(axis, placement, size, shape, () if zero else self.parts, zero)
+            last = i == len(self.placements) - 1
+            zero = self.zero if last else 0
+            cut = Cut(axis, placement, size, shape, () if zero else self.parts, zero, rows=self.rows and last)
             yield cut
             shape = cut.out_shape
 
@@ -271,6 +289,18 @@ class TensorLayout:
         return replace(self, placements=(*self.placements, (axis, Shard(0))), sizes=(*self.sizes, (axis, size)),
                        zero=stage)
 
+    def with_rows(self, axis: str, size: int) -> "TensorLayout":
+        """This layout, then a row-wise embedding table's padded ``Shard(0)`` over ``size``
+        ranks on ``axis`` (ZeRO's rows, stored without its gathers)."""
+        if self.zero or self.rows:
+            raise ValueError(f"{self}: already cut into padded rows")
+        return replace(self, placements=(*self.placements, (axis, Shard(0))), sizes=(*self.sizes, (axis, size)),
+                       rows=True)
+
+    def with_owner(self, axis: str, rank: int) -> "TensorLayout":
+        """This layout, held by rank ``rank`` of ``axis`` alone (a table-wise embedding table)."""
+        return replace(self, owner=(axis, int(rank)))
+
     def with_slice(self, slice_: Slice) -> "TensorLayout":
         """This (whole) layout's slice ``slice_``."""
         if self.sharded:
@@ -302,11 +332,16 @@ class TensorLayout:
             out["experts"] = self.experts
         if self.tiers.offloaded:
             out["tiers"] = self.tiers.to_json()
+        if self.rows:
+            out["rows"] = True
+        if self.owner is not None:
+            out["owner"] = list(self.owner)
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "TensorLayout":
         slice_ = data.get("slice")
+        owner = data.get("owner")
         return cls(
             tuple(data["shape"]),
             tuple((a, parse_shard(p, a)) for a, p in data.get("placements", {}).items()),
@@ -316,6 +351,8 @@ class TensorLayout:
             None if slice_ is None else Slice(**{**slice_, "state_keys": tuple(slice_["state_keys"])}),
             data.get("experts"),
             Tiers.from_json(data.get("tiers", "device")),
+            bool(data.get("rows", False)),
+            None if owner is None else (owner[0], int(owner[1])),
         )
 
     def __str__(self) -> str:
@@ -326,7 +363,11 @@ class TensorLayout:
                 text += f" parts {list(cut.parts)}"
             if cut.zero:
                 text += f" zero-{cut.zero}"
+            if cut.rows:
+                text += " padded rows"
             cuts.append(text)
+        if self.owner is not None:
+            cuts.append(f"held by {self.owner[0]} rank {self.owner[1]}")
         if self.slice is not None:
             cuts.insert(0, f"slice {self.slice.index}/{self.slice.parts} of dim {self.slice.dim}")
         if self.experts is not None:
@@ -391,6 +432,11 @@ class TensorPlan:
             (:class:`Tiers`; every other tensor stays on the device).
         jagged: for an input whose batch ``Shard`` is cut at another input's offsets (the
             ids of a multi-hot feature), that input (:class:`Jagged`).
+        table: for an embedding table, how the plan shards it over ``dp``
+            (:class:`graphpass.tables.TableSharding`; its gradient is then sparse). Its
+            placement on ``dp`` says the same in torch's words where torch has them: row-wise
+            ``Shard(0)``, column-wise ``Shard(1)``, data-parallel and table-wise
+            ``Replicate()``.
     """
 
     placements: Mapping[str, Placement] = field(default_factory=dict)
@@ -399,6 +445,7 @@ class TensorPlan:
     split: Split | None = None
     tiers: Tiers = Tiers()
     jagged: Jagged | None = None
+    table: TableSharding | None = None
 
     def placement(self, axis: str) -> Placement:
         """The placement on ``axis`` (``Replicate()`` where none is named)."""
@@ -419,6 +466,8 @@ class TensorPlan:
             out["tiers"] = self.tiers.to_json()
         if self.jagged is not None:
             out["jagged"] = self.jagged.to_json()
+        if self.table is not None:
+            out["table"] = self.table.to_json()
         return out
 
 

@@ -24,16 +24,7 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
-
-#: the lookup ops: the ids are argument 1, the table argument 0
-LOOKUPS = {
-    torch.ops.aten.embedding.default,
-    torch.ops.aten.embedding_bag.default,
-    torch.ops.aten.embedding_bag.padding_idx,
-    torch.ops.aten._embedding_bag.default,
-    torch.ops.aten._embedding_bag_forward_only.default,
-}
-
+from graphpass.tables import LOOKUPS
 
 @dataclass(frozen=True)
 class Lookup:

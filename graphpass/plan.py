@@ -34,6 +34,8 @@ from graphpass.layout import ACTIVATION_TIERS, ActivationPlan, Jagged, Split, Te
 from graphpass.mesh import ORDER, Mesh
 from graphpass.ops import is_linear, linear_operands
 from graphpass.plan_report import PlanReport
+from graphpass import tables as tables_lib
+from graphpass.tables import SHARDINGS, SparseOptimizer, TableSharding
 
 #: What ``Strategy.offload`` may name, in the order it prints them.
 OFFLOAD_KINDS = ("optimizer", "gradients", "parameters", "activations")
@@ -131,6 +133,13 @@ class Strategy:
             the other kinds always go to host memory.
         offload_window: with ``"parameters"``: how many layers ahead the compute copy is
             streamed in (at least 1); None: 1.
+        embeddings: how every embedding table (a weight only lookups read,
+            :mod:`graphpass.tables`) is sharded over ``dp``: one of
+            :data:`graphpass.tables.SHARDINGS` (table-wise tables go to the ranks largest first,
+            each to the rank holding the fewest rows so far); its gradient is then sparse and
+            ``embedding_optimizer`` updates it. None: tables are ordinary weights.
+        embedding_optimizer: the :class:`graphpass.SparseOptimizer` of the sharded tables
+            (needed with ``embeddings``; the user's optimizer steps the other parameters).
     """
 
     dp: int = 1
@@ -148,8 +157,11 @@ class Strategy:
     offload: tuple[str, ...] = ()
     offload_to: str = "host"
     offload_window: int | None = None
+    embeddings: str | None = None
+    embedding_optimizer: SparseOptimizer | None = None
 
     def __post_init__(self) -> None:
+        self._check_embeddings()
         for name in ("dp", "tp", "pp", "split", "microbatches", "virtual_stages", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -182,8 +194,24 @@ class Strategy:
     def __repr__(self) -> str:
         # dp_shard and offload only when set: a Strategy without them reads as before (users' golden files)
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
-        unset = {"dp_shard": None, "offload": (), "offload_to": "host", "offload_window": None}
+        unset = {"dp_shard": None, "offload": (), "offload_to": "host", "offload_window": None, "embeddings": None,
+                 "embedding_optimizer": None}
         return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k in unset and v == unset[k])) + ")"
+
+    def _check_embeddings(self) -> None:
+        if isinstance(self.embedding_optimizer, Mapping):  # from a plan's JSON
+            object.__setattr__(self, "embedding_optimizer", SparseOptimizer.from_json(self.embedding_optimizer))
+        if self.embeddings is None:
+            if self.embedding_optimizer is not None:
+                raise ValueError("Strategy.embedding_optimizer updates sharded embedding tables, but "
+                                 "Strategy.embeddings is None (tables are ordinary weights); set embeddings too")
+            return
+        if self.embeddings not in SHARDINGS:
+            raise ValueError(f"Strategy.embeddings must be one of {SHARDINGS} or None, got {self.embeddings!r}")
+        if not isinstance(self.embedding_optimizer, SparseOptimizer):
+            raise ValueError(f"Strategy.embeddings={self.embeddings!r} gives the tables sparse gradients, which the "
+                             "user's optimizer does not see: name their optimizer, e.g. "
+                             "embedding_optimizer=gp.SparseOptimizer('rowwise_adagrad', lr=0.01)")
 
     def _check_offload(self) -> None:
         offload = self.offload
@@ -436,7 +464,7 @@ def _bad_split(node: str, spec: Any) -> ValueError:
 
 def _tensor_from_json(node: str, data: Any) -> TensorPlan:
     """One entry of a plan JSON's ``tensors`` (see :meth:`TensorPlan.to_json`)."""
-    known = ("placements", "zero", "parts", "split", "tiers", "tier", "jagged")
+    known = ("placements", "zero", "parts", "split", "tiers", "tier", "jagged", "table")
     if not isinstance(data, Mapping) or set(data) - set(known):
         raise ValueError(f"Plan.tensors[{node!r}] must be an object with some of {list(known)}, got {data!r}")
     by_axis, spec = data.get("placements", {}), data.get("split")
@@ -450,7 +478,8 @@ def _tensor_from_json(node: str, data: Any) -> TensorPlan:
         {axis: _parse_placement(f"Plan.placements[{node!r}][{axis!r}]", text) for axis, text in by_axis.items()},
         data.get("zero", 0), tuple(parts) if isinstance(parts, (list, tuple)) else parts,
         None if spec is None else Split(spec["dim"], spec["parts"]), _tiers_from_json(node, data),
-        _jagged_from_json(node, data.get("jagged")))
+        _jagged_from_json(node, data.get("jagged")),
+        None if data.get("table") is None else TableSharding.from_json(data["table"]))
 
 
 def _jagged_from_json(node: str, data: Any) -> Jagged | None:
@@ -513,6 +542,8 @@ class Plan:
         offload_window: for parameters whose compute copy lives on the host
             (``Tiers(parameter="host")``): how many layers ahead of its use a layer's copy is
             streamed in (STRONGHOLD's working window).
+        embedding_optimizer: the sparse optimizer of the embedding tables the plan shards (a
+            :attr:`TensorPlan.table`), applied to the rows each step touches.
         report: the planner's predictions and reasons (:class:`~graphpass.plan_report.PlanReport`;
             empty for a plan it did not price).
     """
@@ -529,6 +560,7 @@ class Plan:
     ep_all_to_all: str = "flat"
     capacity_factor: float | str | None = "model"
     offload_window: int = 1
+    embedding_optimizer: SparseOptimizer | None = None
     report: PlanReport = field(default_factory=PlanReport)
 
     def __post_init__(self) -> None:
@@ -590,6 +622,7 @@ class Plan:
                                  "recomputed layer saves only its inputs; choose one (recompute or tier='host')")
         if not isinstance(self.report, PlanReport):
             raise ValueError(f"Plan.report must be a graphpass PlanReport, got {self.report!r}")
+        tables_lib.check_plan(self)
 
     def _check_tensors(self) -> None:
         if not isinstance(self.tensors, Mapping):
@@ -719,6 +752,7 @@ class Plan:
         data["strategy"] = None if self.strategy is None else asdict(self.strategy)
         data["activations"] = {str(layer): saved.to_json() for layer, saved in self.activations.items()}
         data["report"] = self.report.to_dict()
+        data["embedding_optimizer"] = None if self.embedding_optimizer is None else self.embedding_optimizer.to_json()
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -762,6 +796,8 @@ class Plan:
                 raise ValueError(f"Plan.strategy: {exc}") from None
         if "report" in kwargs:
             kwargs["report"] = PlanReport.from_dict(kwargs["report"])
+        if kwargs.get("embedding_optimizer") is not None:
+            kwargs["embedding_optimizer"] = SparseOptimizer.from_json(kwargs["embedding_optimizer"])
         for name in ("stages", "recompute"):
             if name in kwargs:
                 if not isinstance(kwargs[name], (list, tuple)):
@@ -814,7 +850,8 @@ class Plan:
                 problems.append(f"Plan.tensors[{name!r}].jagged: {_describe(node)} is not an input; only inputs are "
                                 "cut at offsets (leave jagged out)")
             if node.op == "get_attr":
-                problems += _stored_problems(self, node, by_axis)
+                problems += (tables_lib.problems(self, node) if self.tensor(name).table is not None
+                             else _stored_problems(self, node, by_axis))
             elif node is loss:
                 problems += _loss_problems(self, node, by_axis)
             elif by_axis:

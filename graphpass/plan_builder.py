@@ -25,6 +25,7 @@ from graphpass.plan import Choice, Plan, Strategy
 from graphpass.plan_report import PlanReport
 from graphpass.splittable import default_split
 from graphpass.stages import stage_starts
+from graphpass.tables import PLACEMENT_DIM, TableSharding, tables
 
 
 def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
@@ -72,6 +73,12 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
                              "(no grouped expert product: graphpass.nn.MoE, Hugging Face's grouped_mm experts); "
                              "use ep=1")
     tensors: dict[str, TensorPlan] = {}
+    sharded_tables = table_shardings(gm, strategy.embeddings, mesh.dp) if strategy is not None and strategy.embeddings \
+        else {}
+    if strategy is not None and strategy.embeddings and not sharded_tables:
+        raise ValueError(f"Strategy.embeddings={strategy.embeddings!r} shards embedding tables, but this model has none "
+                         "(a weight read only by embedding lookups; one tied to an LM head is a dense weight); use "
+                         "embeddings=None")
     nodes = {node.name: node for node in gm.graph.nodes}
     inputs = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
     layers: set[int] = set()
@@ -102,6 +109,9 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
                     tiers = choice.tiers
                     if choice.zero and tensor.dim() > 0:
                         zero = choice.zero
+            if node in sharded_tables:
+                tensors[node.name] = TensorPlan(_table_placement(sharded_tables[node]), table=sharded_tables[node])
+                continue
             tensors[node.name] = TensorPlan(placements, zero, tuple(tp_parts.get(node.name, ())), tiers=tiers)
     # an operator split is its weight's (the linear reads it alone: default_split checks)
     for parts, names in split_nodes.items():
@@ -121,10 +131,32 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         activations={layer: ActivationPlan(recompute=layer in layers, tier="host" if layer in saved_on_host else "device")
                      for layer in sorted(layers | saved_on_host)},
         offload_window=offload_window,
+        embedding_optimizer=strategy.embedding_optimizer if sharded_tables else None,
         sequence_parallel=sequence_parallel,
         microbatches=microbatches,
         report=PlanReport(reasons=tuple(reasons)),
     )
+
+
+def table_shardings(gm: fx.GraphModule, kind: str, dp: int) -> dict[fx.Node, TableSharding]:
+    """Every embedding table of ``gm`` (:func:`graphpass.tables.tables`) sharded ``kind`` over
+    ``dp`` ranks; table-wise tables go to the ranks largest first, each to the rank that holds
+    the fewest elements so far (TorchRec's greedy balance by size)."""
+    found = [node for node in tables(gm) if meta.get(node, meta.ATTR_KIND) == "parameter"]
+    if kind != "table_wise":
+        return {node: TableSharding(kind) for node in found}
+    held = [0] * dp
+    out = {}
+    for node in sorted(found, key=lambda n: (-meta.get(n, meta.VAL).numel(), n.name)):
+        owner = min(range(dp), key=lambda r: (held[r], r))
+        held[owner] += meta.get(node, meta.VAL).numel()
+        out[node] = TableSharding(kind, owner)
+    return out
+
+
+def _table_placement(sharding: TableSharding) -> dict[str, Placement]:
+    dim = PLACEMENT_DIM[sharding.kind]
+    return {"dp": Replicate() if dim is None else Shard(dim)}
 
 
 def uniform_stages(gm: fx.GraphModule, pp: int, strategy: Strategy | None) -> tuple[str, ...]:

@@ -263,6 +263,26 @@ TABLE: Mapping[str, Transition] = _entries(
                "the experts' output rows this rank sends back",
                (Movement(_F, "all_to_all"), Movement(_B, "all_to_all")),
                copies=(Copy(_F, full=1.0), Copy(_B, full=1.0))),
+    # ---- embedding tables (shard_embeddings) ----
+    # Like the experts' exchange: counts first, then the ids (as int64 rows: the row in the
+    # receiving shard, the bag, the weight's bits), then the pooled blocks back and, in backward,
+    # their gradients out again; S of the ids is what this rank sends, of the blocks what it
+    # returns, which balanced ids make also what it receives. A replicated table's backward
+    # all-gathers every rank's rows and row gradients (S: this rank's, padded to the most).
+    # Each op lays out what it sends once: the counts and the ids stacked into their rows, the
+    # gradient blocks one per holder (backward), a replicated table's rows and gradients packed.
+    Transition("table counts", "table_counts", "dp", "-", "-",
+               "the id and bag counts sent to each rank (2n int64)", (Movement(_F, "all_to_all"),),
+               copies=(Copy(_F, full=1.0),)),
+    Transition("table ids", "table_dispatch", "dp", "Shard(0)", "Shard(0)",
+               "the ids this rank sends, with their bags (and weights), as int64 rows",
+               (Movement(_F, "all_to_all"),), copies=(Copy(_F, full=1.0),)),
+    Transition("table pooled", "table_combine", "dp", "Partial()", "Shard(0)",
+               "the pooled blocks this rank returns to the ranks whose ids it served",
+               (Movement(_F, "all_to_all"), Movement(_B, "all_to_all")), copies=(Copy(_B, full=1.0),)),
+    Transition("table replicated gradients", "table_replicated", "dp", "-", "-",
+               "this rank's rows and row gradients, as rows of the table's dtype",
+               (Movement(_B, "all_gather"),), copies=(Copy(_B, full=1.0),)),
 )
 
 

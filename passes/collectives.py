@@ -12,7 +12,8 @@ weights"; ``emit_tp_redistribute`` the tp placement changes, found by
 :func:`graphpass.transitions.redistribution` (``Shard(d) → Shard(e)`` is a gather then a
 scatter; a replicated value into sharded compute "tp Replicate into sharded compute");
 ``emit_vocab_parallel_cross_entropy`` "tp vocabulary-parallel loss"; ``emit_expert_exchange`` "ep
-token counts", "ep dispatch" and "ep combine".
+token counts", "ep dispatch" and "ep combine"; ``emit_table_lookup`` "table counts", "table ids",
+"table pooled" and "table replicated gradients".
 """
 
 from __future__ import annotations
@@ -356,6 +357,44 @@ def emit_expert_exchange(
     return local_rows, local_offs, combined
 
 
+def emit_table_lookup(
+    gm: fx.GraphModule, lookup: fx.Node, shard: fx.Node, axis: str, size: int, *, sharding: str, rows: int, dim: int,
+    owner: int, scale: float, created_by: str,
+) -> fx.Node:
+    """A sharded table's lookup in place of ``lookup`` (``aten.embedding`` / ``embedding_bag``,
+    whose arguments :func:`graphpass.tables.lookup_args` reads), on the rank's ``shard`` over
+    ``axis`` (``size`` ranks): "table
+    counts", then "table ids" and "table pooled" (or "table replicated gradients" for a
+    data-parallel table). Returns the node of the pooled rows; the caller points the lookup's
+    uses at it."""
+    from graphpass.tables import lookup_args
+
+    args = lookup_args(lookup)
+    ids, offsets, weights, mode, last = (args["ids"], args["offsets"], args["per_sample_weights"], args["mode"],
+                                         args["include_last_offset"])
+    graph = gm.graph
+    with graph.inserting_before(lookup):
+        counts = graph.call_function(_op(TABLE["table counts"]),
+                                     (ids, offsets, sharding, axis, size, rows, owner, mode, last))
+        made = [(counts, "table counts")]
+        if sharding == "data_parallel":
+            pooled = graph.call_function(_op(TABLE["table replicated gradients"]),
+                                         (shard, ids, offsets, weights, counts, axis, mode, last, scale))
+            made.append((pooled, "table replicated gradients"))
+        else:
+            routed = graph.call_function(_op(TABLE["table ids"]),
+                                         (ids, offsets, weights, counts, sharding, axis, rows, owner, mode, last))
+            pooled = graph.call_function(_op(TABLE["table pooled"]),
+                                         (shard, routed, counts, ids, offsets, sharding, axis, dim, mode, last, scale))
+            made += [(routed, "table ids"), (pooled, "table pooled")]
+    for node, name in made:
+        meta.copy_meta(lookup, node, exclude=meta.TENSOR_KEYS)
+        node.meta[meta.CREATED_BY] = created_by
+        node.meta[meta.AXIS] = axis
+        node.meta[meta.TRANSITION] = name
+    return pooled
+
+
 def is_collective(node: fx.Node) -> bool:
     """True for nodes that call one of the runtime's collective ops."""
     return node.op == "call_function" and node.target in ops.COLLECTIVE_OPS
@@ -373,6 +412,7 @@ __all__ = [
     "emit_expert_exchange",
     "emit_grad_all_reduce",
     "emit_param_all_gather",
+    "emit_table_lookup",
     "emit_tp_redistribute",
     "emit_vocab_parallel_cross_entropy",
     "is_bucket",

@@ -62,6 +62,8 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
             continue
         if not gm.get_parameter(n.target).requires_grad:
             continue
+        if plan.tensor(meta.plan_name(n)).table is not None:
+            continue  # a sharded embedding table: sparse gradients, its own exchange (shard_embeddings)
         zero_axis = getattr(meta.layout(n), "zero_axis", None)
         zero_sharded = batch is not None and zero_axis is not None and plan.mesh.within(zero_axis, batch)
         partial = n.meta.get(meta.GRAD_PARTIAL)

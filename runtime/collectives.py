@@ -12,7 +12,8 @@ communicating.
 The ops live with the idea they implement: gradient synchronisation in
 :mod:`~graphpass.runtime.grad_sync`, ZeRO in :mod:`~graphpass.runtime.zero`, Megatron's pairs in
 :mod:`~graphpass.runtime.tensor_parallel`, the experts' token exchange in
-:mod:`~graphpass.runtime.expert_parallel`; this module only adds the reported-loss all-reduce and
+:mod:`~graphpass.runtime.expert_parallel`, sharded embedding tables' lookups in
+:mod:`~graphpass.runtime.embeddings`; this module only adds the reported-loss all-reduce and
 lists them all.
 """
 
@@ -27,6 +28,7 @@ from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import step
 from graphpass.runtime.fake import is_fake
 from graphpass.runtime.expert_parallel import EP_OPS, ep_combine, ep_counts, ep_dispatch
+from graphpass.runtime.embeddings import TABLE_OPS, table_combine, table_counts, table_dispatch, table_replicated
 from graphpass.runtime.grad_sync import all_reduce_grads, grad_sync_begin
 from graphpass.runtime.tensor_parallel import (
     TP_OPS,
@@ -67,7 +69,8 @@ def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor
 
 
 #: Every op the emitter may insert; a test checks that no other function creates collective nodes.
-COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce, all_gather_params, *TP_OPS, *EP_OPS)
+COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce, all_gather_params, *TP_OPS, *EP_OPS,
+                                 *TABLE_OPS)
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -78,6 +81,10 @@ __all__ = [
     "ep_counts",
     "ep_dispatch",
     "grad_sync_begin",
+    "table_combine",
+    "table_counts",
+    "table_dispatch",
+    "table_replicated",
     "tp_all_gather",
     "tp_all_reduce",
     "tp_copy",

@@ -147,7 +147,7 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
         # from the rank's tensor outwards: the cuts in reverse order
         for cut in reversed(list(tensor_layout.cuts())):
             rank = mesh.axis_rank(cut.axis)
-            if cut.zero:
+            if cut.padded:
                 pieces = _zero(pieces, cut, rank)
             else:
                 pieces = _chunk(pieces, cut, rank)
@@ -156,8 +156,24 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
             shape = cut.shape
         if slice_ is not None:
             pieces, shape = _sliced(pieces, slice_), tensor_layout.shape
+    if tensor_layout is not None and tensor_layout.owner is not None:
+        axis, owner = tensor_layout.owner
+        if mesh.axis_rank(axis) != owner:
+            pieces = []  # another rank holds it
     pieces = [p for p in pieces if all(n > 0 for n in p.sizes)]
     return HeldPieces(keys[0], shape, tuple(local.shape), tuple(pieces))
+
+
+def _from_owner(local: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """The whole tensor held by ``layout.owner`` alone, on every rank of its axis (a broadcast)."""
+    axis, owner = layout.owner
+    mesh = mesh_lib.current()
+    group = mesh.group(axis)
+    if group is None:
+        return local
+    full = local.detach().clone() if mesh.axis_rank(axis) == owner else local.new_empty(layout.shape)
+    torch.distributed.broadcast(full, src=torch.distributed.get_global_rank(group, owner), group=group)
+    return full
 
 
 def gather_full(tensors: Mapping[str, tuple[torch.Tensor, TensorLayout]],
@@ -178,7 +194,7 @@ def gather_full(tensors: Mapping[str, tuple[torch.Tensor, TensorLayout]],
             groups: dict[tuple[str, bool], list[str]] = {}
             for target, (_, cuts) in pending.items():
                 if cuts:
-                    groups.setdefault((cuts[-1].axis, bool(cuts[-1].zero)), []).append(target)
+                    groups.setdefault((cuts[-1].axis, cuts[-1].padded), []).append(target)
             for (axis, zero), targets in sorted(groups.items()):
                 local = [pending[t][0] for t in targets]
                 cuts = [pending[t][1].pop() for t in targets]
@@ -188,9 +204,12 @@ def gather_full(tensors: Mapping[str, tuple[torch.Tensor, TensorLayout]],
                     fulls = gather_tp_parameters(local, [c.dim for c in cuts], axis, [c.parts or None for c in cuts])
                 for target, cut, full in zip(targets, cuts, fulls):
                     buffer = tensors[target][1].experts
-                    if buffer is not None and not cut.zero:  # slots back to expert order
+                    if buffer is not None and not cut.padded:  # slots back to expert order
                         full = full[experts(buffer).argsort()]
                     pending[target] = (full, pending[target][1])
+        for target, (local, layout) in tensors.items():
+            if layout.owner is not None:  # held by one rank: it sends the others the whole tensor
+                pending[target] = (_from_owner(pending[target][0], layout), [])
         slices: dict[str, list[tuple[Slice, torch.Tensor]]] = {}
         for target, (full, _) in pending.items():
             slice_ = tensors[target][1].slice

@@ -35,6 +35,7 @@ from graphpass.runtime import disk
 from graphpass.runtime.disk import DiskStore, check_offload_dir
 from graphpass.runtime.offload import OffloadedParams
 from graphpass.runtime.pipeline import PipelineProgram
+from graphpass.runtime.sparse_optim import SparseStep
 from graphpass.runtime.step import StepProgram, accumulation_schedule
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,12 @@ class DistributedModule(nn.Module):
             need = 4 * sum(p.numel() * p.element_size() for p in on_disk)
             store = DiskStore(check_offload_dir(offload_dir, need), process_mesh.rank)
         self._offload = OffloadedParams(offloaded.values(), plan.offload_window, store, delayed_disk_update)
+        # sharded embedding tables: their sparse optimizer steps them at the end of each train_step
+        self._tables = {n.target: self._compute_copy(n.target) for n in graph_module.graph.nodes
+                        if n.op == "get_attr" and plan.tensor(meta.plan_name(n)).table is not None}
+        columns = {target: (layout.placements[-1][0], layout.shape[1]) for target, layout in self._layouts.items()
+                   if target in self._tables and layout.placements and layout.placements[-1][1].dim == 1}
+        self._sparse = SparseStep(plan.embedding_optimizer, self._tables, columns) if self._tables else None
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
 
@@ -155,10 +162,21 @@ class DistributedModule(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's trainable tensors under their original names (first name of tied weights):
         what the optimizer steps. A parameter whose optimizer lives in host memory (offload) is
-        its master copy there; the program computes with a device copy of it."""
+        its master copy there; the program computes with a device copy of it. Embedding tables
+        the plan shards are not among them: the plan's sparse optimizer steps them inside
+        :meth:`train_step` (:attr:`sparse_optimizer`)."""
+        tables = {id(t) for t in self._tables.values()}
         for name, p in self.graph_module.named_parameters(remove_duplicate=remove_duplicate):
+            if id(p) in tables:  # a sharded embedding table: its sparse optimizer steps it
+                continue
             master = self._offload.master_of(p)
             yield prefix + name, p if master is None else master
+
+    @property
+    def sparse_optimizer(self) -> SparseStep | None:
+        """The sparse optimizer of the plan's sharded embedding tables (its ``state`` per table
+        shard), or None when the plan shards none."""
+        return self._sparse
 
     def resident_buffers(self) -> list[torch.Tensor]:
         """Tensors the runtime keeps on this rank between steps besides the parameters: the
@@ -301,7 +319,8 @@ class DistributedModule(nn.Module):
         or ``train_step(**batch)`` for a dict. Gradients land in ``p.grad`` for ``p in
         self.parameters()``, already synchronised, so the caller's optimizer can step right away.
         With ``plan.microbatches = k`` the share runs as k microbatches whose gradients are
-        accumulated and synchronised once.
+        accumulated and synchronised once. Embedding tables the plan shards are updated here, by
+        the plan's sparse optimizer, once the step's last backward is done.
         """
         global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
         count = functools.partial(self._loss_counts.fill, self.microbatches(*global_batch)) if self._loss_counts else None
@@ -313,6 +332,9 @@ class DistributedModule(nn.Module):
             else:
                 loss = self._program.run(self.microbatches(*global_batch), before=count)
         self._offload.finish_step()  # every gradient down in its master's .grad
+        if self._sparse is not None:  # the tables' rows this step touched, updated
+            with mesh_lib.active(self._mesh):
+                self._sparse.step()
         return loss
 
     def forward(self, *global_batch: torch.Tensor, **keyword_batch: torch.Tensor) -> torch.Tensor:

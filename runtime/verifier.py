@@ -106,8 +106,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _value(node: fx.Node) -> Any:
+    """What a node holds, as the ranks compare it: a tensor one rank of an axis holds alone (a
+    table-wise embedding table; the others hold none of it) as its whole shape."""
+    value = node.meta.get(meta.VAL)
+    layout = meta.layout(node) if node.op == "get_attr" else None
+    if layout is not None and layout.owner is not None and isinstance(value, torch.Tensor):
+        return torch.empty(layout.shape, dtype=value.dtype, device="meta")
+    return value
+
+
 def _entry(node: fx.Node) -> Entry:
-    moves = tuple(t for a in node.all_input_nodes for t in _tensors(a.meta.get(meta.VAL)))
+    moves = tuple(t for a in node.all_input_nodes for t in _tensors(_value(a)))
     returns = tuple(_tensors(node.meta.get(meta.VAL)))
     params = tuple(a.target for a in node.all_input_nodes if a.op == "get_attr")
     # Keyword arguments are the same on every rank (ZeRO group and stage, full shapes); positional
@@ -178,7 +188,7 @@ def program(gm: fx.GraphModule, plan: Plan, rank: int) -> dict[Group, tuple[Entr
         members = group_members(plan.mesh, replica, rank)
         held = out.setdefault((SHARDS, members), [])
         for node in gm.graph.nodes:
-            value = node.meta.get(meta.VAL)
+            value = _value(node)
             if node.op == "get_attr" and runs(node) and isinstance(value, torch.Tensor):
                 held.append(Entry(node.target, "holds", "", (tuple(value.shape), str(value.dtype))))
     return {g: tuple(entries) for g, entries in out.items()}

@@ -105,3 +105,110 @@ def test_ids_and_offsets_that_do_not_fit_fail_every_rank_naming_input_and_table(
     for rank, errors in enumerate(rank_pool(2).run(_train_with_bad_batches, timeout_s=120)):
         for kind, message in _BAD.items():
             assert message in errors.get(kind, "(no error)"), (rank, kind, errors.get(kind))
+
+
+# ------------------------------------------------------------------ sharded tables, sparse updates
+
+_DENSE_LR, _TABLE_LR = 0.05, 0.1
+#: a table per sharding kind, then each kind on every table
+_MIXED = {"tables_0_weight": gp.TableSharding("row_wise"), "tables_1_weight": gp.TableSharding("table_wise", 1),
+          "tables_2_weight": gp.TableSharding("column_wise"), "tables_3_weight": gp.TableSharding("data_parallel")}
+
+
+def _sparse_optimizer(kind: str) -> gp.SparseOptimizer:
+    return gp.SparseOptimizer(kind, lr=_TABLE_LR, eps=1e-8)
+
+
+def _reference_step(kind: str, tables: list[torch.nn.Parameter], state: dict) -> None:
+    """One step of ``kind`` on ``tables`` (dense gradients), as torch (or FBGEMM's equations for
+    row-wise Adagrad) does it; the rows a step touches are those with a gradient."""
+    if kind == "rowwise_adagrad":  # FBGEMM's EXACT_ROWWISE_ADAGRAD, written from its equations
+        with torch.no_grad():
+            for p in tables:
+                rows = p.grad.abs().sum(1) > 0
+                s = state.setdefault(p, torch.zeros(p.shape[0]))
+                s[rows] += (p.grad[rows] ** 2).mean(1)
+                p[rows] -= _TABLE_LR * p.grad[rows] / (s[rows].sqrt() + 1e-8).unsqueeze(1)
+        return
+    if "opt" not in state:
+        state["opt"] = {"sgd": lambda: torch.optim.SGD(tables, lr=_TABLE_LR),
+                        "adagrad": lambda: torch.optim.Adagrad(tables, lr=_TABLE_LR, eps=1e-8),
+                        "lazy_adam": lambda: torch.optim.SparseAdam(tables, lr=_TABLE_LR, eps=1e-8)}[kind]()
+    if kind == "lazy_adam":  # SparseAdam takes row-sparse gradients: the touched rows
+        for p in tables:
+            p.grad = p.grad.to_sparse(sparse_dim=1)
+    state["opt"].step()
+
+
+def _train_reference(kind: str, steps: int = 3):
+    model = dlrm()
+    tables = [p for name, p in model.named_parameters() if name.startswith("tables.")]
+    dense = torch.optim.SGD([p for name, p in model.named_parameters() if not name.startswith("tables.")],
+                            lr=_DENSE_LR, momentum=0.9)
+    state, losses = {}, []
+    for batch in dlrm_batches()[:steps]:
+        loss = model(*batch)
+        losses.append(loss.item())
+        loss.backward()
+        dense.step()
+        _reference_step(kind, tables, state)
+        model.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_sharded(cases) -> list:
+    out = []
+    world_size = torch.distributed.get_world_size()
+    for sharding, kind, microbatches in cases:
+        strategy = gp.Strategy(dp=world_size, microbatches=microbatches,
+                               embeddings=sharding if sharding != "mixed" else "row_wise",
+                               embedding_optimizer=_sparse_optimizer(kind))
+        batches = dlrm_batches()
+        model = dlrm()
+        plan = None
+        if sharding == "mixed":  # a hand-edited plan: one kind per table
+            from graphpass.plan_builder import plan_from_strategy
+            from graphpass.capture import capture
+            from graphpass import batching
+            inputs = batching.resolve(model, batches[0], None, None)
+            captured = capture(model, batching.cut(batches[0], inputs, world_size * microbatches, 0))
+            batching.annotate(captured.gm, inputs)
+            plan = plan_from_strategy(captured.gm, strategy, ())
+            for name, table in _MIXED.items():
+                placement = {"row_wise": torch.distributed.tensor.Shard(0),
+                             "column_wise": torch.distributed.tensor.Shard(1)}.get(table.kind,
+                                                                                   torch.distributed.tensor.Replicate())
+                plan = plan.with_tensor(name, table=table, placements={"dp": placement})
+        dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batches[0], strategy=plan or strategy)
+        opt = torch.optim.SGD(dmodel.parameters(), lr=_DENSE_LR, momentum=0.9)
+        losses = []
+        for batch in batches:
+            losses.append(dmodel.train_step(*batch).item())
+            opt.step()
+            opt.zero_grad()
+        out.append((losses, dmodel.full_state_dict()))
+    return out
+
+
+_CASES = [(kind, "sgd", 1) for kind in ("data_parallel", "table_wise", "row_wise", "column_wise")] + [
+    ("mixed", "sgd", 2), ("mixed", "adagrad", 1), ("mixed", "rowwise_adagrad", 1), ("mixed", "lazy_adam", 1)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_tables_and_sparse_optimizers_train_as_one_process(rank_pool, world_size):
+    results = rank_pool(world_size).run(_train_sharded, _CASES, timeout_s=500)[0]
+    references = {}
+    for (sharding, kind, microbatches), (losses, state) in zip(_CASES, results):
+        if kind not in references:
+            references[kind] = _train_reference(kind)
+        ref_losses, ref_state = references[kind]
+        where = f"{sharding} tables, {kind}, {microbatches} microbatches, {world_size} ranks"
+        # SGD: rounding-level differences (the module docstring). Adagrad and Adam divide by the
+        # root of the squared gradients, which magnifies rounding where a gradient is small:
+        # graphpass.testing's Adam tolerances.
+        rtol, atol = (1e-5, 1e-6) if kind == "sgd" else (1e-4, 1e-5)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{where}: losses: {m}")
+        for key, ref in ref_state.items():
+            torch.testing.assert_close(state[key], ref, rtol=rtol, atol=atol, msg=lambda m: f"{where}: {key}: {m}")

@@ -26,6 +26,7 @@ from graphpass import meta
 from graphpass.layout import TensorLayout
 from graphpass.passes import collectives as emit
 from graphpass.runtime import collectives as ops
+from graphpass.runtime import embeddings as table_runtime
 from graphpass.runtime import expert_parallel as ep_runtime
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import step as step_program
@@ -175,14 +176,17 @@ class _Waited:
 def _counting(log: list, phase: list, copies: _Copies):
     """Record (phase, kind, bytes of S, blocking) of every collective the runtime launches."""
     saved = (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
-             tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all)
+             tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all,
+             table_runtime._all_to_all, table_runtime._all_gather)
     real = {"all_reduce": dist.all_reduce, "all_gather": zero_runtime._all_gather_flat,
-            "reduce_scatter": zero_runtime._reduce_scatter_flat, "all_to_all": ep_runtime._all_to_all}
+            "reduce_scatter": zero_runtime._reduce_scatter_flat, "all_to_all": ep_runtime._all_to_all,
+            "table all_to_all": table_runtime._all_to_all, "table all_gather": table_runtime._all_gather}
 
     def counted(kind: str, operand: int):
         def call(*args, **kwargs):
             tensor = args[operand]
-            log.append((phase[0], kind, tensor.numel() * tensor.element_size(), not kwargs.get("async_op")))
+            log.append((phase[0], kind.removeprefix("table "), tensor.numel() * tensor.element_size(),
+                        not kwargs.get("async_op")))
             with copies.backend():
                 work = real[kind](*args, **kwargs)
             return _Waited(work, copies) if work is not None else None
@@ -191,13 +195,16 @@ def _counting(log: list, phase: list, copies: _Copies):
     # S is the all-gather's output and the reductions' input; what an all-to-all sends.
     dist.all_reduce = counted("all_reduce", 0)
     ep_runtime._all_to_all = counted("all_to_all", 1)
+    table_runtime._all_to_all = counted("table all_to_all", 1)
+    table_runtime._all_gather = counted("table all_gather", 1)
     zero_runtime._all_gather_flat = tp_runtime._all_gather_flat = counted("all_gather", 0)
     zero_runtime._reduce_scatter_flat = tp_runtime._reduce_scatter_flat = counted("reduce_scatter", 1)
     try:
         yield
     finally:
         (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
-         tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all) = saved
+         tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all,
+         table_runtime._all_to_all, table_runtime._all_gather) = saved
 
 
 def _graph(n: int, local: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Node, fx.Node, fx.Node]:
@@ -287,6 +294,8 @@ def _run_entry(name: str, hsdp: bool = False) -> tuple[tuple, tuple]:
     axis = TABLE[name].axis
     if axis == "ep":
         return _run_expert_exchange(name, n)
+    if name.startswith("table "):
+        return _run_table_lookup(name, n)
     mesh = mesh_lib.ProcessMesh({"dp": n, "dp_shard": n // 2} if hsdp else {axis: n})
     torch.manual_seed(0)
     if name == "tp vocabulary-parallel loss":
@@ -358,6 +367,45 @@ def _run_expert_exchange(name: str, n: int) -> tuple[tuple, tuple]:
         with copies:
             (out * 2).sum().backward()
     size = 8.0 * experts if name == "ep token counts" else 4.0 * 3 * experts * d
+    expected = [(m.phase, m.kind, m.size(size, n), m.blocking) for m in TABLE[name].moves()]
+    return ((sorted(expected), _expected_copies(name, size, n, 1)),
+            (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
+
+
+def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
+    """One entry of a sharded table's lookup, alone: a row-wise table of ``n`` rows of 5 per
+    rank, every rank sending one id to each rank in 3 bags (balanced: a rank receives as many
+    ids as it sends, and returns as many pooled rows as it gets); the replicated table's
+    backward gathers every rank's ids and row gradients."""
+    rows, d, bags = 5 * n, 6, 3
+    ids = torch.arange(n) * 5 + dist.get_rank() % 5
+    offsets = torch.tensor([0, 1, 2])[:bags] if n >= 3 else torch.tensor([0, 1, 1])
+    sharding = "data_parallel" if name == "table replicated gradients" else "row_wise"
+    shard = nn.Parameter(torch.randn(rows if sharding == "data_parallel" else 5, d))
+    log, phase = [], ["forward"]
+    copies = _Copies(phase)
+    mesh = mesh_lib.ProcessMesh({"dp": n})
+    args = ("sum", False)
+    with mesh_lib.active(mesh):
+        counts = ops.table_counts(ids, offsets, sharding, "dp", n, rows, 0, *args)
+        routed = None if sharding == "data_parallel" else ops.table_dispatch(ids, offsets, None, counts, sharding,
+                                                                             "dp", rows, 0, *args)
+    with mesh_lib.active(mesh), _counting(log, phase, copies):
+        with copies:
+            if name == "table counts":
+                out = ops.table_counts(ids, offsets, sharding, "dp", n, rows, 0, *args).sum().float().requires_grad_()
+            elif name == "table ids":
+                out = ops.table_dispatch(ids, offsets, None, counts, sharding, "dp", rows, 0, *args).sum().float()
+                out = out.requires_grad_()
+            elif name == "table pooled":
+                out = ops.table_combine(shard, routed, counts, ids, offsets, sharding, "dp", d, "sum", False, 0.5)
+            else:
+                out = ops.table_replicated(shard, ids, offsets, None, counts, "dp", "sum", False, 0.5)
+        phase[0] = "backward"
+        with copies:
+            (out * 2).sum().backward()
+    size = {"table counts": 16.0 * n, "table ids": 16.0 * n, "table pooled": 4.0 * bags * d * n,
+            "table replicated gradients": 4.0 * n * (2 + d)}[name]
     expected = [(m.phase, m.kind, m.size(size, n), m.blocking) for m in TABLE[name].moves()]
     return ((sorted(expected), _expected_copies(name, size, n, 1)),
             (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))

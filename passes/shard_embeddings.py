@@ -1,0 +1,115 @@
+"""shard_embeddings: cut each embedding table the plan shards over ``dp`` and route its lookups.
+
+Contract: for every ``get_attr`` whose plan entry has a :attr:`~graphpass.layout.TensorPlan.table`
+(:class:`graphpass.tables.TableSharding`; a weight only embedding lookups read), the pass replaces
+the table by this rank's shard (row-wise: rows ``[r c, (r + 1) c)`` padded as ZeRO's;
+column-wise: columns ``[r d/n, (r + 1) d/n)``; table-wise: the whole table on its owner, no rows
+elsewhere; data-parallel: the whole table), gives the node the matching ``gp.layout``
+(checkpoints and ``full_state_dict`` put the table back together), and replaces each lookup by
+the sharded lookup the emitter makes (:func:`graphpass.passes.collectives.emit_table_lookup`:
+counts, ids to the rows' holders, pooled rows back; :mod:`graphpass.runtime.embeddings`). The
+table's gradient is sparse from then on: no data-parallel all-reduce takes it (insert_collectives
+skips it), and the plan's sparse optimizer updates the rows each step touches. No table sharded
+→ logged no-op.
+
+Before/after (row-wise over dp=2, a [1000, 16] table)::
+
+    w = get_attr[tables.0.weight]   [1000, 16]     w = get_attr[tables.0.weight]   [500, 16]
+    bag = embedding_bag(w, ids, offsets, ...)  →   counts = table_counts(ids, offsets, 'row_wise', 'dp', ...)
+    pooled = getitem(bag, 0)        [8, 16]        routed = table_dispatch(ids, offsets, None, counts, ...)
+                                                   pooled = table_combine(w, routed, counts, ids, ...)  [8, 16]
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphpass import meta
+from graphpass.layout import TensorLayout
+from graphpass.pass_manager import PassContext, graph_pass
+from graphpass.passes import collectives
+from graphpass.plan import Plan
+from graphpass.tables import TableSharding, tables
+
+log = logging.getLogger(__name__)
+
+NAME = "shard_embeddings"
+AXIS = "dp"
+
+
+@graph_pass(NAME, requires=(), provides=("sharded_tables",))
+def shard_embeddings(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
+    """Shard the tables the plan shards and route their lookups (see the module docstring)."""
+    found = {node: lookups for node, lookups in tables(gm).items() if plan.tensor(meta.plan_name(node)).table}
+    if not found:
+        log.info("%s: no embedding table sharded; nothing to do", NAME)
+        return gm
+    for axis in ("tp", "pp", "ep"):
+        if plan.mesh.size(axis) > 1:
+            raise NotImplementedError(f"{NAME}: sharded embedding tables with {axis}={plan.mesh.size(axis)} are not "
+                                      f"implemented yet; use a mesh of dp only, or Strategy(embeddings=None)")
+    size = plan.mesh.size(AXIS)
+    index = plan.mesh.coordinate(ctx.rank, AXIS) if AXIS in plan.mesh else 0
+    for node, lookups in found.items():
+        sharding = plan.tensor(meta.plan_name(node)).table
+        rows, dim = node.meta[meta.VAL].shape
+        _shard(gm, node, sharding, size, index)
+        for lookup in lookups:
+            pooled = collectives.emit_table_lookup(
+                gm, lookup, node, AXIS, size, sharding=sharding.kind, rows=int(rows), dim=int(dim), owner=sharding.owner,
+                scale=1.0 / size, created_by=NAME)
+            _take_uses(gm, lookup, pooled)
+    log.info("%s: %d tables sharded over %s=%d (%s)", NAME, len(found), AXIS, size,
+             ", ".join(sorted({plan.tensor(meta.plan_name(n)).table.kind for n in found})))
+    gm.recompile()
+    return gm
+
+
+def _take_uses(gm: fx.GraphModule, lookup: fx.Node, pooled: fx.Node) -> None:
+    """Point the lookup's result at ``pooled``: its uses for a plain embedding, the uses of its
+    pooled output (``getitem 0``) for a bag lookup; then drop the lookup and its unused outputs."""
+    if lookup.target is torch.ops.aten.embedding.default:
+        lookup.replace_all_uses_with(pooled)
+    else:
+        for user in list(lookup.users):
+            if user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0:
+                user.replace_all_uses_with(pooled)
+            if not user.users:
+                gm.graph.erase_node(user)
+    if not lookup.users:
+        gm.graph.erase_node(lookup)
+
+
+def _shard(gm: fx.GraphModule, node: fx.Node, sharding: TableSharding, size: int, index: int) -> None:
+    """Replace table ``node``'s tensor by this rank's shard and record its layout."""
+    module_path, _, attr = node.target.rpartition(".")
+    owner = gm.get_submodule(module_path) if module_path else gm
+    full = getattr(owner, attr).detach()
+    rows, dim = full.shape
+    layout = TensorLayout.whole(full.shape)
+    if sharding.kind == "row_wise":
+        c = -(-rows // size)
+        local = full.new_zeros(c, dim)
+        mine = full[index * c:(index + 1) * c]
+        local[:mine.shape[0]] = mine
+        layout = layout.with_rows(AXIS, size)
+    elif sharding.kind == "column_wise":
+        width = dim // size
+        local = full[:, index * width:(index + 1) * width].clone()
+        layout = layout.with_shard(AXIS, 1, size)
+    elif sharding.kind == "table_wise":
+        local = full.clone() if index == sharding.owner else full.new_zeros(0, dim)
+        layout = layout.with_owner(AXIS, sharding.owner)
+    else:
+        local = full.clone()
+    setattr(owner, attr, nn.Parameter(local, requires_grad=True))
+    if layout.sharded:
+        node.meta[meta.LAYOUT] = layout
+
+
+__all__ = ["shard_embeddings"]
