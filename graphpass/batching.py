@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from graphpass import meta
-from graphpass.layout import Jagged, TensorPlan
+from graphpass.layout import Jagged, TensorPlan, placement_to_str
 
 
 @dataclass(frozen=True)
@@ -486,4 +486,46 @@ def of_plan(plan, input_names: Sequence[str]) -> list[InputBatch]:
             held = out[batch.offsets]
             out[batch.offsets] = InputBatch(dim=held.dim, include_last_offset=batch.include_last_offset,
                                             is_offsets=True)
+    return out
+
+
+def problems(plan, inputs: list[fx.Node]) -> list[str]:
+    """Inputs split the way compile captures them: along their batch dim over ``dp`` when the
+    batch is split (``dp * microbatches > 1``; capture takes one microbatch of a rank's share of
+    every input, :mod:`graphpass.batching`), jagged ones at their offsets, replicated on the
+    other axes."""
+    out = []
+    for node in inputs:
+        for axis, p in plan.tensor(node.name).placements.items():
+            text = placement_to_str(p)
+            if axis != "dp" and p != Replicate():
+                out.append(
+                    f"Plan.placements[{node.name!r}][{axis!r}]: {text} on input {node.name!r}; graphpass splits inputs "
+                    f"only along their batch dim over dp, and every {axis} rank reads its dp share whole: use "
+                    "Replicate()")
+    dp, k = plan.mesh.dp, plan.microbatches
+    on_dp = {n.name: plan.placement(n.name, "dp") for n in inputs}
+    wanted = {n.name: input_plan(n, [i.name for i in inputs]) for n in inputs}
+    if dp * k == 1:
+        out += [f"Plan.placements[{name!r}]['dp']: {placement_to_str(p)} on an input; inputs are split along "
+                     f"their batch dim ({placement_to_str(wanted[name].placement('dp'))}) or not at all (Replicate())"
+                     for name, p in on_dp.items() if p not in (wanted[name].placement("dp"), Replicate())]
+        return out
+    why = "the batch is split " + " and ".join(
+        ([f"over dp={dp}"] if dp > 1 else []) + ([f"into Plan.microbatches={k}"] if k > 1 else []))
+    axis = "" if "dp" in plan.mesh else " (and give Plan.mesh a 'dp' axis, of size 1 if need be)"
+    for node in inputs:
+        p, want = on_dp[node.name], wanted[node.name]
+        given = (f"Plan.placements[{node.name!r}] has no 'dp' entry, so input {node.name!r} is Replicate()"
+                 if "dp" not in plan.placements.get(node.name, {})
+                 else f"Plan.placements[{node.name!r}]['dp']: {placement_to_str(p)} on input {node.name!r}")
+        if p != want.placement("dp"):
+            out.append(
+                f"{given}, but {why}: compile captures every input at its share of the batch, and "
+                f"{node.name!r} {describe(node)}; use {node.name!r}: "
+                f"{{'dp': '{placement_to_str(want.placement('dp'))}'}}{axis}")
+        elif plan.tensor(node.name).jagged != want.jagged:
+            out.append(
+                f"Plan.tensors[{node.name!r}].jagged: {plan.tensor(node.name).jagged}, but {node.name!r} "
+                f"{describe(node)}; use jagged={want.jagged}")
     return out

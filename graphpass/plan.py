@@ -838,7 +838,7 @@ class Plan:
                 f"the Plan places nodes {unknown[:5]} that are not in the captured graph of this model "
                 "(was the plan made for another model or batch shape?)"
             )
-        problems = _input_problems(self, [n for n in gm.graph.nodes if n.op == "placeholder"])
+        problems = batching.problems(self, [n for n in gm.graph.nodes if n.op == "placeholder"])
         output = gm.graph.find_nodes(op="output")[0]
         role = meta.get(output, meta.ROLE, {})
         loss = output.args[0][role["loss"]] if "loss" in role else None
@@ -947,48 +947,6 @@ def _describe(node: fx.Node) -> str:
     if node.op == "get_attr":
         return f"{meta.get(node, meta.ATTR_KIND, None) or 'attribute'} {node.target!r}{shape}"
     return f"op {node.name!r} ({node.target})"
-
-
-def _input_problems(plan: Plan, inputs: list[fx.Node]) -> list[str]:
-    """Inputs split the way compile captures them: along their batch dim over ``dp`` when the
-    batch is split (``dp * microbatches > 1``; capture takes one microbatch of a rank's share of
-    every input, :mod:`graphpass.batching`), jagged ones at their offsets, replicated on the
-    other axes."""
-    problems = []
-    for node in inputs:
-        for axis, p in plan.tensor(node.name).placements.items():
-            text = placement_to_str(p)
-            if axis != "dp" and p != Replicate():
-                problems.append(
-                    f"Plan.placements[{node.name!r}][{axis!r}]: {text} on {_describe(node)}; graphpass splits inputs "
-                    f"only along their batch dim over dp, and every {axis} rank reads its dp share whole: use "
-                    "Replicate()")
-    dp, k = plan.mesh.dp, plan.microbatches
-    on_dp = {n.name: plan.placement(n.name, "dp") for n in inputs}
-    wanted = {n.name: batching.input_plan(n, [i.name for i in inputs]) for n in inputs}
-    if dp * k == 1:
-        problems += [f"Plan.placements[{name!r}]['dp']: {placement_to_str(p)} on an input; inputs are split along "
-                     f"their batch dim ({placement_to_str(wanted[name].placement('dp'))}) or not at all (Replicate())"
-                     for name, p in on_dp.items() if p not in (wanted[name].placement("dp"), Replicate())]
-        return problems
-    why = "the batch is split " + " and ".join(
-        ([f"over dp={dp}"] if dp > 1 else []) + ([f"into Plan.microbatches={k}"] if k > 1 else []))
-    axis = "" if "dp" in plan.mesh else " (and give Plan.mesh a 'dp' axis, of size 1 if need be)"
-    for node in inputs:
-        p, want = on_dp[node.name], wanted[node.name]
-        given = (f"Plan.placements[{node.name!r}] has no 'dp' entry, so {_describe(node)} is Replicate()"
-                 if "dp" not in plan.placements.get(node.name, {})
-                 else f"Plan.placements[{node.name!r}]['dp']: {placement_to_str(p)} on {_describe(node)}")
-        if p != want.placement("dp"):
-            problems.append(
-                f"{given}, but {why}: compile captures every input at its share of the batch, and "
-                f"{node.name!r} {batching.describe(node)}; use {node.name!r}: "
-                f"{{'dp': '{placement_to_str(want.placement('dp'))}'}}{axis}")
-        elif plan.tensor(node.name).jagged != want.jagged:
-            problems.append(
-                f"Plan.tensors[{node.name!r}].jagged: {plan.tensor(node.name).jagged}, but {node.name!r} "
-                f"{batching.describe(node)}; use jagged={want.jagged}")
-    return problems
 
 
 def _stored_problems(plan: Plan, node: fx.Node, by_axis: Mapping[str, Placement]) -> list[str]:
