@@ -12,6 +12,9 @@ Keys in the checkpoint (flat, so ``dcp_to_torch_save`` gives a readable dict too
 - ``optim.<key>.<state>``: each optimizer state of the parameter saved as ``model.<key>``
   (momentum buffers, Adam moments: laid out as the parameter; step counts: whole);
 - ``optim.param_groups``: the hyper-parameters of each group, its parameters named by key;
+- ``sparse.<key>.<state>``, ``sparse.steps``: the state of the sparse optimizer of the embedding
+  tables a plan shards (:mod:`graphpass.runtime.sparse_optim`; laid out as the table, or one
+  value per row), saved with the model, since the user's optimizer does not hold it;
 - ``extra``: what the caller passed as ``extra`` on rank 0, encoded by :func:`encode_extra`.
 
 Directory protocol (crash safety): a save writes ``<path>.partial`` and, once DCP has committed
@@ -47,6 +50,7 @@ import pathlib
 import pickle
 import shutil
 import warnings
+import logging
 import zlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
@@ -87,6 +91,8 @@ FORMAT = 2  # 2: file sums, the optimizer's class path, extra and param groups e
 MARKER = "graphpass.json"
 METADATA = ".metadata"  # DCP's file name
 MODEL, OPTIM, GROUPS, EXTRA = "model.", "optim.", "optim.param_groups", "extra"
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ pieces as DCP sees them
@@ -532,6 +538,7 @@ def save_state(
     *,
     extra: Any = None,
     info: Mapping[str, Any] | None = None,
+    sparse: tuple[dict[str, list], dict[str, torch.Tensor]] | None = None,
 ) -> pathlib.Path:
     """Write a checkpoint (every rank calls it; see the module docstring for the protocol).
 
@@ -542,6 +549,8 @@ def save_state(
         extra: saved from rank 0, encoded by :func:`encode_extra`.
         info: written to ``graphpass.json`` (plan, world size) beside the format, the optimizer's
             class and each file's size and CRC-32.
+        sparse: the sharded embedding tables' optimizer state
+            (:meth:`graphpass.runtime.sparse_optim.SparseStep.checkpoint_entries`), or None.
 
     Raises:
         CheckpointError: ``extra`` or the param groups hold a value that cannot be saved safely
@@ -556,6 +565,9 @@ def save_state(
         # Everything that can refuse the save runs before anything is written or removed.
         state: dict[str, Any] = {MODEL + k: _Pieces(v) for k, v in _by_key(entries).items()}
         state.update({MODEL + k: t.detach() for k, t in unplaced.items()})
+        if sparse is not None:
+            state.update({k: _Pieces(v) for k, v in sparse[0].items()})
+            state.update(sparse[1])
         try:
             if optimizer is not None:
                 state.update(_optimizer_state(optimizer, entries))
@@ -674,8 +686,11 @@ def load_state(
     expected: Sequence[str],
     optimizer: torch.optim.Optimizer | None,
     path: str | os.PathLike,
+    sparse: tuple[dict[str, list], dict[str, torch.Tensor]] | None = None,
 ) -> Any:
-    """Read a checkpoint into this rank's tensors and ``optimizer``; returns the saved ``extra``.
+    """Read a checkpoint into this rank's tensors and ``optimizer`` (and the sharded tables'
+    optimizer state into ``sparse``'s tensors, where the checkpoint has it); returns the saved
+    ``extra``.
 
     ``expected`` is every key of the model that a checkpoint holds (also those held only by
     other pipeline stages), to tell a checkpoint of another model from this rank's partial read.
@@ -703,6 +718,8 @@ def load_state(
                 )
             state.update(_fresh_optimizer_state(optimizer, entries, metadata, fresh))
             state[GROUPS] = None
+        if sparse is not None:
+            state.update(_sparse_state(sparse, metadata, found))
         if EXTRA in metadata.state_dict_metadata:
             state[EXTRA] = None
         return found, info, reader, state
@@ -718,6 +735,26 @@ def load_state(
         return _decoded(state.get(EXTRA), info, "extra")
 
     return _on_every_rank(restore)
+
+
+def _sparse_state(sparse: tuple[dict[str, list], dict[str, torch.Tensor]], metadata: Metadata,
+                  path: pathlib.Path) -> dict[str, Any]:
+    """What to read of the sharded tables' optimizer state: all of it, none where the
+    checkpoint has none (saved with the tables dense: the state starts anew), and an error
+    where it holds another optimizer's."""
+    pieces, scalars = sparse
+    saved = {k for k in metadata.state_dict_metadata if k.startswith("sparse.")}
+    wanted = set(pieces) | set(scalars)
+    if not saved:
+        log.warning("checkpoint %s holds no sparse optimizer state (its embedding tables were not sharded): the "
+                    "tables' optimizer state starts anew", path)
+        return {}
+    if not wanted <= saved:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} holds the embedding tables' optimizer state {sorted(saved)[:3]}, which lacks "
+            f"{sorted(wanted - saved)[:3]}: it was saved with another Plan.embedding_optimizer; load it with the same "
+            "kind of sparse optimizer")
+    return {**{k: _Pieces(v) for k, v in pieces.items()}, **scalars}
 
 
 def _fresh_optimizer_state(optimizer: torch.optim.Optimizer, entries: Entries, metadata: Metadata,
@@ -781,7 +818,17 @@ def save(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, p
     entries, unplaced, _ = dmodel.checkpoint_state()
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "mesh": dict(dmodel.plan.mesh)}
     with torch.no_grad():
-        return save_state(entries, unplaced, optimizer, path, extra=extra, info=info)
+        return save_state(entries, unplaced, optimizer, path, extra=extra, info=info,
+                          sparse=_sparse_entries(dmodel, entries))
+
+
+def _sparse_entries(dmodel: "DistributedModule", entries: Entries):
+    """The sharded tables' optimizer state as a checkpoint holds it, or None without one."""
+    sparse = dmodel.sparse_optimizer
+    if sparse is None:
+        return None
+    by_tensor = {id(tensor): layout for layout, tensor in entries}
+    return sparse.checkpoint_entries({target: by_tensor[id(shard)] for target, shard in sparse.shards.items()})
 
 
 def load(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> Any:
@@ -797,8 +844,12 @@ def load(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, p
             or metadata that would run code.
     """
     entries, unplaced, expected = dmodel.checkpoint_state()
+    sparse = _sparse_entries(dmodel, entries)
     with torch.no_grad():
-        return load_state(entries, unplaced, expected, optimizer, path)
+        extra = load_state(entries, unplaced, expected, optimizer, path, sparse)
+    if sparse is not None:
+        dmodel.sparse_optimizer.loaded()
+    return extra
 
 
 def load_into(model: nn.Module, path: str | os.PathLike) -> None:

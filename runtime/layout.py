@@ -156,12 +156,14 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
             shape = cut.shape
         if slice_ is not None:
             pieces, shape = _sliced(pieces, slice_), tensor_layout.shape
-    if tensor_layout is not None and tensor_layout.owner is not None:
+    local_shape = tuple(local.shape)
+    if tensor_layout is not None and tensor_layout.owner is not None:  # the owner holds it whole
         axis, owner = tensor_layout.owner
-        if mesh.axis_rank(axis) != owner:
-            pieces = []  # another rank holds it
+        shape = tensor_layout.shape
+        mine = mesh.axis_rank(axis) == owner
+        pieces, local_shape = (_whole(shape), shape) if mine else ([], local_shape)
     pieces = [p for p in pieces if all(n > 0 for n in p.sizes)]
-    return HeldPieces(keys[0], shape, tuple(local.shape), tuple(pieces))
+    return HeldPieces(keys[0], shape, local_shape, tuple(pieces))
 
 
 def _from_owner(local: torch.Tensor, layout: TensorLayout) -> torch.Tensor:

@@ -19,7 +19,9 @@ state shaped like the shard (so sharded like the table), as FBGEMM's fused optim
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,11 @@ import torch.distributed as dist
 from graphpass.tables import SparseOptimizer
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.embeddings import sparse_grad
+from graphpass.runtime.layout import HeldPieces
+
+#: the checkpoint keys of the sparse optimizer's state: ``sparse.<table key>.<state>`` (laid out as
+#: the table, or one value per row), and ``sparse.steps``
+SPARSE = "sparse."
 
 
 class SparseStep:
@@ -100,3 +107,27 @@ class SparseStep:
             denom = (v_update + old_v).sqrt() + opt.eps
             step_size = opt.lr * math.sqrt(1 - beta2 ** self.steps) / (1 - beta1 ** self.steps)
             w.index_add_(0, rows, numer / denom, alpha=-step_size)
+
+    def checkpoint_entries(self, layouts: Mapping[str, HeldPieces]
+                           ) -> tuple[dict[str, list[tuple[HeldPieces, torch.Tensor]]], dict[str, torch.Tensor]]:
+        """The state as a checkpoint holds it (:mod:`graphpass.runtime.checkpoint`), given each
+        shard's layout by target: per-element states laid out as their table, per-row states as
+        its rows, and the step count; a load reads into these same tensors."""
+        pieces: dict[str, list[tuple[HeldPieces, torch.Tensor]]] = {}
+        for target, state in self.state.items():
+            layout = layouts[target]
+            for name, value in state.items():
+                pieces[f"{SPARSE}{layout.key}.{name}"] = [(layout if value.dim() == 2 else _rows(layout), value)]
+        self._steps = torch.tensor(self.steps, dtype=torch.long)
+        return pieces, {f"{SPARSE}steps": self._steps}
+
+    def loaded(self) -> None:
+        """Take the step count a checkpoint load wrote into :meth:`checkpoint_entries`' tensor."""
+        self.steps = int(self._steps)
+
+
+def _rows(layout: HeldPieces) -> HeldPieces:
+    """The layout of one value per row of a table of ``layout`` (each piece's rows once)."""
+    pieces = {(piece.offsets[0], piece.index[0].start, piece.index[0].stop): piece for piece in layout.pieces}
+    rows = [dataclasses.replace(p, offsets=(p.offsets[0],), index=(p.index[0],)) for p in pieces.values()]
+    return HeldPieces(layout.key, layout.shape[:1], layout.local[:1], tuple(rows))
