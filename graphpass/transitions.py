@@ -269,14 +269,16 @@ TABLE: Mapping[str, Transition] = _entries(
     # their gradients out again; S of the ids is what this rank sends, of the blocks what it
     # returns, which balanced ids make also what it receives. A replicated table's backward
     # all-gathers every rank's rows and row gradients (S: this rank's, padded to the most).
-    # Each op lays out what it sends once: the counts and the ids stacked into their rows, the
-    # gradient blocks one per holder (backward), a replicated table's rows and gradients packed.
+    # The ops of one group of lookups (every table's, one exchange): the counts and the ids are
+    # stacked per lookup, then laid out per destination (twice S); the pooled rows are added
+    # straight into the buffer sent back, and the gradient blocks laid out once per holder
+    # (backward); a replicated table's rows and gradients are packed once.
     Transition("table counts", "table_counts", "dp", "-", "-",
-               "the id and bag counts sent to each rank (2n int64)", (Movement(_F, "all_to_all"),),
-               copies=(Copy(_F, full=1.0),)),
+               "the id and bag counts of each lookup sent to each rank (2nJ int64)", (Movement(_F, "all_to_all"),),
+               copies=(Copy(_F, full=2.0),)),
     Transition("table ids", "table_dispatch", "dp", "Shard(0)", "Shard(0)",
                "the ids this rank sends, with their bags (and weights), as int64 rows",
-               (Movement(_F, "all_to_all"),), copies=(Copy(_F, full=1.0),)),
+               (Movement(_F, "all_to_all"),), copies=(Copy(_F, full=2.0),)),
     Transition("table pooled", "table_combine", "dp", "Partial()", "Shard(0)",
                "the pooled blocks this rank returns to the ranks whose ids it served",
                (Movement(_F, "all_to_all"), Movement(_B, "all_to_all")), copies=(Copy(_B, full=1.0),)),

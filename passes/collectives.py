@@ -12,7 +12,7 @@ weights"; ``emit_tp_redistribute`` the tp placement changes, found by
 :func:`graphpass.transitions.redistribution` (``Shard(d) → Shard(e)`` is a gather then a
 scatter; a replicated value into sharded compute "tp Replicate into sharded compute");
 ``emit_vocab_parallel_cross_entropy`` "tp vocabulary-parallel loss"; ``emit_expert_exchange`` "ep
-token counts", "ep dispatch" and "ep combine"; ``emit_table_lookup`` "table counts", "table ids",
+token counts", "ep dispatch" and "ep combine"; ``emit_table_lookups`` "table counts", "table ids",
 "table pooled" and "table replicated gradients".
 """
 
@@ -357,42 +357,76 @@ def emit_expert_exchange(
     return local_rows, local_offs, combined
 
 
-def emit_table_lookup(
-    gm: fx.GraphModule, lookup: fx.Node, shard: fx.Node, axis: str, size: int, *, sharding: str, rows: int, dim: int,
-    owner: int, scale: float, created_by: str,
-) -> fx.Node:
-    """A sharded table's lookup in place of ``lookup`` (``aten.embedding`` / ``embedding_bag``,
-    whose arguments :func:`graphpass.tables.lookup_args` reads), on the rank's ``shard`` over
-    ``axis`` (``size`` ranks): "table
-    counts", then "table ids" and "table pooled" (or "table replicated gradients" for a
-    data-parallel table). Returns the node of the pooled rows; the caller points the lookup's
-    uses at it."""
+def emit_table_lookups(
+    gm: fx.GraphModule, lookups: Sequence[tuple[fx.Node, fx.Node, tuple]], axis: str, size: int, *, scale: float,
+    created_by: str,
+) -> list[fx.Node]:
+    """Sharded tables' lookups in place of ``lookups`` (each ``(lookup, shard, spec)``: an
+    ``aten.embedding`` / ``embedding_bag`` node, whose arguments
+    :func:`graphpass.tables.lookup_args` reads, the ``get_attr`` of this rank's shard of its
+    table, and the runtime's ``Spec``), over ``axis`` (``size`` ranks). Row-, table- and
+    column-wise lookups go as one group: "table counts", "table ids" and "table pooled", placed
+    before the first lookup (the nodes computing the others' ids are moved up to it; the caller
+    groups only lookups whose ids no lookup computes); a data-parallel table's lookup is "table
+    counts" and "table replicated gradients" where it stands. Returns each lookup's pooled rows;
+    the caller points the lookup's uses at them."""
     from graphpass.tables import lookup_args
 
-    args = lookup_args(lookup)
-    ids, offsets, weights, mode, last = (args["ids"], args["offsets"], args["per_sample_weights"], args["mode"],
-                                         args["include_last_offset"])
     graph = gm.graph
-    with graph.inserting_before(lookup):
-        counts = graph.call_function(_op(TABLE["table counts"]),
-                                     (ids, offsets, sharding, axis, size, rows, owner, mode, last))
-        made = [(counts, "table counts")]
-        if sharding == "data_parallel":
-            pooled = graph.call_function(_op(TABLE["table replicated gradients"]),
-                                         (shard, ids, offsets, weights, counts, axis, mode, last, scale))
-            made.append((pooled, "table replicated gradients"))
-        else:
-            routed = graph.call_function(_op(TABLE["table ids"]),
-                                         (ids, offsets, weights, counts, sharding, axis, rows, owner, mode, last))
-            pooled = graph.call_function(_op(TABLE["table pooled"]),
-                                         (shard, routed, counts, ids, offsets, sharding, axis, dim, mode, last, scale))
-            made += [(routed, "table ids"), (pooled, "table pooled")]
-    for node, name in made:
-        meta.copy_meta(lookup, node, exclude=meta.TENSOR_KEYS)
+    args = [lookup_args(lookup) for lookup, _, _ in lookups]
+    pooled: list[fx.Node | None] = [None] * len(lookups)
+    made = []
+    for i, ((lookup, shard, spec), a) in enumerate(zip(lookups, args)):
+        if spec[0] != "data_parallel":
+            continue
+        with graph.inserting_before(lookup):
+            counts = graph.call_function(_op(TABLE["table counts"]), ([a["ids"]], [a["offsets"]], (spec,), axis, size))
+            pooled[i] = graph.call_function(_op(TABLE["table replicated gradients"]),
+                                            (shard, a["ids"], a["offsets"], a["per_sample_weights"], counts, axis,
+                                             spec[4], spec[5], scale))
+        made += [(counts, lookup, "table counts"), (pooled[i], lookup, "table replicated gradients")]
+    routed_group = [i for i, (_, _, spec) in enumerate(lookups) if spec[0] != "data_parallel"]
+    if routed_group:
+        order = {node: k for k, node in enumerate(graph.nodes)}
+        first = min((lookups[i][0] for i in routed_group), key=order.__getitem__)
+        _move_before(first, [n for i in routed_group for n in (lookups[i][1], args[i]["ids"], args[i]["offsets"],
+                                                                args[i]["per_sample_weights"]) if n is not None], order)
+        ids = [args[i]["ids"] for i in routed_group]
+        offsets = [args[i]["offsets"] for i in routed_group]
+        weights = [args[i]["per_sample_weights"] for i in routed_group]
+        specs = tuple(lookups[i][2] for i in routed_group)
+        with graph.inserting_before(first):
+            counts = graph.call_function(_op(TABLE["table counts"]), (ids, offsets, specs, axis, size))
+            routed = graph.call_function(_op(TABLE["table ids"]), (ids, offsets, weights, counts, specs, axis))
+            combined = graph.call_function(_op(TABLE["table pooled"]),
+                                           ([lookups[i][1] for i in routed_group], routed, counts, ids, offsets,
+                                            specs, axis, scale))
+            for k, i in enumerate(routed_group):
+                pooled[i] = graph.call_function(operator.getitem, (combined, k))
+                made.append((pooled[i], lookups[i][0], None))
+        made += [(counts, first, "table counts"), (routed, first, "table ids"), (combined, first, "table pooled")]
+    for node, source, name in made:
+        meta.copy_meta(source, node, exclude=meta.TENSOR_KEYS)
         node.meta[meta.CREATED_BY] = created_by
-        node.meta[meta.AXIS] = axis
-        node.meta[meta.TRANSITION] = name
-    return pooled
+        if name is not None:
+            node.meta[meta.AXIS] = axis
+            node.meta[meta.TRANSITION] = name
+    return pooled  # type: ignore[return-value]
+
+
+def _move_before(anchor: fx.Node, needed: Sequence[fx.Node], order: dict[fx.Node, int]) -> None:
+    """Move the nodes ``needed`` and what they are computed from to just before ``anchor``
+    where they come after it, keeping their order (they compute from inputs alone)."""
+    late: set[fx.Node] = set()
+    stack = [n for n in needed if order[n] > order[anchor]]
+    while stack:
+        node = stack.pop()
+        if node in late or order[node] < order[anchor]:
+            continue
+        late.add(node)
+        stack.extend(node.all_input_nodes)
+    for node in sorted(late, key=order.__getitem__):
+        anchor.prepend(node)
 
 
 def is_collective(node: fx.Node) -> bool:
@@ -412,7 +446,7 @@ __all__ = [
     "emit_expert_exchange",
     "emit_grad_all_reduce",
     "emit_param_all_gather",
-    "emit_table_lookup",
+    "emit_table_lookups",
     "emit_tp_redistribute",
     "emit_vocab_parallel_cross_entropy",
     "is_bucket",

@@ -6,7 +6,7 @@ the table by this rank's shard (row-wise: rows ``[r c, (r + 1) c)`` padded as Ze
 column-wise: columns ``[r d/n, (r + 1) d/n)``; table-wise: the whole table on its owner, no rows
 elsewhere; data-parallel: the whole table), gives the node the matching ``gp.layout``
 (checkpoints and ``full_state_dict`` put the table back together), and replaces each lookup by
-the sharded lookup the emitter makes (:func:`graphpass.passes.collectives.emit_table_lookup`:
+the sharded lookups the emitter makes (:func:`graphpass.passes.collectives.emit_table_lookups`:
 counts, ids to the rows' holders, pooled rows back; :mod:`graphpass.runtime.embeddings`). The
 table's gradient is sparse from then on: no data-parallel all-reduce takes it (insert_collectives
 skips it), and the plan's sparse optimizer updates the rows each step touches. No table sharded
@@ -15,9 +15,14 @@ skips it), and the plan's sparse optimizer updates the rows each step touches. N
 Before/after (row-wise over dp=2, a [1000, 16] table)::
 
     w = get_attr[tables.0.weight]   [1000, 16]     w = get_attr[tables.0.weight]   [500, 16]
-    bag = embedding_bag(w, ids, offsets, ...)  →   counts = table_counts(ids, offsets, 'row_wise', 'dp', ...)
-    pooled = getitem(bag, 0)        [8, 16]        routed = table_dispatch(ids, offsets, None, counts, ...)
-                                                   pooled = table_combine(w, routed, counts, ids, ...)  [8, 16]
+    bag = embedding_bag(w, ids, offsets, ...)  →   counts = table_counts([ids], [offsets], specs, 'dp', 2)
+    pooled = getitem(bag, 0)        [8, 16]        routed = table_dispatch([ids], [offsets], [None], counts, ...)
+                                                   combined = table_combine([w], routed, counts, [ids], ...)
+                                                   pooled = getitem(combined, 0)         [8, 16]
+
+All the row-, table- and column-wise lookups of the step go in one exchange (TorchRec's
+grouped input and output distributions): one all-to-all of the counts, one of the ids, one of
+the pooled rows back, and one in backward, whatever the number of tables.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from graphpass.layout import TensorLayout
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
 from graphpass.plan import Plan
-from graphpass.tables import TableSharding, tables
+from graphpass.tables import TableSharding, lookup_args, tables
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +60,43 @@ def shard_embeddings(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
                                       f"implemented yet; use a mesh of dp only, or Strategy(embeddings=None)")
     size = plan.mesh.size(AXIS)
     index = plan.mesh.coordinate(ctx.rank, AXIS) if AXIS in plan.mesh else 0
-    for node, lookups in found.items():
+    lookups = []
+    for node, users in found.items():
         sharding = plan.tensor(meta.plan_name(node)).table
         rows, dim = node.meta[meta.VAL].shape
         _shard(gm, node, sharding, size, index)
-        for lookup in lookups:
-            pooled = collectives.emit_table_lookup(
-                gm, lookup, node, AXIS, size, sharding=sharding.kind, rows=int(rows), dim=int(dim), owner=sharding.owner,
-                scale=1.0 / size, created_by=NAME)
-            _take_uses(gm, lookup, pooled)
+        for lookup in users:
+            args = lookup_args(lookup)
+            lookups.append((lookup, node, (sharding.kind, int(rows), int(dim), sharding.owner, args["mode"],
+                                           args["include_last_offset"])))
+    # one exchange for every lookup whose ids come from the inputs alone (a lookup reading
+    # another's result, rare, goes on its own where it stands)
+    inputs_only = [entry for entry in lookups if not _after_a_lookup(entry[0], {e[0] for e in lookups})]
+    groups = [inputs_only] + [[entry] for entry in lookups if entry not in inputs_only]
+    for group in groups:
+        if not group:
+            continue
+        pooled = collectives.emit_table_lookups(gm, group, AXIS, size, scale=1.0 / size, created_by=NAME)
+        for (lookup, _, _), result in zip(group, pooled):
+            _take_uses(gm, lookup, result)
     log.info("%s: %d tables sharded over %s=%d (%s)", NAME, len(found), AXIS, size,
              ", ".join(sorted({plan.tensor(meta.plan_name(n)).table.kind for n in found})))
     gm.recompile()
     return gm
+
+
+def _after_a_lookup(lookup: fx.Node, all_lookups: set[fx.Node]) -> bool:
+    """Whether ``lookup``'s ids, offsets or weights are computed from another lookup's result."""
+    stack, seen = [n for n in lookup.all_input_nodes if n.op != "get_attr"], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in all_lookups:
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def _take_uses(gm: fx.GraphModule, lookup: fx.Node, pooled: fx.Node) -> None:

@@ -139,6 +139,11 @@ def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
     _all_gather_flat(out, tensor, group=group)
 
 
+#: One lookup of a group, as the ops take it: ``(sharding, rows, dim, owner, mode,
+#: include_last_offset)`` of its table (full shape ``[rows, dim]``) and how it pools.
+Spec = tuple
+
+
 def _sent_counts(flat: torch.Tensor, sharding: str, rows: int, size: int, owner: int) -> torch.Tensor:
     """How many of the ids go to each rank."""
     if sharding in ("column_wise", "data_parallel"):  # every rank gets all of them (or hears of them)
@@ -146,141 +151,227 @@ def _sent_counts(flat: torch.Tensor, sharding: str, rows: int, size: int, owner:
     return torch.bincount(_destinations(flat, sharding, rows, size, owner)[0], minlength=size)
 
 
-def table_counts(ids: torch.Tensor, offsets: torch.Tensor | None, sharding: str, axis: str, size: int, rows: int,
-                 owner: int, mode: str, include_last_offset: bool) -> torch.Tensor:
-    """Exchange how many ids each rank sends each rank of ``axis`` (``size`` ranks), and each
-    rank's bag count.
+def table_counts(ids: list, offsets: list, specs: tuple, axis: str, size: int) -> torch.Tensor:
+    """Exchange, for a group of lookups (``specs``, one :data:`Spec` each), how many ids each
+    rank sends each rank of ``axis`` (``size`` ranks), and each rank's bag counts.
 
     Returns:
-        ``counts`` ``[2, n, 2]`` int64: ``counts[0, p]`` the ids this rank sends rank ``p`` and
-        its own bag count, ``counts[1, p]`` the ids rank ``p`` sends this rank and its bag count.
+        ``counts`` ``[2, n, J, 2]`` int64 for ``J`` lookups: ``counts[0, p, j]`` the ids of lookup
+        ``j`` this rank sends rank ``p`` and its own bag count, ``counts[1, p, j]`` what rank
+        ``p`` sends this rank.
     """
-    if is_fake(ids):
-        return torch.empty(2, size, 2, dtype=torch.long, device=ids.device)
+    if is_fake(ids[0]):
+        return torch.empty(2, size, len(specs), 2, dtype=torch.long, device=ids[0].device)
     mesh = mesh_lib.current()
-    flat, _, _, bags = _bags(ids.long(), offsets, mode, include_last_offset)
-    counts = torch.empty(2, size, 2, dtype=torch.long)
-    sent = _sent_counts(flat, sharding, rows, size, owner)
-    torch.stack([sent, torch.full_like(sent, bags)], 1, out=counts[0])
+    sent, bags = [], []
+    for t, o, (sharding, rows, _, owner, mode, last) in zip(ids, offsets, specs):
+        flat, _, _, b = _bags(t.long(), o, mode, last)
+        sent.append(_sent_counts(flat, sharding, rows, size, owner))
+        bags.append(torch.full_like(sent[-1], b))
+    counts = torch.empty(2, size, len(specs), 2, dtype=torch.long)
+    torch.stack([torch.stack(sent, 1), torch.stack(bags, 1)], 2, out=counts[0])
     _all_to_all(counts[1], counts[0], None, None, mesh.group(axis))
     return counts
 
 
-def _blocks(counts: torch.Tensor, sharding: str) -> tuple[list[int], list[int]]:
-    """``(block_rows, back_rows)``: the pooled rows this rank returns to each source (its bags,
-    where it sent ids here) and receives from each holder (this rank's bags, where it sent ids
-    there); column-wise, every rank hears from every rank."""
-    every = sharding == "column_wise"
-    block_rows = [int(b) if every or int(m) else 0 for m, b in counts[1].tolist()]
-    back_rows = [int(b) if every or int(m) else 0 for m, b in counts[0].tolist()]
+def _blocks(counts: torch.Tensor, specs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_rows, back_rows)`` ``[n, J]``: the pooled rows this rank returns to each source
+    for each lookup (its bags, where it sent ids here) and receives from each holder (this rank's
+    bags, where it sent ids there); column-wise, every rank hears from every rank."""
+    every = torch.tensor([spec[0] == "column_wise" for spec in specs])
+    block_rows = torch.where((counts[1, :, :, 0] > 0) | every, counts[1, :, :, 1], 0)
+    back_rows = torch.where((counts[0, :, :, 0] > 0) | every, counts[0, :, :, 1], 0)
     return block_rows, back_rows
 
 
-def table_dispatch(ids: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None,
-                   counts: torch.Tensor, sharding: str, axis: str, rows: int, owner: int, mode: str,
-                   include_last_offset: bool) -> torch.Tensor:
-    """Send each id to the ranks that hold its row (``counts`` from :func:`table_counts`).
+def _arrived(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each id this rank received (source-major, then lookup): its source and its lookup."""
+    received = counts[1, :, :, 0].reshape(-1)
+    label = torch.searchsorted(received.cumsum(0), torch.arange(int(received.sum())), right=True)
+    lookups = counts.shape[2]
+    return label // lookups, label % lookups
+
+
+def table_dispatch(ids: list, offsets: list, weights: list, counts: torch.Tensor, specs: tuple,
+                   axis: str) -> torch.Tensor:
+    """Send each id of a group of lookups to the ranks that hold its row (``counts`` from
+    :func:`table_counts`), in one all-to-all.
 
     Returns:
-        ``routed`` ``[m, 2]`` (``[m, 3]`` with per-sample weights) int64, one row per id this rank
-        received: its row in this rank's shard, the position of its bag among the bags this
-        rank pools (the sources' blocks one after the other), and its weight's float32 bits.
+        ``routed`` ``[m, 2]`` (``[m, 3]`` where a lookup has per-sample weights) int64, one row per
+        id this rank received (source-major, then lookup): its row in the lookup's shard, the
+        position of its bag among the bags this rank pools for that lookup (the sources' blocks
+        one after the other), and its weight's float32 bits (1.0 where the lookup has none).
     """
-    columns = 2 if per_sample_weights is None else 3
-    if is_fake(ids):
-        return torch.empty(ids.numel(), columns, dtype=torch.long, device=ids.device)
+    columns = 2 if all(w is None for w in weights) else 3
+    if is_fake(ids[0]):
+        return torch.empty(sum(t.numel() for t in ids), columns, dtype=torch.long, device=ids[0].device)
     mesh = mesh_lib.current()
-    size = mesh.axis_size(axis)
-    flat, bag, _, _ = _bags(ids.long(), offsets, mode, include_last_offset)
-    dest, local = (None, flat) if sharding == "column_wise" else _destinations(flat, sharding, rows, size, owner)
-    parts = [local, bag]
-    if per_sample_weights is not None:
-        bits = per_sample_weights.reshape(-1)[:flat.numel()].to(torch.float32).view(torch.int32)
-        parts.append(bits.to(torch.long))
-    payload = torch.stack(parts, 1)
-    if dest is None:  # column-wise: every rank gets every id
-        payload = torch.cat([payload] * size)
-    else:
-        payload = payload[torch.argsort(dest, stable=True)]
-    received = counts[1, :, 0]
+    size = counts.shape[1]
+    by_dest: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    for t, o, w, (sharding, rows, _, owner, mode, last) in zip(ids, offsets, weights, specs):
+        flat, bag, _, _ = _bags(t.long(), o, mode, last)
+        dest, local = (None, flat) if sharding == "column_wise" else _destinations(flat, sharding, rows, size, owner)
+        parts = [local, bag]
+        if columns == 3:
+            w = torch.ones(flat.numel()) if w is None else w.reshape(-1)[:flat.numel()]
+            parts.append(w.to(torch.float32).view(torch.int32).to(torch.long))
+        payload = torch.stack(parts, 1)
+        if dest is None:  # column-wise: every rank gets every id
+            for p in range(size):
+                by_dest[p].append(payload)
+        else:
+            order = torch.argsort(dest, stable=True)
+            ends = torch.bincount(dest, minlength=size).cumsum(0).tolist()
+            ordered = payload[order]
+            for p in range(size):
+                by_dest[p].append(ordered[(ends[p - 1] if p else 0):ends[p]])
+    payload = torch.cat([piece for pieces in by_dest for piece in pieces])
+    received = counts[1, :, :, 0].sum(1)
     routed = payload.new_empty(int(received.sum()), columns)
-    _all_to_all(routed, payload, received.tolist(), counts[0, :, 0].tolist(), mesh.group(axis))
-    blocks = torch.where((received > 0) | (sharding == "column_wise"), counts[1, :, 1], 0)  # as _blocks says
-    starts = blocks.cumsum(0) - blocks
-    source = torch.searchsorted(received.cumsum(0), torch.arange(routed.shape[0]), right=True)
-    routed[:, 1].add_(starts[source])  # bag -> its place among this rank's blocks
+    _all_to_all(routed, payload, received.tolist(), counts[0, :, :, 0].sum(1).tolist(), mesh.group(axis))
+    block_rows, _ = _blocks(counts, specs)
+    starts = block_rows.cumsum(0) - block_rows  # [n, J]: each source's first bag in each lookup's blocks
+    source, lookup = _arrived(counts)
+    routed[:, 1].add_(starts[source, lookup])  # bag -> its place among this rank's blocks of its lookup
     return routed
 
 
-def _weights(routed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The per-sample weights travelling in ``routed``'s third column (None without one)."""
+def _weights(routed: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The per-sample weights of routed ids ``rows`` (None without a weights column)."""
     if routed.shape[1] < 3:
         return None
-    return routed[:, 2].to(torch.int32).view(torch.float32).to(dtype).unsqueeze(1)
+    return routed[rows, 2].to(torch.int32).view(torch.float32).to(dtype).unsqueeze(1)
 
 
 class _Combine(torch.autograd.Function):
     """:func:`table_combine` with its backward (the module docstring)."""
 
     @staticmethod
-    def forward(ctx, shard, routed, counts, lengths, sharding, group, dim, mode, scale):
-        block_rows, back_rows = _blocks(counts, sharding)
-        bags = int(counts[0, 0, 1])
-        values = shard[routed[:, 0]]
-        weights = _weights(routed, values.dtype)
-        if weights is not None:
-            values = values * weights
-        partial = shard.new_zeros(sum(block_rows), shard.shape[1]).index_add_(0, routed[:, 1], values)
-        blocks = shard.new_empty(sum(back_rows), shard.shape[1])
-        _all_to_all(blocks, partial, back_rows, block_rows, group)
-        blocks = blocks.view(-1, bags, shard.shape[1])
-        pooled = blocks.permute(1, 0, 2).reshape(bags, dim) if sharding == "column_wise" else blocks.sum(0)
-        if mode == "mean":
-            pooled = pooled / lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
-        ctx.save_for_backward(routed, lengths)
-        ctx.shard = shard  # the parameter itself: its SparseGrad is keyed by the object
-        ctx.plan = (group, sharding, mode, scale, block_rows, back_rows, bags, dim)
-        return pooled
+    def forward(ctx, routed, counts, lengths, specs, group, scale, *shards):
+        block_rows, back_rows = _blocks(counts, specs)
+        widths = [shard.shape[1] for shard in shards]
+        source, lookup = _arrived(counts)
+        at = _flat_offsets(block_rows, widths)  # [n, J]: where each source's block of each lookup starts
+        starts = block_rows.cumsum(0) - block_rows
+        # each lookup's rows added into their bags, written straight into the buffer sent back
+        # (source-major, then lookup), one element index per column
+        send = shards[0].new_zeros(int((block_rows * torch.tensor(widths)).sum()))
+        mine, places = [], []
+        for j, shard in enumerate(shards):
+            rows = torch.nonzero(lookup == j).view(-1)
+            place = at[source[rows], j] + (routed[rows, 1] - starts[source[rows], j]) * widths[j]
+            place = (place.unsqueeze(1) + torch.arange(widths[j])).reshape(-1)
+            values = shard[routed[rows, 0]]
+            weights = _weights(routed, rows, values.dtype)
+            if weights is not None:
+                values = values * weights
+            send.index_add_(0, place, values.reshape(-1))
+            mine.append(rows)
+            places.append(place)
+        recv_sizes = (back_rows * torch.tensor(widths)).sum(1)
+        blocks = send.new_empty(int(recv_sizes.sum()))
+        _all_to_all(blocks, send, recv_sizes.tolist(), (block_rows * torch.tensor(widths)).sum(1).tolist(), group)
+        bags = counts[0, 0, :, 1].tolist()
+        pooled = _assemble(blocks, back_rows, widths, specs, bags)
+        for j, spec in enumerate(specs):
+            if spec[4] == "mean":
+                pooled[j] = pooled[j] / lengths[j].clamp(min=1).unsqueeze(1).to(pooled[j].dtype)
+        ctx.save_for_backward(routed, *lengths)
+        ctx.shards, ctx.mine, ctx.places = shards, mine, places  # shards themselves: SparseGrads key on them
+        ctx.plan = (group, specs, scale, block_rows, back_rows, widths, bags)
+        return tuple(pooled)
 
     @staticmethod
-    def backward(ctx, grad):
-        routed, lengths = ctx.saved_tensors
-        shard = ctx.shard
-        group, sharding, mode, scale, block_rows, back_rows, bags, dim = ctx.plan
-        grad = grad.reshape(bags, dim)
-        if mode == "mean":
-            grad = grad / lengths.clamp(min=1).unsqueeze(1).to(grad.dtype)
-        width = shard.shape[1]
-        # to each holder that served this rank: the gradient of its bags (its columns of it)
-        if sharding == "column_wise":
-            out = grad.view(bags, len(back_rows), width).transpose(0, 1).reshape(-1, width)
+    def backward(ctx, *grads):
+        routed, *lengths = ctx.saved_tensors
+        group, specs, scale, block_rows, back_rows, widths, bags = ctx.plan
+        outgoing = []
+        for j, (grad, spec) in enumerate(zip(grads, specs)):
+            grad = ctx.shards[j].new_zeros(bags[j], spec[2]) if grad is None else grad.reshape(-1, spec[2])
+            if spec[4] == "mean":
+                grad = grad / lengths[j].clamp(min=1).unsqueeze(1).to(grad.dtype)
+            outgoing.append(grad)
+        send, send_sizes = _to_holders(outgoing, back_rows, widths, specs)
+        recv_sizes = (block_rows * torch.tensor(widths)).sum(1)
+        blocks = send.new_empty(int(recv_sizes.sum()))
+        _all_to_all(blocks, send, recv_sizes.tolist(), send_sizes.tolist(), group)
+        for j, shard in enumerate(ctx.shards):
+            rows = ctx.mine[j]
+            values = blocks[ctx.places[j]].view(-1, widths[j])  # laid out as the forward's partial sums
+            weights = _weights(routed, rows, values.dtype)
+            if weights is not None:
+                values = values * weights
+            sparse_grad(shard).add(routed[rows, 0], values * scale)
+        return (None,) * (6 + len(ctx.shards))
+
+
+def _flat_offsets(block_rows: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """``[n, J]``: where each source's block of each lookup starts in a flat buffer laid out
+    source-major, then lookup (``block_rows[s, j]`` rows of ``widths[j]`` elements each)."""
+    sizes = (block_rows * torch.tensor(widths)).reshape(-1)
+    return (sizes.cumsum(0) - sizes).reshape(block_rows.shape)
+
+
+def _assemble(blocks: torch.Tensor, back_rows: torch.Tensor, widths: list[int], specs: tuple,
+              bags: list[int]) -> list[torch.Tensor]:
+    """Each lookup's pooled rows from the blocks its holders sent (flat, holder-major then
+    lookup): added where rows are split, side by side where columns are; ``bags`` rows of zeros
+    where no id was sent at all (empty bags pool to zeros)."""
+    parts: list[list[tuple[int, torch.Tensor]]] = [[] for _ in specs]
+    at = 0
+    for h in range(back_rows.shape[0]):
+        for j, width in enumerate(widths):
+            rows = int(back_rows[h, j])
+            if rows:
+                parts[j].append((h, blocks[at:at + rows * width].view(rows, width)))
+                at += rows * width
+    pooled = []
+    for j, spec in enumerate(specs):
+        if not parts[j]:
+            pooled.append(blocks.new_zeros(bags[j], spec[2]))
+        elif spec[0] == "column_wise":
+            pooled.append(torch.cat([block for _, block in sorted(parts[j], key=lambda item: item[0])], 1))
         else:
-            out = torch.cat([grad] * sum(1 for rows in back_rows if rows) or [grad[:0]])
-        blocks = grad.new_empty(sum(block_rows), width)
-        _all_to_all(blocks, out, block_rows, back_rows, group)
-        values = blocks[routed[:, 1]]  # laid out as the forward's partial sums
-        weights = _weights(routed, values.dtype)
-        if weights is not None:
-            values = values * weights
-        sparse_grad(shard).add(routed[:, 0], values * scale)
-        return (None,) * 9
+            total = parts[j][0][1]
+            for _, block in parts[j][1:]:
+                total = total + block
+            pooled.append(total)
+    return pooled
 
 
-def table_combine(shard: torch.Tensor, routed: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor,
-                  offsets: torch.Tensor | None, sharding: str, axis: str, dim: int, mode: str,
-                  include_last_offset: bool, scale: float) -> torch.Tensor:
+def _to_holders(grads: list[torch.Tensor], back_rows: torch.Tensor, widths: list[int], specs: tuple
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward's outgoing blocks: to each holder that served this rank, the gradient of its bags
+    (its columns of it), flat, holder-major then lookup; and their sizes."""
+    pieces = []
+    for h in range(back_rows.shape[0]):
+        for j, (grad, spec) in enumerate(zip(grads, specs)):
+            if int(back_rows[h, j]):
+                width = widths[j]
+                part = grad[:, h * width:(h + 1) * width] if spec[0] == "column_wise" else grad
+                pieces.append(part.reshape(-1))
+    send = torch.cat(pieces) if pieces else grads[0].new_empty(0)
+    return send, (back_rows * torch.tensor(widths)).sum(1)
+
+
+def table_combine(shards: list, routed: torch.Tensor, counts: torch.Tensor, ids: list, offsets: list, specs: tuple,
+                  axis: str, scale: float) -> tuple[torch.Tensor, ...]:
     """Pool the rows of the ids this rank received (``routed``, from :func:`table_dispatch`) of
-    its ``shard`` and send each source its bags; returns this rank's samples' pooled rows
-    (``[bags, dim]``; ``mode="none"``: each id's row, shaped like ``ids``). Backward adds the
-    shard's row gradients, times ``scale``, to its :class:`SparseGrad` (no dense gradient)."""
-    if mode not in ("sum", "mean", "none"):
-        raise NotImplementedError(f"a sharded embedding table pools by sum or mean; mode {mode!r} is not implemented "
-                                  "(leave this table unsharded)")
-    if is_fake(shard) or is_fake(ids):
-        return shard.new_zeros(*_pooled_shape(ids, offsets, mode, include_last_offset), dim)
-    _, _, lengths, _ = _bags(ids.long(), offsets, mode, include_last_offset)
-    pooled = _Combine.apply(shard, routed, counts, lengths, sharding, mesh_lib.current().group(axis), dim, mode, scale)
-    return pooled.view(*ids.shape, dim) if mode == "none" else pooled
+    each lookup's ``shard`` and send each source its bags, in one all-to-all; returns each
+    lookup's pooled rows for this rank's samples (``[bags, dim]``; ``mode="none"``: each id's
+    row, shaped like its ids). Backward adds each shard's row gradients, times ``scale``, to its
+    :class:`SparseGrad` (no dense gradient)."""
+    for spec in specs:
+        if spec[4] not in ("sum", "mean", "none"):
+            raise NotImplementedError(f"a sharded embedding table pools by sum or mean; mode {spec[4]!r} is not "
+                                      "implemented (leave this table unsharded)")
+    if is_fake(shards[0]) or is_fake(ids[0]):
+        return tuple(shard.new_zeros(*_pooled_shape(t, o, spec[4], spec[5]), spec[2])
+                     for shard, t, o, spec in zip(shards, ids, offsets, specs))
+    lengths = [_bags(t.long(), o, spec[4], spec[5])[2] for t, o, spec in zip(ids, offsets, specs)]
+    pooled = _Combine.apply(routed, counts, lengths, specs, mesh_lib.current().group(axis), scale, *shards)
+    return tuple(p.view(*t.shape, spec[2]) if spec[4] == "none" else p for p, t, spec in zip(pooled, ids, specs))
 
 
 def _pooled_shape(ids: torch.Tensor, offsets: torch.Tensor | None, mode: str, include_last_offset: bool
@@ -317,7 +408,7 @@ class _Replicated(torch.autograd.Function):
         values = grad[bag]
         if psw is not None:
             values = values * psw.reshape(-1)[:flat.numel()].to(values.dtype).unsqueeze(1)
-        rows, values = _all_gather_rows(flat, values, counts[1, :, 0], group)
+        rows, values = _all_gather_rows(flat, values, counts[1, :, 0, 0], group)
         sparse_grad(shard).add(rows, values * scale)
         return (None,) * 9
 

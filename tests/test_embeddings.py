@@ -257,3 +257,16 @@ def test_sharded_tables_and_their_optimizer_state_reshard_through_checkpoints(ra
         torch.testing.assert_close(torch.tensor([*losses[:2], loss]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
         for key, ref in ref_state.items():
             torch.testing.assert_close(state[key], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{resumed_as} {key}: {m}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_table_major_bags_and_plain_lookups_with_hashed_ids_train_sharded(rank_pool, world_size):
+    """Bags (mean, last offset included) and plain one-hot lookups, ids hashed by ``%`` in the
+    model (so one exchange must take ids computed after the first lookup): plain SGD for the
+    dense part and the tables alike, against one process's SGD."""
+    sgd = gp.SparseOptimizer("sgd", lr=0.05)  # assert_parity's lr
+    strategies = [gp.Strategy(embeddings=kind, embedding_optimizer=sgd) for kind in ("row_wise", "table_wise")] + [
+        gp.Strategy(embeddings="column_wise", embedding_optimizer=sgd, microbatches=2)]
+    assert_parity(table_major, table_major_batches, strategies, world_sizes=(world_size,), ranks=rank_pool,
+                  optimizer="sgd")

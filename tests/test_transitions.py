@@ -385,20 +385,20 @@ def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
     log, phase = [], ["forward"]
     copies = _Copies(phase)
     mesh = mesh_lib.ProcessMesh({"dp": n})
-    args = ("sum", False)
+    spec = (sharding, rows, d, 0, "sum", False)
     with mesh_lib.active(mesh):
-        counts = ops.table_counts(ids, offsets, sharding, "dp", n, rows, 0, *args)
-        routed = None if sharding == "data_parallel" else ops.table_dispatch(ids, offsets, None, counts, sharding,
-                                                                             "dp", rows, 0, *args)
+        counts = ops.table_counts([ids], [offsets], (spec,), "dp", n)
+        routed = None if sharding == "data_parallel" else ops.table_dispatch([ids], [offsets], [None], counts, (spec,),
+                                                                             "dp")
     with mesh_lib.active(mesh), _counting(log, phase, copies):
         with copies:
             if name == "table counts":
-                out = ops.table_counts(ids, offsets, sharding, "dp", n, rows, 0, *args).sum().float().requires_grad_()
+                out = ops.table_counts([ids], [offsets], (spec,), "dp", n).sum().float().requires_grad_()
             elif name == "table ids":
-                out = ops.table_dispatch(ids, offsets, None, counts, sharding, "dp", rows, 0, *args).sum().float()
+                out = ops.table_dispatch([ids], [offsets], [None], counts, (spec,), "dp").sum().float()
                 out = out.requires_grad_()
             elif name == "table pooled":
-                out = ops.table_combine(shard, routed, counts, ids, offsets, sharding, "dp", d, "sum", False, 0.5)
+                out = ops.table_combine([shard], routed, counts, [ids], [offsets], (spec,), "dp", 0.5)[0]
             else:
                 out = ops.table_replicated(shard, ids, offsets, None, counts, "dp", "sum", False, 0.5)
         phase[0] = "backward"
