@@ -168,7 +168,7 @@ def _row(args, world: int, kind: str) -> dict:
 
 def _torchrec_note() -> str:
     try:
-        import torchrec  # noqa: F401
+        __import__("torchrec")  # loading it (and fbgemm_gpu's libraries) is the question
     except Exception as exc:  # noqa: BLE001 - any failure to load is the answer
         return (f"TorchRec: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); graphpass's own "
                 "sharding kinds stand in for its planner's here")
