@@ -35,7 +35,7 @@ from graphpass.mesh import ORDER, Mesh
 from graphpass.ops import is_linear, linear_operands
 from graphpass.plan_report import PlanReport
 from graphpass import tables as tables_lib
-from graphpass.tables import SHARDINGS, SparseOptimizer, TableSharding
+from graphpass.tables import SparseOptimizer, TableSharding
 
 #: What ``Strategy.offload`` may name, in the order it prints them.
 OFFLOAD_KINDS = ("optimizer", "gradients", "parameters", "activations")
@@ -140,6 +140,9 @@ class Strategy:
             ``embedding_optimizer`` updates it. None: tables are ordinary weights.
         embedding_optimizer: the :class:`graphpass.SparseOptimizer` of the sharded tables
             (needed with ``embeddings``; the user's optimizer steps the other parameters).
+        embedding_cache, staleness: HET's cache of hot rows of other ranks' shards (a share of
+            each table's rows) read and written at most ``staleness`` steps late: not
+            implemented yet (any value but 0 raises ``NotImplementedError``).
     """
 
     dp: int = 1
@@ -159,6 +162,8 @@ class Strategy:
     offload_window: int | None = None
     embeddings: str | None = None
     embedding_optimizer: SparseOptimizer | None = None
+    embedding_cache: float = 0.0
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         self._check_embeddings()
@@ -195,23 +200,13 @@ class Strategy:
         # dp_shard and offload only when set: a Strategy without them reads as before (users' golden files)
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
         unset = {"dp_shard": None, "offload": (), "offload_to": "host", "offload_window": None, "embeddings": None,
-                 "embedding_optimizer": None}
+                 "embedding_optimizer": None, "embedding_cache": 0.0, "staleness": 0}
         return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k in unset and v == unset[k])) + ")"
 
     def _check_embeddings(self) -> None:
         if isinstance(self.embedding_optimizer, Mapping):  # from a plan's JSON
             object.__setattr__(self, "embedding_optimizer", SparseOptimizer.from_json(self.embedding_optimizer))
-        if self.embeddings is None:
-            if self.embedding_optimizer is not None:
-                raise ValueError("Strategy.embedding_optimizer updates sharded embedding tables, but "
-                                 "Strategy.embeddings is None (tables are ordinary weights); set embeddings too")
-            return
-        if self.embeddings not in SHARDINGS:
-            raise ValueError(f"Strategy.embeddings must be one of {SHARDINGS} or None, got {self.embeddings!r}")
-        if not isinstance(self.embedding_optimizer, SparseOptimizer):
-            raise ValueError(f"Strategy.embeddings={self.embeddings!r} gives the tables sparse gradients, which the "
-                             "user's optimizer does not see: name their optimizer, e.g. "
-                             "embedding_optimizer=gp.SparseOptimizer('rowwise_adagrad', lr=0.01)")
+        tables_lib.check_strategy(self)
 
     def _check_offload(self) -> None:
         offload = self.offload

@@ -174,11 +174,18 @@ def check_plan(plan) -> None:
         dim = PLACEMENT_DIM[t.table.kind]
         want = Replicate() if dim is None else Shard(dim)
         if t.placement("dp") != want:
-            raise ValueError(f"{field_name}: table {t.table.kind} is {want} on dp in torch's words, but its placement "
-                             f"says {t.placement('dp')}; make them agree")
+            raise ValueError(f"{field_name}: table {t.table.kind} is {_spelled(want)} on dp in torch's words, but its "
+                             f"placement says {_spelled(t.placement('dp'))}; make them agree")
         others = [axis for axis, p in t.placements.items() if axis != "dp" and p != Replicate()]
         if others:
             raise ValueError(f"{field_name}: a sharded table is cut over dp only, not {others}")
+
+
+def _spelled(placement) -> str:
+    """A placement as graphpass writes it (``Shard(0)``; graphpass.layout's spelling, which
+    imports this module)."""
+    dim = getattr(placement, "dim", None)
+    return f"Shard({dim})" if dim is not None else f"{type(placement).__name__}()"
 
 
 def problems(plan, node: fx.Node) -> list[str]:
@@ -234,9 +241,39 @@ def _unsupported(lookup: fx.Node) -> str | None:
         return "pools by max (a sharded table pools by sum or mean)"
     if args["scale_grad_by_freq"]:
         return "scales gradients by frequency (scale_grad_by_freq)"
-    if args["padding_idx"] is not None:
-        return f"has padding_idx={args['padding_idx']}"
+    if args["padding_idx"] is not None and args["mode"] != "none":
+        return f"has padding_idx={args['padding_idx']} (a bag lookup's padding ids are left out of its bags)"
     used = {u.args[1] for u in lookup.users if u.op == "call_function" and len(u.args) > 1 and u.users}
     if lookup.target is not torch.ops.aten.embedding.default and used - {0}:
         return "uses the bag outputs besides the pooled rows (offset2bag, bag sizes, max indices)"
     return None
+
+
+def check_strategy(strategy) -> None:
+    """Raise unless a Strategy's embedding fields agree (``Strategy.embeddings`` and the rest).
+
+    Raises:
+        ValueError: naming the field and what to change.
+        NotImplementedError: HET's cache (``embedding_cache``, ``staleness``).
+    """
+    if isinstance(strategy.staleness, bool) or not isinstance(strategy.staleness, int) or strategy.staleness < 0:
+        raise ValueError(f"Strategy.staleness must be an int >= 0 (steps a cached row may lag; 0 is exact), "
+                         f"got {strategy.staleness!r}")
+    cache = strategy.embedding_cache
+    if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= 1:
+        raise ValueError(f"Strategy.embedding_cache must be a share of each table's rows in [0, 1], got {cache!r}")
+    if cache or strategy.staleness:
+        raise NotImplementedError(
+            "HET's hot-row cache (Strategy.embedding_cache, Strategy.staleness) is not implemented yet: sharded "
+            "tables read and update every row where it lives, exactly; use embedding_cache=0, staleness=0")
+    if strategy.embeddings is None:
+        if strategy.embedding_optimizer is not None:
+            raise ValueError("Strategy.embedding_optimizer updates sharded embedding tables, but "
+                             "Strategy.embeddings is None (tables are ordinary weights); set embeddings too")
+        return
+    if strategy.embeddings not in SHARDINGS:
+        raise ValueError(f"Strategy.embeddings must be one of {SHARDINGS} or None, got {strategy.embeddings!r}")
+    if not isinstance(strategy.embedding_optimizer, SparseOptimizer):
+        raise ValueError(f"Strategy.embeddings={strategy.embeddings!r} gives the tables sparse gradients, which the "
+                         "user's optimizer does not see: name their optimizer, e.g. "
+                         "embedding_optimizer=gp.SparseOptimizer('rowwise_adagrad', lr=0.01)")

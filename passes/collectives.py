@@ -383,7 +383,7 @@ def emit_table_lookups(
             counts = graph.call_function(_op(TABLE["table counts"]), ([a["ids"]], [a["offsets"]], (spec,), axis, size))
             pooled[i] = graph.call_function(_op(TABLE["table replicated gradients"]),
                                             (shard, a["ids"], a["offsets"], a["per_sample_weights"], counts, axis,
-                                             spec[4], spec[5], scale))
+                                             spec[4], spec[5], scale, spec[6]))
         made += [(counts, lookup, "table counts"), (pooled[i], lookup, "table replicated gradients")]
     routed_group = [i for i, (_, _, spec) in enumerate(lookups) if spec[0] != "data_parallel"]
     if routed_group:

@@ -68,7 +68,7 @@ def shard_embeddings(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         for lookup in users:
             args = lookup_args(lookup)
             lookups.append((lookup, node, (sharding.kind, int(rows), int(dim), sharding.owner, args["mode"],
-                                           args["include_last_offset"])))
+                                           args["include_last_offset"], args["padding_idx"])))
     # one exchange for every lookup whose ids come from the inputs alone (a lookup reading
     # another's result, rare, goes on its own where it stands)
     inputs_only = [entry for entry in lookups if not _after_a_lookup(entry[0], {e[0] for e in lookups})]

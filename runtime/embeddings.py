@@ -140,7 +140,8 @@ def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
 
 
 #: One lookup of a group, as the ops take it: ``(sharding, rows, dim, owner, mode,
-#: include_last_offset)`` of its table (full shape ``[rows, dim]``) and how it pools.
+#: include_last_offset, padding_idx)`` of its table (full shape ``[rows, dim]``), how it pools, and
+#: the row that takes no gradient (a plain lookup's ``padding_idx``; None: none).
 Spec = tuple
 
 
@@ -164,7 +165,7 @@ def table_counts(ids: list, offsets: list, specs: tuple, axis: str, size: int) -
         return torch.empty(2, size, len(specs), 2, dtype=torch.long, device=ids[0].device)
     mesh = mesh_lib.current()
     sent, bags = [], []
-    for t, o, (sharding, rows, _, owner, mode, last) in zip(ids, offsets, specs):
+    for t, o, (sharding, rows, _, owner, mode, last, _) in zip(ids, offsets, specs):
         flat, _, _, b = _bags(t.long(), o, mode, last)
         sent.append(_sent_counts(flat, sharding, rows, size, owner))
         bags.append(torch.full_like(sent[-1], b))
@@ -209,7 +210,7 @@ def table_dispatch(ids: list, offsets: list, weights: list, counts: torch.Tensor
     mesh = mesh_lib.current()
     size = counts.shape[1]
     by_dest: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    for t, o, w, (sharding, rows, _, owner, mode, last) in zip(ids, offsets, weights, specs):
+    for t, o, w, (sharding, rows, _, owner, mode, last, _) in zip(ids, offsets, weights, specs):
         flat, bag, _, _ = _bags(t.long(), o, mode, last)
         dest, local = (None, flat) if sharding == "column_wise" else _destinations(flat, sharding, rows, size, owner)
         parts = [local, bag]
@@ -280,6 +281,7 @@ class _Combine(torch.autograd.Function):
         ctx.save_for_backward(routed, *lengths)
         ctx.shards, ctx.mine, ctx.places = shards, mine, places  # shards themselves: SparseGrads key on them
         ctx.plan = (group, specs, scale, block_rows, back_rows, widths, bags)
+        ctx.rank = dist.get_rank(group) if group is not None else 0
         return tuple(pooled)
 
     @staticmethod
@@ -296,13 +298,17 @@ class _Combine(torch.autograd.Function):
         recv_sizes = (block_rows * torch.tensor(widths)).sum(1)
         blocks = send.new_empty(int(recv_sizes.sum()))
         _all_to_all(blocks, send, recv_sizes.tolist(), send_sizes.tolist(), group)
-        for j, shard in enumerate(ctx.shards):
+        for j, (shard, spec) in enumerate(zip(ctx.shards, specs)):
             rows = ctx.mine[j]
             values = blocks[ctx.places[j]].view(-1, widths[j])  # laid out as the forward's partial sums
             weights = _weights(routed, rows, values.dtype)
             if weights is not None:
                 values = values * weights
-            sparse_grad(shard).add(routed[rows, 0], values * scale)
+            local = routed[rows, 0]
+            if spec[6] is not None:  # the padding row takes no gradient
+                first = ctx.rank * shard_rows(spec[1], len(back_rows)) if spec[0] == "row_wise" else 0
+                values = values * (local + first != spec[6]).unsqueeze(1).to(values.dtype)
+            sparse_grad(shard).add(local, values * scale)
         return (None,) * (6 + len(ctx.shards))
 
 
@@ -385,7 +391,8 @@ class _Replicated(torch.autograd.Function):
     """:func:`table_replicated` with its backward."""
 
     @staticmethod
-    def forward(ctx, shard, ids, offsets, per_sample_weights, counts, group, mode, include_last_offset, scale):
+    def forward(ctx, shard, ids, offsets, per_sample_weights, counts, group, mode, include_last_offset, scale,
+                padding_idx):
         if mode == "none":
             out = F.embedding(ids, shard.detach())
         else:
@@ -393,14 +400,14 @@ class _Replicated(torch.autograd.Function):
                                   include_last_offset=include_last_offset)
         ctx.save_for_backward(ids, offsets, per_sample_weights, counts)
         ctx.shard = shard  # the parameter itself: its SparseGrad is keyed by the object
-        ctx.plan = (group, mode, include_last_offset, scale)
+        ctx.plan = (group, mode, include_last_offset, scale, padding_idx)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         ids, offsets, psw, counts = ctx.saved_tensors
         shard = ctx.shard
-        group, mode, include_last_offset, scale = ctx.plan
+        group, mode, include_last_offset, scale, padding_idx = ctx.plan
         flat, bag, lengths, bags = _bags(ids.long(), offsets, mode, include_last_offset)
         grad = grad.reshape(bags, shard.shape[1])
         if mode == "mean":
@@ -408,9 +415,11 @@ class _Replicated(torch.autograd.Function):
         values = grad[bag]
         if psw is not None:
             values = values * psw.reshape(-1)[:flat.numel()].to(values.dtype).unsqueeze(1)
+        if padding_idx is not None:  # the padding row takes no gradient
+            values = values * (flat != padding_idx).unsqueeze(1).to(values.dtype)
         rows, values = _all_gather_rows(flat, values, counts[1, :, 0, 0], group)
         sparse_grad(shard).add(rows, values * scale)
-        return (None,) * 9
+        return (None,) * 10
 
 
 def _all_gather_rows(rows: torch.Tensor, values: torch.Tensor, everyone: torch.Tensor, group
@@ -436,7 +445,7 @@ def _all_gather_rows(rows: torch.Tensor, values: torch.Tensor, everyone: torch.T
 
 def table_replicated(shard: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
                      per_sample_weights: torch.Tensor | None, counts: torch.Tensor, axis: str, mode: str,
-                     include_last_offset: bool, scale: float) -> torch.Tensor:
+                     include_last_offset: bool, scale: float, padding_idx: int | None = None) -> torch.Tensor:
     """A data-parallel table's lookup on this rank's ids (torch's own); its backward all-gathers
     every rank's rows and row gradients (``counts`` from :func:`table_counts`: each rank's id
     count) and adds them, times ``scale``, to the table's :class:`SparseGrad`."""
@@ -445,7 +454,7 @@ def table_replicated(shard: torch.Tensor, ids: torch.Tensor, offsets: torch.Tens
     if is_fake(shard) or is_fake(ids):
         return shard.new_zeros(*_pooled_shape(ids, offsets, mode, include_last_offset), shard.shape[1])
     return _Replicated.apply(shard, ids, offsets, per_sample_weights, counts, mesh_lib.current().group(axis), mode,
-                             include_last_offset, scale)
+                             include_last_offset, scale, padding_idx)
 
 
 #: The ops the ``shard_embeddings`` pass emits (graphpass.transitions has an entry for each).

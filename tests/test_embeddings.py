@@ -270,3 +270,76 @@ def test_table_major_bags_and_plain_lookups_with_hashed_ids_train_sharded(rank_p
         gp.Strategy(embeddings="column_wise", embedding_optimizer=sgd, microbatches=2)]
     assert_parity(table_major, table_major_batches, strategies, world_sizes=(world_size,), ranks=rank_pool,
                   optimizer="sgd")
+
+
+def hf_llama():
+    return zoo.build("hf_llama")
+
+
+def hf_llama_batches():
+    return zoo.batches("hf_llama", 3, 8)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_language_models_untied_vocabulary_embedding_shards_as_a_table(rank_pool, world_size):
+    """Hugging Face Llama's input embedding (untied from the LM head, padding_idx 0, whose row
+    takes no gradient) row- and column-wise with sparse SGD; the rest of the model under dp."""
+    sgd = gp.SparseOptimizer("sgd", lr=0.05)
+    assert_parity(hf_llama, hf_llama_batches,
+                  [gp.Strategy(embeddings=kind, embedding_optimizer=sgd) for kind in ("row_wise", "column_wise")],
+                  world_sizes=(world_size,), ranks=rank_pool, optimizer="sgd")
+
+
+class _Bags(torch.nn.Module):
+    """Tables to refuse: a max-pooled bag, a weight tied to a linear, a table of 3 rows."""
+
+    def __init__(self, mode: str = "sum", rows: int = 50, dim: int = 8, tied: bool = False):
+        super().__init__()
+        self.table = torch.nn.EmbeddingBag(rows, dim, mode=mode)
+        self.head = torch.nn.Linear(dim, rows, bias=False)
+        if tied:
+            self.head.weight = self.table.weight
+
+    def forward(self, ids, offsets, y):
+        return torch.nn.functional.cross_entropy(self.head(self.table(ids, offsets)), y)
+
+
+def _bags_batch(rows: int = 50):
+    return (torch.arange(16) % rows, torch.arange(0, 16, 2), torch.arange(8) % rows)
+
+
+@pytest.mark.parametrize("model, kind, message", [
+    (_Bags(rows=3), "row_wise", r"row_wise over dp=4 ranks, but 'table.weight' has 3 rows: a table sharded more ways "
+                                r"than its rows; use table_wise or data_parallel"),
+    (_Bags(dim=6), "column_wise", r"column_wise over dp=4 ranks, but 'table.weight' has 6 columns, which do not divide"),
+    (_Bags(mode="max"), "table_wise", r"lookup 'embedding_bag' pools by max \(a sharded table pools by sum or mean\)"),
+    (_Bags(tied=True), "row_wise", r"Strategy.embeddings='row_wise' shards embedding tables, but this model has none"),
+])
+def test_tables_that_cannot_be_sharded_so_are_refused_by_name(model, kind, message):
+    rows = model.table.weight.shape[0]
+    strategy = gp.Strategy(dp=4, embeddings=kind, embedding_optimizer=gp.SparseOptimizer("sgd"))
+    with pytest.raises(ValueError, match=message):
+        gp.verify(model, "h100-80g:1x4", example_inputs=_bags_batch(rows), strategy=strategy)
+
+
+def test_embedding_fields_of_a_strategy_are_checked():
+    with pytest.raises(ValueError, match=r"Strategy.staleness must be an int >= 0 .* got -1"):
+        gp.Strategy(dp=2, embeddings="row_wise", embedding_optimizer=gp.SparseOptimizer(), staleness=-1)
+    with pytest.raises(NotImplementedError, match=r"HET's hot-row cache .* is not implemented yet"):
+        gp.Strategy(dp=4, embeddings="row_wise", embedding_optimizer=gp.SparseOptimizer(), embedding_cache=0.05,
+                    staleness=2)
+    with pytest.raises(ValueError, match=r"name their optimizer, e.g. embedding_optimizer=gp.SparseOptimizer"):
+        gp.Strategy(dp=2, embeddings="table_wise")
+    with pytest.raises(ValueError, match=r"SparseOptimizer.kind must be one of .*, got 'adam'"):
+        gp.SparseOptimizer("adam")
+    plan = gp.Plan(mesh={"dp": 2}, tensors={"t": gp.TensorPlan({"dp": torch.distributed.tensor.Shard(0)},
+                                                                 table=gp.TableSharding("row_wise"))},
+                   embedding_optimizer=gp.SparseOptimizer("rowwise_adagrad", lr=0.1))
+    assert gp.Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match=r"table row_wise is Shard\(0\) on dp in torch's words, but its "
+                                         r"placement says Replicate\(\)"):
+        plan.with_tensor("t", placements={})
+    with pytest.raises(ValueError, match=r"shard embedding tables, whose gradients are sparse .* set "
+                                         r"Plan.embedding_optimizer"):
+        gp.Plan(mesh={"dp": 2}, tensors=dict(plan.tensors))

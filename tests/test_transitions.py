@@ -385,7 +385,7 @@ def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
     log, phase = [], ["forward"]
     copies = _Copies(phase)
     mesh = mesh_lib.ProcessMesh({"dp": n})
-    spec = (sharding, rows, d, 0, "sum", False)
+    spec = (sharding, rows, d, 0, "sum", False, None)
     with mesh_lib.active(mesh):
         counts = ops.table_counts([ids], [offsets], (spec,), "dp", n)
         routed = None if sharding == "data_parallel" else ops.table_dispatch([ids], [offsets], [None], counts, (spec,),
