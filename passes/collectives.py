@@ -365,46 +365,46 @@ def emit_table_lookups(
     ``aten.embedding`` / ``embedding_bag`` node, whose arguments
     :func:`graphpass.tables.lookup_args` reads, the ``get_attr`` of this rank's shard of its
     table, and the runtime's ``Spec``), over ``axis`` (``size`` ranks). Row-, table- and
-    column-wise lookups go as one group: "table counts", "table ids" and "table pooled", placed
-    before the first lookup (the nodes computing the others' ids are moved up to it; the caller
-    groups only lookups whose ids no lookup computes); a data-parallel table's lookup is "table
-    counts" and "table replicated gradients" where it stands. Returns each lookup's pooled rows;
-    the caller points the lookup's uses at them."""
+    column-wise lookups go as one group: "table counts", "table ids" and "table pooled";
+    data-parallel tables' lookups as another: "table counts" and "table replicated gradients";
+    each placed before its first lookup (the nodes computing the others' ids are moved up to it;
+    the caller groups only lookups whose ids no lookup computes). Returns each lookup's pooled
+    rows; the caller points the lookup's uses at them."""
     from graphpass.tables import lookup_args
 
     graph = gm.graph
     args = [lookup_args(lookup) for lookup, _, _ in lookups]
     pooled: list[fx.Node | None] = [None] * len(lookups)
     made = []
-    for i, ((lookup, shard, spec), a) in enumerate(zip(lookups, args)):
-        if spec[0] != "data_parallel":
+    order = {node: k for k, node in enumerate(graph.nodes)}
+    for replicated in (False, True):
+        group = [i for i, (_, _, spec) in enumerate(lookups) if (spec[0] == "data_parallel") == replicated]
+        if not group:
             continue
-        with graph.inserting_before(lookup):
-            counts = graph.call_function(_op(TABLE["table counts"]), ([a["ids"]], [a["offsets"]], (spec,), axis, size))
-            pooled[i] = graph.call_function(_op(TABLE["table replicated gradients"]),
-                                            (shard, a["ids"], a["offsets"], a["per_sample_weights"], counts, axis,
-                                             spec[4], spec[5], scale, spec[6]))
-        made += [(counts, lookup, "table counts"), (pooled[i], lookup, "table replicated gradients")]
-    routed_group = [i for i, (_, _, spec) in enumerate(lookups) if spec[0] != "data_parallel"]
-    if routed_group:
-        order = {node: k for k, node in enumerate(graph.nodes)}
-        first = min((lookups[i][0] for i in routed_group), key=order.__getitem__)
-        _move_before(first, [n for i in routed_group for n in (lookups[i][1], args[i]["ids"], args[i]["offsets"],
-                                                                args[i]["per_sample_weights"]) if n is not None], order)
-        ids = [args[i]["ids"] for i in routed_group]
-        offsets = [args[i]["offsets"] for i in routed_group]
-        weights = [args[i]["per_sample_weights"] for i in routed_group]
-        specs = tuple(lookups[i][2] for i in routed_group)
+        first = min((lookups[i][0] for i in group), key=order.__getitem__)
+        _move_before(first, [n for i in group for n in (lookups[i][1], args[i]["ids"], args[i]["offsets"],
+                                                         args[i]["per_sample_weights"]) if n is not None], order)
+        ids = [args[i]["ids"] for i in group]
+        offsets = [args[i]["offsets"] for i in group]
+        weights = [args[i]["per_sample_weights"] for i in group]
+        shards = [lookups[i][1] for i in group]
+        specs = tuple(lookups[i][2] for i in group)
         with graph.inserting_before(first):
             counts = graph.call_function(_op(TABLE["table counts"]), (ids, offsets, specs, axis, size))
-            routed = graph.call_function(_op(TABLE["table ids"]), (ids, offsets, weights, counts, specs, axis))
-            combined = graph.call_function(_op(TABLE["table pooled"]),
-                                           ([lookups[i][1] for i in routed_group], routed, counts, ids, offsets,
-                                            specs, axis, scale))
-            for k, i in enumerate(routed_group):
+            made.append((counts, first, "table counts"))
+            if replicated:
+                combined = graph.call_function(_op(TABLE["table replicated gradients"]),
+                                               (shards, ids, offsets, weights, counts, specs, axis, scale))
+                made.append((combined, first, "table replicated gradients"))
+            else:
+                routed = graph.call_function(_op(TABLE["table ids"]), (ids, offsets, weights, counts, specs, axis))
+                combined = graph.call_function(_op(TABLE["table pooled"]),
+                                               (shards, routed, counts, ids, offsets, specs, axis, scale))
+                made += [(routed, first, "table ids"), (combined, first, "table pooled")]
+            for k, i in enumerate(group):
                 pooled[i] = graph.call_function(operator.getitem, (combined, k))
                 made.append((pooled[i], lookups[i][0], None))
-        made += [(counts, first, "table counts"), (routed, first, "table ids"), (combined, first, "table pooled")]
+        order = {node: k for k, node in enumerate(graph.nodes)}
     for node, source, name in made:
         meta.copy_meta(source, node, exclude=meta.TENSOR_KEYS)
         node.meta[meta.CREATED_BY] = created_by

@@ -391,70 +391,97 @@ class _Replicated(torch.autograd.Function):
     """:func:`table_replicated` with its backward."""
 
     @staticmethod
-    def forward(ctx, shard, ids, offsets, per_sample_weights, counts, group, mode, include_last_offset, scale,
-                padding_idx):
-        if mode == "none":
-            out = F.embedding(ids, shard.detach())
-        else:
-            out = F.embedding_bag(ids, shard.detach(), offsets, mode=mode, per_sample_weights=per_sample_weights,
-                                  include_last_offset=include_last_offset)
-        ctx.save_for_backward(ids, offsets, per_sample_weights, counts)
-        ctx.shard = shard  # the parameter itself: its SparseGrad is keyed by the object
-        ctx.plan = (group, mode, include_last_offset, scale, padding_idx)
-        return out
+    def forward(ctx, ids, offsets, weights, counts, specs, group, scale, *shards):
+        outs = []
+        for t, o, w, spec, shard in zip(ids, offsets, weights, specs, shards):
+            if spec[4] == "none":
+                outs.append(F.embedding(t, shard.detach()))
+            else:
+                outs.append(F.embedding_bag(t, shard.detach(), o, mode=spec[4], per_sample_weights=w,
+                                            include_last_offset=spec[5]))
+        ctx.inputs = (ids, offsets, weights, counts)
+        ctx.shards = shards  # the parameters themselves: their SparseGrads are keyed by the object
+        ctx.plan = (group, specs, scale)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad):
-        ids, offsets, psw, counts = ctx.saved_tensors
-        shard = ctx.shard
-        group, mode, include_last_offset, scale, padding_idx = ctx.plan
-        flat, bag, lengths, bags = _bags(ids.long(), offsets, mode, include_last_offset)
-        grad = grad.reshape(bags, shard.shape[1])
-        if mode == "mean":
-            grad = grad / lengths.clamp(min=1).unsqueeze(1).to(grad.dtype)
-        values = grad[bag]
-        if psw is not None:
-            values = values * psw.reshape(-1)[:flat.numel()].to(values.dtype).unsqueeze(1)
-        if padding_idx is not None:  # the padding row takes no gradient
-            values = values * (flat != padding_idx).unsqueeze(1).to(values.dtype)
-        rows, values = _all_gather_rows(flat, values, counts[1, :, 0, 0], group)
-        sparse_grad(shard).add(rows, values * scale)
-        return (None,) * 10
+    def backward(ctx, *grads):
+        ids, offsets, weights, counts = ctx.inputs
+        group, specs, scale = ctx.plan
+        rows, values = [], []
+        for t, o, w, spec, shard, grad in zip(ids, offsets, weights, specs, ctx.shards, grads):
+            flat, bag, lengths, bags = _bags(t.long(), o, spec[4], spec[5])
+            grad = shard.new_zeros(bags, shard.shape[1]) if grad is None else grad.reshape(bags, shard.shape[1])
+            if spec[4] == "mean":
+                grad = grad / lengths.clamp(min=1).unsqueeze(1).to(grad.dtype)
+            v = grad[bag]
+            if w is not None:
+                v = v * w.reshape(-1)[:flat.numel()].to(v.dtype).unsqueeze(1)
+            if spec[6] is not None:  # the padding row takes no gradient
+                v = v * (flat != spec[6]).unsqueeze(1).to(v.dtype)
+            rows.append(flat)
+            values.append(v)
+        everyone = _all_gather_rows(rows, values, counts[1, :, :, 0], group)
+        for shard, pieces in zip(ctx.shards, everyone):
+            for r, v in pieces:  # each rank's rows, as they arrived (SparseGrad sums them at the step)
+                sparse_grad(shard).add(r, v * scale)
+        return (None,) * (7 + len(ctx.shards))
 
 
-def _all_gather_rows(rows: torch.Tensor, values: torch.Tensor, everyone: torch.Tensor, group
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's ``(rows, values)``, ``everyone[p]`` from rank ``p``, in rank order: one
-    all-gather of ``[rows' bits, values]`` rows in the values' dtype (padded to a whole number of
-    int64 words, and to the most rows any rank has)."""
+def _all_gather_rows(rows: list[torch.Tensor], values: list[torch.Tensor], everyone: torch.Tensor, group
+                     ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every rank's ``(rows, values)`` of each table (``everyone[p, j]`` rows of table ``j`` from
+    rank ``p``), per table a list in rank order (views of what arrived): one all-gather of each
+    rank's tables laid out one after the other, each as its rows' bits then its values, in the
+    values' dtype (padded to the most any rank sends)."""
     if group is None:
-        return rows, values
-    words = 8 // values.element_size()  # an int64 row index is this many values' bits
-    pad = -(words + values.shape[1]) % words
-    pieces = [rows.view(values.dtype).view(-1, words), values] + ([values.new_zeros(len(rows), pad)] if pad else [])
-    most, size = int(everyone.max()), everyone.numel()
-    if most > rows.numel():
-        pieces = [torch.cat([p, p.new_zeros(most - rows.numel(), p.shape[1])]) for p in pieces]
-    packed = torch.cat(pieces, 1)
-    out = packed.new_empty(size * most, packed.shape[1])
+        return [[(r, v)] for r, v in zip(rows, values)]
+    dtype = values[0].dtype
+    words = 8 // values[0].element_size()  # an int64 row index is this many values' bits
+
+    def section(m: int, width: int) -> int:  # a table's rows' bits, then its values padded to whole words
+        return m * words + -(-m * width // words) * words
+
+    sizes = [sum(section(int(everyone[p, j]), v.shape[1]) for j, v in enumerate(values))
+             for p in range(everyone.shape[0])]
+    most = max(sizes)
+    pieces = []
+    for r, v in zip(rows, values):
+        pieces += [r.view(dtype), v.reshape(-1)]
+        pad = section(r.numel(), v.shape[1]) - r.numel() * words - v.numel()
+        if pad:
+            pieces.append(v.new_zeros(pad))
+    mine = sum(p.numel() for p in pieces)
+    if most > mine:
+        pieces.append(values[0].new_zeros(most - mine))
+    packed = torch.cat(pieces)
+    out = packed.new_empty(len(sizes) * most)
     _all_gather(out, packed, group)
-    if bool((everyone != most).any()):  # drop the padding rows
-        out = out[(torch.arange(most) < everyone.unsqueeze(1)).reshape(-1)]
-    return out.view(torch.long)[:, 0], out[:, words:words + values.shape[1]]
+    gathered: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
+    for p in range(len(sizes)):
+        at = p * most
+        for j, v in enumerate(values):
+            m, width = int(everyone[p, j]), v.shape[1]
+            gathered[j].append((out[at:at + m * words].view(torch.long),
+                                out[at + m * words:at + m * words + m * width].view(m, width)))
+            at += section(m, width)
+    return gathered
 
 
-def table_replicated(shard: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
-                     per_sample_weights: torch.Tensor | None, counts: torch.Tensor, axis: str, mode: str,
-                     include_last_offset: bool, scale: float, padding_idx: int | None = None) -> torch.Tensor:
-    """A data-parallel table's lookup on this rank's ids (torch's own); its backward all-gathers
-    every rank's rows and row gradients (``counts`` from :func:`table_counts`: each rank's id
-    count) and adds them, times ``scale``, to the table's :class:`SparseGrad`."""
-    if mode not in ("sum", "mean", "none"):
-        raise NotImplementedError(f"a sparse embedding table pools by sum or mean; mode {mode!r} is not implemented")
-    if is_fake(shard) or is_fake(ids):
-        return shard.new_zeros(*_pooled_shape(ids, offsets, mode, include_last_offset), shard.shape[1])
-    return _Replicated.apply(shard, ids, offsets, per_sample_weights, counts, mesh_lib.current().group(axis), mode,
-                             include_last_offset, scale, padding_idx)
+def table_replicated(shards: list, ids: list, offsets: list, weights: list, counts: torch.Tensor, specs: tuple,
+                     axis: str, scale: float) -> tuple[torch.Tensor, ...]:
+    """Data-parallel tables' lookups on this rank's ids (torch's own, each table whole here); the
+    backward all-gathers every rank's rows and row gradients of all of them at once (``counts``
+    from :func:`table_counts`: each rank's id count per lookup) and adds them, times ``scale``,
+    to each table's :class:`SparseGrad`."""
+    for spec in specs:
+        if spec[4] not in ("sum", "mean", "none"):
+            raise NotImplementedError(f"a sparse embedding table pools by sum or mean; mode {spec[4]!r} is not "
+                                      "implemented")
+    if is_fake(shards[0]) or is_fake(ids[0]):
+        return tuple(shard.new_zeros(*_pooled_shape(t, o, spec[4], spec[5]), shard.shape[1])
+                     for shard, t, o, spec in zip(shards, ids, offsets, specs))
+    return _Replicated.apply(ids, offsets, weights, counts, specs, mesh_lib.current().group(axis), scale, *shards)
 
 
 #: The ops the ``shard_embeddings`` pass emits (graphpass.transitions has an entry for each).

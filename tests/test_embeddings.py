@@ -270,6 +270,23 @@ def test_table_major_bags_and_plain_lookups_with_hashed_ids_train_sharded(rank_p
         gp.Strategy(embeddings="column_wise", embedding_optimizer=sgd, microbatches=2)]
     assert_parity(table_major, table_major_batches, strategies, world_sizes=(world_size,), ranks=rank_pool,
                   optimizer="sgd")
+    # tables 5 wide (odd: the replicated tables' gathered rows and values are padded to whole words)
+    assert_parity(dlrm_odd_width, dlrm_odd_width_batches,
+                  [gp.Strategy(embeddings=kind, embedding_optimizer=sgd) for kind in ("data_parallel", "row_wise")],
+                  world_sizes=(world_size,), ranks=rank_pool, optimizer="sgd")
+
+
+_ODD = DLRMConfig(embedding_dim=5, bottom=(8,), per_sample_weights=True)
+
+
+def dlrm_odd_width():
+    torch.manual_seed(0)
+    return DLRM(_ODD)
+
+
+def dlrm_odd_width_batches():
+    data = CriteoLike(_ODD, seed=2)
+    return [data.batch(16) for _ in range(3)]
 
 
 def hf_llama():

@@ -400,7 +400,7 @@ def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
             elif name == "table pooled":
                 out = ops.table_combine([shard], routed, counts, [ids], [offsets], (spec,), "dp", 0.5)[0]
             else:
-                out = ops.table_replicated(shard, ids, offsets, None, counts, "dp", "sum", False, 0.5)
+                out = ops.table_replicated([shard], [ids], [offsets], [None], counts, (spec,), "dp", 0.5)[0]
         phase[0] = "backward"
         with copies:
             (out * 2).sum().backward()
