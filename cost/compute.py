@@ -232,6 +232,12 @@ def node_flops(node: fx.Node, grad_nodes: Collection[fx.Node] | None = None) -> 
         # A gather: no arithmetic forward; backward scatter-adds dY into the weight's rows.
         weight_needs_grad = _needs_grad(node.args[0] if node.args else None, grad_nodes)
         return 0.0, _numel(out) if weight_needs_grad else 0.0
+    if name in _BAGS:
+        # A gather of every id's row, added into its bag; backward scatter-adds the bags'
+        # gradients into the rows read (an id's row, not the table: never the table's size).
+        gathered = _gathered(node)
+        weight_needs_grad = _needs_grad(node.args[0] if node.args else None, grad_nodes)
+        return gathered, gathered if weight_needs_grad else 0.0
     if name in _OPERANDS:
         forward = _matmul_flops(name, node, out)
         i, j = _OPERANDS[name]
@@ -266,7 +272,24 @@ def node_bytes(node: fx.Node) -> float:
     if name == "embedding":
         indices = _arg(node, 1, "indices")
         return 2.0 * written + (_nbytes(indices) if isinstance(indices, torch.Tensor) else 0.0)
+    if name in _BAGS:  # the rows its ids gather, the ids, offsets and weights, and the bags written
+        weight = _arg(node, 0, "weight")
+        rows = _gathered(node) * (weight.element_size() if isinstance(weight, torch.Tensor) else 4)
+        small = sum(_nbytes(t) for t in _input_tensors(node)[1:] if isinstance(t, torch.Tensor))
+        return written + rows + float(small)
     return written + float(sum(_nbytes(t) for t in _input_tensors(node)))
+
+
+#: the bag lookups (nn.EmbeddingBag): their table is argument 0, their ids argument 1
+_BAGS = ("embedding_bag", "_embedding_bag", "_embedding_bag_forward_only")
+
+
+def _gathered(node: fx.Node) -> float:
+    """Elements a bag lookup gathers: each id's row."""
+    weight, indices = _arg(node, 0, "weight"), _arg(node, 1, "indices")
+    if not (isinstance(weight, torch.Tensor) and isinstance(indices, torch.Tensor)):
+        return 0.0
+    return float(indices.numel()) * (weight.shape[-1] if weight.dim() else 1)
 
 
 # ------------------------------------------------------------------------------------ time

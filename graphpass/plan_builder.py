@@ -25,7 +25,7 @@ from graphpass.plan import Choice, Plan, Strategy
 from graphpass.plan_report import PlanReport
 from graphpass.splittable import default_split
 from graphpass.stages import stage_starts
-from graphpass.tables import PLACEMENT_DIM, TableSharding, tables
+from graphpass.tables import PLACEMENT_DIM, SparseOptimizer, TableSharding, tables
 
 
 def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
@@ -39,7 +39,8 @@ def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence
 def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[str, Choice], *,
                       sequence_parallel: bool = False, microbatches: int = 1, strategy: Strategy | None = None,
                       reasons: Sequence[str] = (), offload_window: int = 1,
-                      tp_layout: tuple[Mapping[str, str], Mapping[str, tuple[int, ...]]] | None = None) -> Plan:
+                      tp_layout: tuple[Mapping[str, str], Mapping[str, tuple[int, ...]]] | None = None,
+                      table_plan: tuple[Mapping[str, TableSharding], SparseOptimizer] | None = None) -> Plan:
     """The plan of ``choices`` (one for every node, or node name → choice; unlisted nodes take
     ``Choice()``) on ``mesh``.
 
@@ -55,7 +56,9 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     (``split_operators.default_split``). A trainable parameter's parts live in its node's
     ``Choice.tiers``, and a layer whose nodes choose ``saved_tier="host"`` saves its activations
     in host memory (offload). With ``ep`` in the mesh, every Mixture-of-Experts layer's
-    expert weights are ``Shard(0)`` on ``ep`` (``expert_parallel.expert_weights``).
+    expert weights are ``Shard(0)`` on ``ep`` (``expert_parallel.expert_weights``). Embedding
+    tables are sharded as ``strategy.embeddings`` says, or as ``table_plan`` (the planner's choice per
+    table, by node name, and the sparse optimizer) does.
 
     Raises:
         ValueError: an ``ep`` axis for a graph without Mixture-of-Experts layers.
@@ -75,6 +78,10 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     tensors: dict[str, TensorPlan] = {}
     sharded_tables = table_shardings(gm, strategy.embeddings, mesh.dp) if strategy is not None and strategy.embeddings \
         else {}
+    optimizer = strategy.embedding_optimizer if strategy is not None else None
+    if table_plan is not None:  # the planner's per-table choices
+        by_name, optimizer = table_plan
+        sharded_tables = {node: by_name[node.name] for node in gm.graph.nodes if node.name in by_name}
     if strategy is not None and strategy.embeddings and not sharded_tables:
         raise ValueError(f"Strategy.embeddings={strategy.embeddings!r} shards embedding tables, but this model has none "
                          "(a weight read only by embedding lookups; one tied to an LM head is a dense weight); use "
@@ -131,7 +138,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         activations={layer: ActivationPlan(recompute=layer in layers, tier="host" if layer in saved_on_host else "device")
                      for layer in sorted(layers | saved_on_host)},
         offload_window=offload_window,
-        embedding_optimizer=strategy.embedding_optimizer if sharded_tables else None,
+        embedding_optimizer=optimizer if sharded_tables else None,
         sequence_parallel=sequence_parallel,
         microbatches=microbatches,
         report=PlanReport(reasons=tuple(reasons)),

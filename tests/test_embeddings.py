@@ -360,3 +360,53 @@ def test_embedding_fields_of_a_strategy_are_checked():
     with pytest.raises(ValueError, match=r"shard embedding tables, whose gradients are sparse .* set "
                                          r"Plan.embedding_optimizer"):
         gp.Plan(mesh={"dp": 2}, tensors=dict(plan.tensors))
+
+
+# ------------------------------------------------------------------ planning
+
+def _meta_dlrm(scale: float):
+    from dlrm import criteo_like
+
+    config = criteo_like(embedding_dim=64, scale=scale)
+    with torch.device("meta"):
+        model = DLRM(config)
+    small = DLRMConfig(**{**config.__dict__, "table_rows": tuple(min(r, 1000) for r in config.table_rows)})
+    batch = tuple(t.to("meta") for t in CriteoLike(small, seed=0).batch(4096))
+    return model, batch, config
+
+
+@pytest.mark.parametrize("scale, cluster", [(31, "h100-80g:1x8"), (100, "h100-80g:8x8")])
+def test_the_planner_shards_a_billion_row_dlrm_table_by_table(scale, cluster):
+    """1.0 and 3.2 billion rows (26 Criteo-like tables of 64 floats, row-wise Adagrad) on 8 and 64
+    H100s, planned on the meta device: every table gets a sharding and a reason, the plan fits,
+    and what it predicts counts the tables' bytes and exchanges."""
+    model, batch, config = _meta_dlrm(scale)
+    plan = gp.plan(model, cluster, batch, embedding_optimizer=gp.SparseOptimizer("rowwise_adagrad", lr=0.01))
+    tables = {name: t.table for name, t in plan.tensors.items() if t.table is not None}
+    assert len(tables) == len(config.table_rows) and plan.mesh.dp == plan.world_size
+    assert plan.embedding_optimizer.kind == "rowwise_adagrad"
+    whole = sum(config.table_rows) * 64 * 4 * (1 + 1 / 64)  # weights and one state per row
+    report = plan.report
+    assert report.predicted_peak_memory_bytes <= report.memory_budget_bytes
+    assert report.predicted_peak_memory_bytes >= whole / plan.world_size  # every row held somewhere
+    assert whole > report.memory_budget_bytes  # no rank could hold the tables whole
+    text = plan.explain()
+    assert text.count("table tables_") == len(config.table_rows)
+    assert "row_wise" in text or "column_wise" in text  # the big tables are cut
+    assert gp.Plan.from_json(plan.to_json()) == plan
+
+
+def _plan_for_two():
+    import graphpass.planner
+
+    return graphpass.planner.plan(dlrm(), gp.Cluster.local(2), dlrm_batches()[0],
+                                  embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.05))
+
+
+@pytest.mark.timeout(600)
+def test_a_planned_dlrm_trains_as_one_process(rank_pool):
+    """The planner's choice per table for the DLRM on this machine's 2 ranks, compiled from the
+    saved plan, against one process's SGD."""
+    plan = _plan_for_two()
+    assert sum(t.table is not None for t in plan.tensors.values()) == len(_CONFIG.table_rows)
+    assert_parity(dlrm, dlrm_batches, [plan], world_sizes=(2,), ranks=rank_pool, optimizer="sgd")

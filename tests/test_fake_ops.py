@@ -56,7 +56,26 @@ def _expert_cases():
             (ops.ep_combine, lambda t, s: ((t((12, 5)), splits(), 12, "ep"), {}))]
 
 
+def _table_cases():
+    """A row-wise table of 10 rows (5 a rank) and a replicated one on dp 2, every rank sending
+    one id to each rank (balanced: the fake ops' expectation)."""
+    rank = dist.get_rank()
+    ids, offsets = torch.tensor([rank, 5 + rank]), torch.tensor([0, 1])
+    rows = ("row_wise", 10, 4, 0, "sum", False, None)
+    whole = ("data_parallel", 10, 4, 0, "mean", False, None)
+    counts = lambda spec: ops.table_counts([ids], [offsets], (spec,), "dp", 2)  # noqa: E731
+    routed = lambda: ops.table_dispatch([ids], [offsets], [None], counts(rows), (rows,), "dp")  # noqa: E731
+    return [(ops.table_counts, lambda t, s: (([ids], [offsets], (rows,), "dp", 2), {})),
+            (ops.table_dispatch, lambda t, s: (([ids], [offsets], [None], counts(rows), (rows,), "dp"), {})),
+            (ops.table_combine,
+             lambda t, s: (([t((5, 4))], routed(), counts(rows), [ids], [offsets], (rows,), "dp", 0.5), {})),
+            (ops.table_replicated,
+             lambda t, s: (([t((10, 4))], [ids], [offsets], [None], counts(whole), (whole,), "dp", 0.5), {}))]
+
+
 def _signature(value):
+    if value is None:
+        return None
     if isinstance(value, (tuple, list)):
         return [_signature(v) for v in value]
     return (tuple(value.shape), value.dtype, tuple(value.stride()))
@@ -66,7 +85,8 @@ def _compare_fake_and_real() -> list[str]:
     torch.manual_seed(dist.get_rank())
     covered, mismatches = set(), []
     for mesh, cases in ((mesh_lib.ProcessMesh({"tp": 2}), _cases()),
-                        (mesh_lib.ProcessMesh({"dp": 2, "ep": 2}), _expert_cases())):
+                        (mesh_lib.ProcessMesh({"dp": 2, "ep": 2}), _expert_cases()),
+                        (mesh_lib.ProcessMesh({"dp": 2}), _table_cases())):
         _compare(mesh, cases, covered, mismatches)
     missing = [op.__name__ for op in ops.COLLECTIVE_OPS if op not in covered and op is not ops.grad_sync_begin]
     unmatched = [op.__name__ for op in ops.TP_OPS if op not in ALONE]
@@ -82,9 +102,13 @@ def _compare(mesh, cases, covered: set, mismatches: list) -> None:
             real_args, kwargs = build(lambda shape: torch.randn(shape, requires_grad=True), sync)
             real = op(*real_args, **kwargs)
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in real_args)
+                def faked(a):
+                    if isinstance(a, list):  # a group of lookups' tensors
+                        return [faked(x) for x in a]
+                    return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                fake_args = tuple(faked(a) for a in real_args)
                 fake = op(*fake_args, **kwargs)
-            where = f"{op.__name__}{kwargs} on {[_signature(a) for a in real_args if isinstance(a, torch.Tensor)]}"
+            where = f"{op.__name__}{kwargs} on {[_signature(a) for a in real_args if isinstance(a, (torch.Tensor, list))]}"
             if _signature(real) != _signature(fake):
                 mismatches.append(f"{where}: real {_signature(real)} fake {_signature(fake)}")
             if op in ALONE:

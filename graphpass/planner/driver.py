@@ -24,8 +24,12 @@ from graphpass.capture import capture
 from graphpass.model_io import Batch, adapt
 from graphpass.cluster import Cluster
 from graphpass.cost import search as S
+from graphpass.cost.collectives import collective_time
+from graphpass.cost.search import tables as T
+from graphpass.cost.search.tables import TableChoices
 from graphpass.passes.tensor_parallel import TensorParallelError
 from graphpass.plan import Choice, Plan, Strategy
+from graphpass.tables import SparseOptimizer, TableSharding
 from graphpass.plan_builder import uniform_stages
 from graphpass.planner.op_placement import MEGATRON, OpLayout, Prices, op_layouts
 from graphpass.planner.measure import GraphProfile, PlanningError
@@ -155,6 +159,33 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
             + "; call it on every rank under torchrun or graphpass.launch, or drop measure_together")
 
 
+def _table_costs(gm, batch: int) -> list[T.TableCost]:
+    """Each embedding table of ``gm`` as the search prices it: shape, element size, and the ids
+    and pooled rows its lookups read per sample of the example batch."""
+    from graphpass import meta
+    from graphpass.tables import lookup_args, tables
+
+    out = []
+    for node, lookups in tables(gm).items():
+        if meta.get(node, meta.ATTR_KIND, None) != "parameter":
+            continue
+        value = node.meta[meta.VAL]
+        ids = bags = 0.0
+        for lookup in lookups:
+            args = lookup_args(lookup)
+            n_ids = args["ids"].meta[meta.VAL].numel()
+            ids += n_ids
+            if args["mode"] == "none":
+                bags += n_ids
+            elif args["offsets"] is None:
+                bags += args["ids"].meta[meta.VAL].shape[0]
+            else:
+                bags += args["offsets"].meta[meta.VAL].shape[-1] - (1 if args["include_last_offset"] else 0)
+        out.append(T.TableCost(node.name, int(value.shape[0]), int(value.shape[1]), value.element_size(),
+                               ids / batch, bags / batch))
+    return out
+
+
 def _costing(profile: GraphProfile, cluster: Cluster, batch: int, budget: float, optimizer_states: int,
              measure: bool = False, together: bool = False) -> S.Costing:
     param_bytes = torch.finfo(profile.param_dtype).bits // 8
@@ -222,6 +253,7 @@ class Planner:
         loss_fn: Callable | None = None,
         offload: bool | None = None,
         batch_dims: Mapping[Any, Any] | None = None,
+        embedding_optimizer: SparseOptimizer | None = None,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -252,6 +284,12 @@ class Planner:
         remeasure = (_Remeasure(model, inputs, captured.gm, self.cluster, factor, measure_together)
                      if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
+        self.embedding_optimizer = embedding_optimizer
+        self.tables = _table_costs(captured.gm, self.batch) if embedding_optimizer is not None else []
+        if embedding_optimizer is not None and not self.tables:
+            raise ValueError("embedding_optimizer updates sharded embedding tables, but this model has none (a weight "
+                             "read only by embedding lookups); leave it out")
+        self.profile.sparse_tables = frozenset(t.name for t in self.tables)
         loads = _check_loads(expert_loads, self.profile)
         self.capacity_factor, self._capacity_reason = _capacity(model, self.profile, loads, capacity_factors,
                                                                 max_dropped)
@@ -349,6 +387,10 @@ class Planner:
         elif len(choices) != len(blocks) or not all(isinstance(c, Choice) for c in choices):
             raise ValueError(f"choices must be one graphpass.plan.Choice per block ({len(blocks)}: "
                              f"{', '.join(b.name for b in blocks)}), got {len(choices)} entries")
+        tables = None
+        if self.tables and strategy.embeddings:
+            tables = self._choose_tables(costing, strategy.embeddings)
+            costing = replace(costing, memory_limit_bytes=costing.memory_limit_bytes - tables.bytes)
         cand = S.evaluate(blocks, layout, list(choices), costing,
                           self._even_stages(strategy) if layout.num_stages > 1 else None)
         if cand is None:
@@ -362,7 +404,47 @@ class Planner:
                 f"{budget / 2**30:.2f} GiB"
             )
         return _to_plan(self.profile, blocks, cand, costing, strategy, reasons, start,
-                        (self.capacity_factor, self._capacity_reason))
+                        (self.capacity_factor, self._capacity_reason), tables=self._table_plan(tables))
+
+    def _choose_tables(self, costing: S.Costing, kind: str | None) -> TableChoices:
+        """The tables' shardings over all ranks (``kind`` for every table, or each table's own
+        choice) under 60% of the memory budget, leaving the rest to the dense part.
+
+        Raises:
+            graphpass.cost.search.NoPlanError: the tables fit no sharding.
+        """
+        n = self.cluster.world_size
+        ranks = list(range(n))
+
+        def time_of(collective: str, size: float) -> float:
+            return collective_time(collective, size, ranks, self.cluster) if n > 1 and size > 0 else 0.0
+
+        optimizer = self.embedding_optimizer
+        per_element = {"adagrad": 1, "lazy_adam": 2}.get(optimizer.kind, 0)
+        per_row = 1 if optimizer.kind == "rowwise_adagrad" else 0
+        budget = 0.6 * costing.memory_limit_bytes
+        tables = self.tables
+        if kind is not None:  # a Strategy's one kind for every table: priced, not chosen
+            chosen = [next(o for o in T.options(t, n, self.batch / n, per_element, per_row, time_of) if o.kind == kind)
+                      for t in tables]
+            owners, fullest = T.owners(tables, {t.name: o for t, o in zip(tables, chosen)}, n)
+            return T.TableChoices({t.name: (kind, owners.get(t.name, 0)) for t in tables}, fullest,
+                                  sum(o.time_s for o in chosen), (f"every table {kind} (the Strategy's)",))
+        found = T.choose(tables, n, self.batch / n, per_element, per_row, time_of, budget)
+        if found is None:
+            smallest = sum(min(o.bytes for o in T.options(t, n, self.batch / n, per_element, per_row, time_of))
+                           for t in tables)
+            raise S.NoPlanError(f"the embedding tables need {smallest / 2**30:.2f} GiB a rank even sharded over all "
+                                f"{n} devices, more than 60% of the budget ({budget / 2**30:.2f} GiB); use more "
+                                "devices, a larger budget, or a sparse optimizer with less state (sgd)")
+        return found
+
+    def _table_plan(self, tables: TableChoices | None):
+        """The plan's tables: each table's TableSharding by node name, and the sparse optimizer."""
+        if tables is None:
+            return None
+        return ({name: TableSharding(kind, owner) for name, (kind, owner) in tables.kinds.items()},
+                self.embedding_optimizer, tables)
 
     def _even_stages(self, strategy: Strategy) -> list[list[int]]:
         """The blocks of each stage of the cut ``compile`` makes for a uniform Strategy (the
@@ -401,9 +483,15 @@ class Planner:
         if per_operator:
             mesh_list += [replace(m, tp_layout=lay.name) for m in mesh_list if m.mesh.tp > 1 and not m.sequence_parallel
                           for lay in self.op_layouts(m.mesh.tp)]
+        tables = None
+        if self.tables:  # sharded tables run on a mesh of dp alone (shard_embeddings)
+            mesh_list = [m for m in mesh_list if m.mesh.dp == self.cluster.world_size]
         layouts = self._ensure(mesh_list)
         usable = [m for m in mesh_list if m.key in layouts]
         _, costing = self._with_budget(memory_budget)
+        if self.tables:
+            tables = self._choose_tables(costing, None)
+            costing = replace(costing, memory_limit_bytes=costing.memory_limit_bytes - tables.bytes)
         try:
             best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
             searched = []
@@ -419,7 +507,7 @@ class Planner:
                                       self.measure_s, pruned)
         return _to_plan(self.profile, layouts[best.layout.key], best, costing,
                         None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
-                        alternatives)
+                        alternatives, tables=self._table_plan(tables))
 
 
 def plan(
@@ -437,6 +525,7 @@ def plan(
     loss_fn: Callable | None = None,
     offload: bool | None = None,
     batch_dims: Mapping[Any, Any] | None = None,
+    embedding_optimizer: SparseOptimizer | None = None,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -469,6 +558,12 @@ def plan(
         batch_dims: as for :func:`graphpass.compile`: the batch dim of inputs whose samples are
             not along dim 0, ``None`` for an input read whole, ``graphpass.Jagged(offsets=...)``
             for a jagged one (:mod:`graphpass.batching`; inferred where embedding lookups show it).
+        embedding_optimizer: the :class:`graphpass.SparseOptimizer` of the model's embedding
+            tables: given, the search shards every table over all devices, each the kind
+            (data-parallel, table-, row- or column-wise) that is fastest within 60% of the budget
+            (:mod:`graphpass.cost.search.tables`), the dense part on a mesh of dp alone with what
+            is left; ``explain()`` gives each table's choice. A ``strategy`` with ``embeddings``
+            brings its own.
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -486,5 +581,6 @@ def plan(
     planner = Planner(model, cluster, example_inputs, memory_budget,
                       optimizer_states=optimizer_states, expert_loads=expert_loads,
                       capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn, offload=offload,
-                      batch_dims=batch_dims)
+                      batch_dims=batch_dims, embedding_optimizer=embedding_optimizer or (
+                          strategy.embedding_optimizer if isinstance(strategy, Strategy) else None))
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)

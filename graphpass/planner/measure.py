@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpass import meta
+from graphpass.tables import LOOKUPS
 from graphpass.grads import grad_requiring_nodes
 from graphpass.cluster import Cluster, DeviceSpec
 from graphpass.cost import search as S
@@ -265,6 +266,9 @@ class GraphProfile:
         self._dry_runs: dict[tuple[int, bool, str], Any] = {}
         self.param_nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and meta.get(n, meta.ATTR_KIND, None) == "parameter"]
         self.tensors = {n.name: self._attr(n.target) for n in self.param_nodes}
+        #: embedding tables the plan shards with sparse gradients (cost.search.tables prices them,
+        #: not the blocks' dense parameters); set by the Planner before any block is priced
+        self.sparse_tables: frozenset[str] = frozenset()
         trainable = [n for n in self.param_nodes if self.tensors[n.name].requires_grad]
         if not trainable:
             raise PlanningError(
@@ -279,13 +283,17 @@ class GraphProfile:
         self.blocks = self._blocks()
         self.owner = {n.name: b for b in self.blocks for n in (*b.nodes, *b.params)}
         grad_nodes = grad_requiring_nodes(gm)
-        self.work: dict[str, tuple[float, float, float, float]] = {}
+        #: per op: forward and backward FLOPs, bytes that scale with the batch, bytes of the
+        #: weights it reads whole (a lookup reads only its ids' rows: they scale with the batch,
+        #: in its node bytes), and whether it has a backward
+        self.work: dict[str, tuple[float, float, float, float, bool]] = {}
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 f, b = node_flops(node, grad_nodes)
-                weights = sum(_tensor_bytes(a.meta.get(meta.VAL)) for a in node.all_input_nodes if a.op == "get_attr")
+                weights = 0.0 if node.target in LOOKUPS else sum(
+                    _tensor_bytes(a.meta.get(meta.VAL)) for a in node.all_input_nodes if a.op == "get_attr")
                 has_backward = b > 0 or any(a in grad_nodes for a in node.all_input_nodes)
-                self.work[node.name] = (f, b, node_bytes(node) - weights, weights if has_backward else -weights)
+                self.work[node.name] = (f, b, node_bytes(node) - weights, weights, has_backward)
         #: the graph with the interior of each run of identical layers cut out, or None
         self.condensed = condense(gm, [b.nodes for b in self.blocks], [b.signature for b in self.blocks])
         self.saved, working = self._simulate(inputs)
@@ -418,9 +426,8 @@ class GraphProfile:
         if name in self.measured:
             f, b = self.measured[name]
             return f * scale / divide, b * scale / divide
-        flops_f, flops_b, act_bytes, weights = self.work[name]
-        has_backward = weights >= 0
-        weights = abs(weights) / divide
+        flops_f, flops_b, act_bytes, weights, has_backward = self.work[name]
+        weights = weights / divide
         peak = self.device.peak_tflops[self.compute_dtype] * 1e12 * self.device.compute_efficiency
         bandwidth = self.device.memory_bandwidth_gbps * 1e9 * self.device.memory_efficiency
         moved = act_bytes * scale / divide + weights
@@ -542,7 +549,7 @@ class GraphProfile:
             split_count = tensors = 0
             for p in block.params:
                 tensor = self.tensors[p.name]
-                if not tensor.requires_grad:
+                if not tensor.requires_grad or p.name in self.sparse_tables:
                     continue
                 tensors += 1
                 params += tensor.numel() / tp_share(p)
@@ -570,7 +577,8 @@ class GraphProfile:
             ops = self._op_params(block, tp_share)
             # A weight gradient's other operand: the output gradient of each op reading a trainable
             # parameter (as big as the op's local output).
-            trainable = {p.name for p in block.params if self.tensors[p.name].requires_grad}
+            trainable = {p.name for p in block.params if self.tensors[p.name].requires_grad
+                         and p.name not in self.sparse_tables}
             weight_grad = sum(
                 _tensor_bytes(n.meta[meta.VAL]) / (tp if tp > 1 and placed(n, (Shard,)) else 1)
                 for n in block.nodes if isinstance(n.meta.get(meta.VAL), torch.Tensor)
@@ -604,7 +612,7 @@ class GraphProfile:
         members = set(block.nodes)
         groups: dict[fx.Node, list[fx.Node]] = {}
         for p in block.params:
-            if not self.tensors[p.name].requires_grad or p.name in self.expert_weights:
+            if not self.tensors[p.name].requires_grad or p.name in self.expert_weights or p.name in self.sparse_tables:
                 continue
             users = [u for u in p.users if u in members]
             groups.setdefault(users[0] if users else p, []).append(p)

@@ -118,7 +118,8 @@ def _alternatives(best: S.Candidate, found: list[S.Candidate], infeasible: Mappi
 
 def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candidate, costing: S.Costing,
              strategy: Strategy | None, reasons: list[str], start: float,
-             capacity: tuple[float | str | None, str] = ("model", ""), alternatives: Sequence[dict] = ()) -> Plan:
+             capacity: tuple[float | str | None, str] = ("model", ""), alternatives: Sequence[dict] = (),
+             tables=None) -> Plan:
     capacity_factor, capacity_reason = capacity
     layout = cand.layout
     mesh = layout.mesh
@@ -142,6 +143,13 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                 "disk_bytes": pr.disk_bytes, "host_link_s": pr.host_link_s,
             })
     reasons = list(reasons) + ([capacity_reason] if capacity_reason else [])
+    table_s = table_bytes = 0.0
+    if tables is not None:  # the embedding tables' shardings, priced beside the dense part
+        choices_of, _, priced = tables
+        table_s, table_bytes = priced.time_s, priced.bytes
+        reasons.append(f"embedding tables: {len(choices_of)} sharded over dp={mesh.dp}, {table_bytes / 2**30:.3f} GiB on "
+                       f"the fullest rank, {table_s * 1e3:.2f} ms a step of exchanges (beside the dense part's plan)")
+        reasons += [f"  {line}" for line in priced.reasons]
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
     # The step on the slowest pp rank: its microbatches' compute and tp collectives, then the
     # tail (exposed dp communication, optimizer); the rest of the step is the pipeline bubble.
@@ -165,15 +173,16 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     base = plan_from_choices(profile.gm, mesh, choices, sequence_parallel=layout.sequence_parallel,
                              microbatches=layout.microbatches, strategy=strategy, reasons=reasons,
                              offload_window=window,
-                             tp_layout=(op_layout.placements, op_layout.parts) if op_layout is not None else None)
+                             tp_layout=(op_layout.placements, op_layout.parts) if op_layout is not None else None,
+                             table_plan=tables[:2] if tables is not None else None)
     report = replace(
         base.report,
-        predicted_step_time_s=cand.step_time_s,
-        predicted_peak_memory_bytes=int(cand.peak_memory_bytes + window_bytes),
+        predicted_step_time_s=cand.step_time_s + table_s,
+        predicted_peak_memory_bytes=int(cand.peak_memory_bytes + window_bytes + table_bytes),
         predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
         breakdown=tuple(breakdown),
         time_split_s=time_split,
-        memory_budget_bytes=int(costing.memory_limit_bytes),
+        memory_budget_bytes=int(costing.memory_limit_bytes + table_bytes),  # the dense part had what tables left
         devices_per_node=costing.cluster.devices_per_node,
         alternatives=tuple(alternatives),
     )
