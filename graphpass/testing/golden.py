@@ -98,6 +98,13 @@ def plan_lines(plan: Plan) -> list[str]:
         parts["saved_on_host"] = saved_on_host
     if not any(t.tiers.parameter != "device" for t in plan.tensors.values()):
         data.pop("offload_window")
+    # embedding tables' shardings and jagged inputs only where the plan has them (as offload's)
+    for part, key in (("tables", "table"), ("jagged", "jagged")):
+        entries = {node: t[key] for node, t in tensors.items() if key in t}
+        if entries:
+            parts[part] = entries
+    if data.get("embedding_optimizer") is None:
+        data.pop("embedding_optimizer", None)
     order = ("mesh", "placements", "stages", "strategy", "zero", "recompute", "split", "sequence_parallel",
              "bucket_cap_bytes", "microbatches", "schedule", "tp_parts")
     data = {**{name: {**data, **parts}[name] for name in order}, **data,
