@@ -403,10 +403,22 @@ def _plan_for_two():
                                   embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.05))
 
 
+def compile_auto(model, example_inputs, strategy):
+    """``compile(strategy="auto")`` with the tables' optimizer: the planner shards them."""
+    return gp.compile(model, gp.Cluster.local(), example_inputs=example_inputs, strategy="auto",
+                      embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.05))
+
+
 @pytest.mark.timeout(600)
 def test_a_planned_dlrm_trains_as_one_process(rank_pool):
     """The planner's choice per table for the DLRM on this machine's 2 ranks, compiled from the
-    saved plan, against one process's SGD."""
+    saved plan and planned inside compile(strategy="auto"), against one process's SGD."""
     plan = _plan_for_two()
     assert sum(t.table is not None for t in plan.tensors.values()) == len(_CONFIG.table_rows)
     assert_parity(dlrm, dlrm_batches, [plan], world_sizes=(2,), ranks=rank_pool, optimizer="sgd")
+    results = assert_parity(dlrm, dlrm_batches, ["auto"], world_sizes=(2,), ranks=rank_pool, optimizer="sgd",
+                            compile_fn=compile_auto)
+    assert all(r.passed for r in results)
+    with pytest.raises(ValueError, match=r"compile\(embedding_optimizer=\) goes to the planner"):
+        gp.compile(dlrm(), gp.Cluster.local(), example_inputs=dlrm_batches()[0], strategy=gp.Strategy(),
+                   embedding_optimizer=gp.SparseOptimizer())

