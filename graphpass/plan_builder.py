@@ -25,7 +25,7 @@ from graphpass.plan import Choice, Plan, Strategy
 from graphpass.plan_report import PlanReport
 from graphpass.splittable import default_split
 from graphpass.stages import stage_starts
-from graphpass.tables import PLACEMENT_DIM, SparseOptimizer, TableSharding, tables
+from graphpass.tables import PLACEMENT_DIM, SparseOptimizer, TableSharding, balance_owners, tables
 
 
 def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
@@ -152,13 +152,8 @@ def table_shardings(gm: fx.GraphModule, kind: str, dp: int) -> dict[fx.Node, Tab
     found = [node for node in tables(gm) if meta.get(node, meta.ATTR_KIND) == "parameter"]
     if kind != "table_wise":
         return {node: TableSharding(kind) for node in found}
-    held = [0] * dp
-    out = {}
-    for node in sorted(found, key=lambda n: (-meta.get(n, meta.VAL).numel(), n.name)):
-        owner = min(range(dp), key=lambda r: (held[r], r))
-        held[owner] += meta.get(node, meta.VAL).numel()
-        out[node] = TableSharding(kind, owner)
-    return out
+    owners, _ = balance_owners({node.name: meta.get(node, meta.VAL).numel() for node in found}, dp)
+    return {node: TableSharding(kind, owners[node.name]) for node in found}
 
 
 def _table_placement(sharding: TableSharding) -> dict[str, Placement]:

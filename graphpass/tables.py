@@ -125,6 +125,18 @@ class SparseOptimizer:
         return cls(**{k: tuple(v) if k == "betas" else v for k, v in data.items()})
 
 
+def balance_owners(sizes: Mapping[str, float], num_ranks: int) -> tuple[dict[str, int], list[float]]:
+    """Owners of table-wise tables of ``sizes`` (by name): largest first, each to the rank that
+    holds the least so far (TorchRec's greedy balance by size); and what each rank then holds."""
+    held = [0.0] * num_ranks
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(num_ranks), key=lambda r: (held[r], r))
+        owners[name] = rank
+        held[rank] += sizes[name]
+    return owners, held
+
+
 def tables(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     """The graph's embedding tables: each ``get_attr`` of a parameter that only lookups read
     (as their table), with those lookups."""

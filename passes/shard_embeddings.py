@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from graphpass import meta
-from graphpass.layout import TensorLayout
+from graphpass.layout import TensorLayout, shard_rows
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
 from graphpass.plan import Plan
@@ -122,7 +122,7 @@ def _shard(gm: fx.GraphModule, node: fx.Node, sharding: TableSharding, size: int
     rows, dim = full.shape
     layout = TensorLayout.whole(full.shape)
     if sharding.kind == "row_wise":
-        c = -(-rows // size)
+        c = shard_rows(rows, size)
         local = full.new_zeros(c, dim)
         mine = full[index * c:(index + 1) * c]
         local[:mine.shape[0]] = mine

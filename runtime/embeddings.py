@@ -36,13 +36,13 @@ a balanced exchange (as many ids received as sent), which is what the cost model
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from graphpass.layout import shard_rows
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.fake import is_fake
 
@@ -81,11 +81,6 @@ def sparse_grad(shard: torch.Tensor) -> SparseGrad:
     if grad is None:
         grad = _GRADS[shard] = SparseGrad()
     return grad
-
-
-def shard_rows(rows: int, size: int) -> int:
-    """Rows of each row-wise shard: ``ceil(rows / size)``."""
-    return max(1, math.ceil(rows / size))
 
 
 def _bags(ids: torch.Tensor, offsets: torch.Tensor | None, mode: str, include_last_offset: bool

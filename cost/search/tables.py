@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from graphpass.tables import balance_owners
+
 KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
 
 
@@ -121,17 +123,10 @@ def choose(tables: Sequence[TableCost], n: int, local_batch: float, state_per_el
 
 
 def owners(tables: Sequence[TableCost], picked: dict[str, TableOption], n: int) -> tuple[dict[str, int], float]:
-    """Table-wise tables' owners (largest first, to the rank holding the least so far; as
-    ``graphpass.plan_builder.table_shardings`` places them) and the fullest rank's bytes."""
-    held = [0.0] * n
-    owners = {}
-    for t in sorted(tables, key=lambda t: (-picked[t.name].bytes, t.name)):
-        option = picked[t.name]
-        if option.kind == "table_wise":
-            rank = min(range(n), key=lambda r: (held[r], r))
-            owners[t.name] = rank
-            held[rank] += option.bytes
-        else:
-            for r in range(n):
-                held[r] += option.bytes
-    return owners, max(held) if held else 0.0
+    """Table-wise tables' owners (:func:`graphpass.tables.balance_owners`, as the plan builder
+    places them) and the fullest rank's bytes: theirs, plus every other table's share, which
+    every rank holds."""
+    spread = sum(picked[t.name].bytes for t in tables if picked[t.name].kind != "table_wise")
+    owned, held = balance_owners({t.name: picked[t.name].bytes for t in tables if picked[t.name].kind == "table_wise"},
+                                 n)
+    return owned, spread + max(held, default=0.0)
