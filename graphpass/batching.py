@@ -462,11 +462,6 @@ def describe(node: fx.Node) -> str:
     return f"holds its samples along dim {batch.dim}" + (" (offsets of a jagged input)" if batch.is_offsets else "")
 
 
-def of_graph(gm: fx.GraphModule) -> list[InputBatch]:
-    """Each input's :class:`InputBatch` as recorded on the graph (dim 0 where none is)."""
-    return [n.meta.get(meta.BATCH, InputBatch()) for n in gm.graph.nodes if n.op == "placeholder"]
-
-
 def of_plan(plan, input_names: Sequence[str]) -> list[InputBatch]:
     """Each input's :class:`InputBatch` as ``plan`` places it: the dim of its ``Shard`` on a
     batch axis (``None`` where it is replicated on every axis), and its

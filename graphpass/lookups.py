@@ -60,7 +60,6 @@ class IdCheck:
 
     def __init__(self, gm: fx.GraphModule):
         self.lookups: list[Lookup] = []
-        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         wanted: set[fx.Node] = set()
         outputs: list[fx.Node] = []
         for node in gm.graph.nodes:
@@ -84,7 +83,6 @@ class IdCheck:
                 env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(tuple(env[n] for n in outputs))
         self._program = fx.GraphModule(torch.nn.Module(), graph) if self.lookups else None
-        self._inputs = len(inputs)
 
     def __bool__(self) -> bool:
         return bool(self.lookups)
