@@ -140,9 +140,12 @@ class Strategy:
             ``embedding_optimizer`` updates it. None: tables are ordinary weights.
         embedding_optimizer: the :class:`graphpass.SparseOptimizer` of the sharded tables
             (needed with ``embeddings``; the user's optimizer steps the other parameters).
-        embedding_cache, staleness: HET's cache of hot rows of other ranks' shards (a share of
-            each table's rows) read and written at most ``staleness`` steps late: not
-            implemented yet (any value but 0 raises ``NotImplementedError``).
+        embedding_cache: HET's cache: the share of each table's rows every rank keeps of the
+            other ranks' shards (hot rows, evicted by use count; ``TableSharding.cache``); 0:
+            none. Needs ``embeddings`` row-, table- or column-wise.
+        staleness: with a cache, how many steps old a cached row may be when read and how many
+            steps late a row's gradient may reach the rank holding the row (HET's bounded
+            staleness); 0 is exact, more trades exactness for fewer bytes moved.
     """
 
     dp: int = 1

@@ -25,7 +25,7 @@ from graphpass.plan import Choice, Plan, Strategy
 from graphpass.plan_report import PlanReport
 from graphpass.splittable import default_split
 from graphpass.stages import stage_starts
-from graphpass.tables import PLACEMENT_DIM, SparseOptimizer, TableSharding, balance_owners, tables
+from graphpass.tables import PLACEMENT_DIM, SparseOptimizer, TableSharding, balance_owners, cached_rows, tables
 
 
 def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
@@ -76,7 +76,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
                              "(no grouped expert product: graphpass.nn.MoE, Hugging Face's grouped_mm experts); "
                              "use ep=1")
     tensors: dict[str, TensorPlan] = {}
-    sharded_tables = table_shardings(gm, strategy.embeddings, mesh.dp) if strategy is not None and strategy.embeddings \
+    sharded_tables = table_shardings(gm, strategy, mesh.dp) if strategy is not None and strategy.embeddings \
         else {}
     optimizer = strategy.embedding_optimizer if strategy is not None else None
     if table_plan is not None:  # the planner's per-table choices
@@ -145,15 +145,19 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     )
 
 
-def table_shardings(gm: fx.GraphModule, kind: str, dp: int) -> dict[fx.Node, TableSharding]:
-    """Every embedding table of ``gm`` (:func:`graphpass.tables.tables`) sharded ``kind`` over
-    ``dp`` ranks; table-wise tables go to the ranks largest first, each to the rank that holds
-    the fewest elements so far (TorchRec's greedy balance by size)."""
+def table_shardings(gm: fx.GraphModule, strategy: Strategy, dp: int) -> dict[fx.Node, TableSharding]:
+    """Every embedding table of ``gm`` (:func:`graphpass.tables.tables`) sharded as
+    ``strategy.embeddings`` over ``dp`` ranks, with ``strategy.embedding_cache`` of its rows
+    cached at ``strategy.staleness``; table-wise tables go to the ranks largest first, each to
+    the rank that holds the fewest elements so far (TorchRec's greedy balance by size)."""
+    kind = strategy.embeddings
     found = [node for node in tables(gm) if meta.get(node, meta.ATTR_KIND) == "parameter"]
-    if kind != "table_wise":
-        return {node: TableSharding(kind) for node in found}
-    owners, _ = balance_owners({node.name: meta.get(node, meta.VAL).numel() for node in found}, dp)
-    return {node: TableSharding(kind, owners[node.name]) for node in found}
+    owners = balance_owners({node.name: meta.get(node, meta.VAL).numel() for node in found}, dp)[0] \
+        if kind == "table_wise" else {}
+    return {node: TableSharding(kind, owners.get(node.name, 0),
+                                cached_rows(strategy.embedding_cache, meta.get(node, meta.VAL).shape[0]),
+                                strategy.staleness)
+            for node in found}
 
 
 def _table_placement(sharding: TableSharding) -> dict[str, Placement]:

@@ -27,6 +27,7 @@ Sharding kinds (TorchRec's words), over the ``n`` ranks of the data-parallel axi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -57,30 +58,55 @@ class TableSharding:
     Attributes:
         kind: one of :data:`SHARDINGS`.
         owner: for ``"table_wise"``, the data-parallel rank that holds the table.
+        cache: HET's cache: how many rows of other ranks' shards each rank keeps (hot rows,
+            evicted by use count; :mod:`graphpass.runtime.row_cache`); 0: none, every lookup goes
+            to the rows' holders. Row-, table- and column-wise tables only.
+        staleness: with a cache, how many steps old a cached row may be when read, and how many
+            steps late a row's gradient may reach its holder; 0 is exact.
     """
 
     kind: str
     owner: int = 0
+    cache: int = 0
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in SHARDINGS:
             raise ValueError(f"TableSharding.kind must be one of {SHARDINGS}, got {self.kind!r}")
-        if isinstance(self.owner, bool) or not isinstance(self.owner, int) or self.owner < 0:
-            raise ValueError(f"TableSharding.owner must be a rank >= 0, got {self.owner!r}")
+        for name in ("owner", "cache", "staleness"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TableSharding.{name} must be an int >= 0, got {value!r}")
+        if self.cache and self.kind == "data_parallel":
+            raise ValueError(f"TableSharding(kind='data_parallel', cache={self.cache}): a data-parallel table is whole "
+                             "on every rank, so there is nothing to cache; use cache=0, or a row_wise / table_wise / "
+                             "column_wise table")
+        if self.staleness and not self.cache:
+            raise ValueError(f"TableSharding.staleness={self.staleness} bounds how old cached rows may be, but "
+                             "cache=0 caches none; give the table a cache (rows) or use staleness=0")
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, **({"owner": self.owner} if self.kind == "table_wise" else {})}
+        out: dict[str, Any] = {"kind": self.kind, **({"owner": self.owner} if self.kind == "table_wise" else {})}
+        if self.cache:
+            out.update(cache=self.cache, staleness=self.staleness)
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> "TableSharding":
         if isinstance(data, str):
             return cls(data)
-        if not isinstance(data, Mapping) or "kind" not in data or set(data) - {"kind", "owner"}:
-            raise ValueError(f"a table sharding is {{'kind': one of {SHARDINGS}, 'owner': rank}}, got {data!r}")
-        return cls(data["kind"], data.get("owner", 0))
+        fields = {"kind", "owner", "cache", "staleness"}
+        if not isinstance(data, Mapping) or "kind" not in data or set(data) - fields:
+            raise ValueError(f"a table sharding is {{'kind': one of {SHARDINGS}, 'owner': rank, 'cache': rows, "
+                             f"'staleness': steps}}, got {data!r}")
+        return cls(**data)
 
     def __str__(self) -> str:
-        return self.kind + (f" on rank {self.owner}" if self.kind == "table_wise" else "")
+        text = self.kind + (f" on rank {self.owner}" if self.kind == "table_wise" else "")
+        if self.cache:
+            text += f", {self.cache} rows cached" + (f" {self.staleness} steps stale at most" if self.staleness
+                                                     else " (exact)")
+        return text
 
 
 @dataclass(frozen=True)
@@ -266,7 +292,6 @@ def check_strategy(strategy) -> None:
 
     Raises:
         ValueError: naming the field and what to change.
-        NotImplementedError: HET's cache (``embedding_cache``, ``staleness``).
     """
     if isinstance(strategy.staleness, bool) or not isinstance(strategy.staleness, int) or strategy.staleness < 0:
         raise ValueError(f"Strategy.staleness must be an int >= 0 (steps a cached row may lag; 0 is exact), "
@@ -274,10 +299,15 @@ def check_strategy(strategy) -> None:
     cache = strategy.embedding_cache
     if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not 0 <= cache <= 1:
         raise ValueError(f"Strategy.embedding_cache must be a share of each table's rows in [0, 1], got {cache!r}")
-    if cache or strategy.staleness:
-        raise NotImplementedError(
-            "HET's hot-row cache (Strategy.embedding_cache, Strategy.staleness) is not implemented yet: sharded "
-            "tables read and update every row where it lives, exactly; use embedding_cache=0, staleness=0")
+    if cache and strategy.embeddings in (None, "data_parallel"):
+        raise ValueError(f"Strategy.embedding_cache={cache} caches rows of other ranks' table shards, but "
+                         f"Strategy.embeddings={strategy.embeddings!r} "
+                         + ("shards no table" if strategy.embeddings is None else "keeps every table whole on every rank")
+                         + "; use embeddings='row_wise', 'table_wise' or 'column_wise', or embedding_cache=0")
+    if strategy.staleness and not cache:
+        raise ValueError(f"Strategy.staleness={strategy.staleness} bounds how old cached rows may be, but "
+                         "Strategy.embedding_cache=0 caches none; set embedding_cache (a share of each table's rows, "
+                         "e.g. 0.05) or staleness=0")
     if strategy.embeddings is None:
         if strategy.embedding_optimizer is not None:
             raise ValueError("Strategy.embedding_optimizer updates sharded embedding tables, but "
@@ -289,3 +319,8 @@ def check_strategy(strategy) -> None:
         raise ValueError(f"Strategy.embeddings={strategy.embeddings!r} gives the tables sparse gradients, which the "
                          "user's optimizer does not see: name their optimizer, e.g. "
                          "embedding_optimizer=gp.SparseOptimizer('rowwise_adagrad', lr=0.01)")
+
+
+def cached_rows(share: float, rows: int) -> int:
+    """Rows a cache of ``share`` of a table of ``rows`` holds (at least one for a share > 0)."""
+    return max(1, math.ceil(share * rows)) if share else 0

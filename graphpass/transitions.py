@@ -282,6 +282,15 @@ TABLE: Mapping[str, Transition] = _entries(
     Transition("table pooled", "table_combine", "dp", "Partial()", "Shard(0)",
                "the pooled blocks this rank returns to the ranks whose ids it served",
                (Movement(_F, "all_to_all"), Movement(_B, "all_to_all")), copies=(Copy(_B, full=1.0),)),
+    # A table with HET's cache (graphpass.runtime.row_cache): each rank pulls the rows it reads
+    # that are neither its own nor cached fresh enough; S is the bytes of those rows (their
+    # columns from each holder). The pull's two requests ahead of the rows, the counts ([n, T]
+    # int64 for T tables) and the rows' indices (8 bytes a row asked of each holder), cost a
+    # latency each and are priced with them; the gradients of other ranks' rows are pushed at the
+    # end of the step (at most staleness steps late), outside the graph.
+    Transition("table cached rows", "table_cached", "dp", "Shard(0)", "Shard(0)",
+               "the rows this rank pulls from their holders (requests ahead: counts, 8 bytes a row)",
+               (Movement(_F, "all_to_all"),), copies=(Copy(_F, full=1.0),)),
     Transition("table replicated gradients", "table_replicated", "dp", "-", "-",
                "this rank's rows and row gradients, as rows of the table's dtype",
                (Movement(_B, "all_gather"),), copies=(Copy(_B, full=1.0),)),

@@ -13,7 +13,7 @@ weights"; ``emit_tp_redistribute`` the tp placement changes, found by
 scatter; a replicated value into sharded compute "tp Replicate into sharded compute");
 ``emit_vocab_parallel_cross_entropy`` "tp vocabulary-parallel loss"; ``emit_expert_exchange`` "ep
 token counts", "ep dispatch" and "ep combine"; ``emit_table_lookups`` "table counts", "table ids",
-"table pooled" and "table replicated gradients".
+"table pooled", "table cached rows" and "table replicated gradients".
 """
 
 from __future__ import annotations
@@ -358,27 +358,32 @@ def emit_expert_exchange(
 
 
 def emit_table_lookups(
-    gm: fx.GraphModule, lookups: Sequence[tuple[fx.Node, fx.Node, tuple]], axis: str, size: int, *, scale: float,
-    created_by: str,
+    gm: fx.GraphModule, lookups: Sequence[tuple[fx.Node, fx.Node, tuple, tuple | None]], axis: str, size: int, *,
+    scale: float, created_by: str,
 ) -> list[fx.Node]:
-    """Sharded tables' lookups in place of ``lookups`` (each ``(lookup, shard, spec)``: an
+    """Sharded tables' lookups in place of ``lookups`` (each ``(lookup, shard, spec, cache)``: an
     ``aten.embedding`` / ``embedding_bag`` node, whose arguments
     :func:`graphpass.tables.lookup_args` reads, the ``get_attr`` of this rank's shard of its
-    table, and the runtime's ``Spec``), over ``axis`` (``size`` ranks). Row-, table- and
-    column-wise lookups go as one group: "table counts", "table ids" and "table pooled";
-    data-parallel tables' lookups as another: "table counts" and "table replicated gradients";
-    each placed before its first lookup (the nodes computing the others' ids are moved up to it;
-    the caller groups only lookups whose ids no lookup computes). Returns each lookup's pooled
-    rows; the caller points the lookup's uses at them."""
+    table, the runtime's ``Spec``, and ``(capacity, staleness)`` of its table's cache or None),
+    over ``axis`` (``size`` ranks). Row-, table- and column-wise lookups go as one group: "table
+    counts", "table ids" and "table pooled"; lookups of tables with a cache as another: "table
+    cached rows"; data-parallel tables' lookups as a third: "table counts" and "table
+    replicated gradients"; each placed before its first lookup (the nodes computing the others'
+    ids are moved up to it; the caller groups only lookups whose ids no lookup computes).
+    Returns each lookup's pooled rows; the caller points the lookup's uses at them."""
     from graphpass.tables import lookup_args
 
     graph = gm.graph
-    args = [lookup_args(lookup) for lookup, _, _ in lookups]
+    args = [lookup_args(lookup) for lookup, *_ in lookups]
     pooled: list[fx.Node | None] = [None] * len(lookups)
     made = []
     order = {node: k for k, node in enumerate(graph.nodes)}
-    for replicated in (False, True):
-        group = [i for i, (_, _, spec) in enumerate(lookups) if (spec[0] == "data_parallel") == replicated]
+
+    def kind(spec: tuple, cache: tuple | None) -> str:
+        return "replicated" if spec[0] == "data_parallel" else "cached" if cache else "routed"
+
+    for exchange in ("routed", "cached", "replicated"):
+        group = [i for i, (_, _, spec, cache) in enumerate(lookups) if kind(spec, cache) == exchange]
         if not group:
             continue
         first = min((lookups[i][0] for i in group), key=order.__getitem__)
@@ -390,13 +395,19 @@ def emit_table_lookups(
         shards = [lookups[i][1] for i in group]
         specs = tuple(lookups[i][2] for i in group)
         with graph.inserting_before(first):
-            counts = graph.call_function(_op(TABLE["table counts"]), (ids, offsets, specs, axis, size))
-            made.append((counts, first, "table counts"))
-            if replicated:
+            if exchange == "cached":
+                caches = tuple(lookups[i][3] for i in group)
+                combined = graph.call_function(_op(TABLE["table cached rows"]),
+                                               (shards, ids, offsets, weights, specs, caches, axis, scale))
+                made.append((combined, first, "table cached rows"))
+            else:
+                counts = graph.call_function(_op(TABLE["table counts"]), (ids, offsets, specs, axis, size))
+                made.append((counts, first, "table counts"))
+            if exchange == "replicated":
                 combined = graph.call_function(_op(TABLE["table replicated gradients"]),
                                                (shards, ids, offsets, weights, counts, specs, axis, scale))
                 made.append((combined, first, "table replicated gradients"))
-            else:
+            elif exchange == "routed":
                 routed = graph.call_function(_op(TABLE["table ids"]), (ids, offsets, weights, counts, specs, axis))
                 combined = graph.call_function(_op(TABLE["table pooled"]),
                                                (shards, routed, counts, ids, offsets, specs, axis, scale))

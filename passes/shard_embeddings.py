@@ -68,7 +68,8 @@ def shard_embeddings(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         for lookup in users:
             args = lookup_args(lookup)
             lookups.append((lookup, node, (sharding.kind, int(rows), int(dim), sharding.owner, args["mode"],
-                                           args["include_last_offset"], args["padding_idx"])))
+                                           args["include_last_offset"], args["padding_idx"]),
+                            (sharding.cache, sharding.staleness) if sharding.cache else None))
     # one exchange for every lookup whose ids come from the inputs alone (a lookup reading
     # another's result, rare, goes on its own where it stands)
     inputs_only = [entry for entry in lookups if not _after_a_lookup(entry[0], {e[0] for e in lookups})]
@@ -77,7 +78,7 @@ def shard_embeddings(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         if not group:
             continue
         pooled = collectives.emit_table_lookups(gm, group, AXIS, size, scale=1.0 / size, created_by=NAME)
-        for (lookup, _, _), result in zip(group, pooled):
+        for (lookup, *_), result in zip(group, pooled):
             _take_uses(gm, lookup, result)
     log.info("%s: %d tables sharded over %s=%d (%s)", NAME, len(found), AXIS, size,
              ", ".join(sorted({plan.tensor(meta.plan_name(n)).table.kind for n in found})))

@@ -815,6 +815,7 @@ def save(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, p
             previous checkpoint at ``path`` stays as it was.
         ValueError: ``optimizer`` holds tensors that are not ``dmodel``'s parameters.
     """
+    dmodel.flush_cache()  # the tables' pending writes applied: the checkpoint holds every update
     entries, unplaced, _ = dmodel.checkpoint_state()
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "mesh": dict(dmodel.plan.mesh)}
     with torch.no_grad():

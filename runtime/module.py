@@ -35,6 +35,7 @@ from graphpass.runtime import disk
 from graphpass.runtime.disk import DiskStore, check_offload_dir
 from graphpass.runtime.offload import OffloadedParams
 from graphpass.runtime.pipeline import PipelineProgram
+from graphpass.runtime import row_cache
 from graphpass.runtime.sparse_optim import SparseStep
 from graphpass.runtime.step import StepProgram, accumulation_schedule
 
@@ -152,6 +153,10 @@ class DistributedModule(nn.Module):
         columns = {target: (layout.placements[-1][0], layout.shape[1]) for target, layout in self._layouts.items()
                    if target in self._tables and layout.placements and layout.placements[-1][1].dim == 1}
         self._sparse = SparseStep(plan.embedding_optimizer, self._tables, columns) if self._tables else None
+        # the shards of tables with HET's cache, whose pending writes each step ends by pushing
+        cached = {n.target for n in graph_module.graph.nodes
+                  if n.op == "get_attr" and n.target in self._tables and plan.tensor(meta.plan_name(n)).table.cache}
+        self._cached = [self._tables[target] for target in sorted(cached)]
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
 
@@ -334,8 +339,20 @@ class DistributedModule(nn.Module):
         self._offload.finish_step()  # every gradient down in its master's .grad
         if self._sparse is not None:  # the tables' rows this step touched, updated
             with mesh_lib.active(self._mesh):
+                if self._cached:  # gradients of cached rows that are due go to the rows' holders
+                    row_cache.push(self._cached, "dp")
                 self._sparse.step()
         return loss
+
+    def flush_cache(self) -> None:
+        """Send every pending write of the embedding tables' caches to the rows' holders, apply
+        them with the sparse optimizer (no step counted) and empty the caches, so the tables hold
+        every update made so far (:mod:`graphpass.runtime.row_cache`). Every rank calls it (a
+        collective); :func:`graphpass.save_checkpoint` does. Nothing to do without a cache."""
+        if self._cached:
+            with mesh_lib.active(self._mesh):
+                row_cache.push(self._cached, "dp", everything=True)
+                self._sparse.apply()
 
     def forward(self, *global_batch: torch.Tensor, **keyword_batch: torch.Tensor) -> torch.Tensor:
         """The global-batch loss without a backward pass (for evaluation).

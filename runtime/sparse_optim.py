@@ -64,10 +64,15 @@ class SparseStep:
             return {"exp_avg": torch.zeros_like(shard), "exp_avg_sq": torch.zeros_like(shard)}
         return {}
 
-    @torch.no_grad()
     def step(self) -> None:
         """Apply the step's row gradients of every shard (a shard no id reached: nothing)."""
         self.steps += 1
+        self.apply()
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Apply the row gradients the shards hold now, without counting a step (a cache's
+        flush: :func:`graphpass.runtime.row_cache.push`)."""
         for target, shard in self.shards.items():
             grads = sparse_grad(shard)
             if not grads:
