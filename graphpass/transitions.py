@@ -284,13 +284,17 @@ TABLE: Mapping[str, Transition] = _entries(
                (Movement(_F, "all_to_all"), Movement(_B, "all_to_all")), copies=(Copy(_B, full=1.0),)),
     # A table with HET's cache (graphpass.runtime.row_cache): each rank pulls the rows it reads
     # that are neither its own nor cached fresh enough; S is the bytes of those rows (their
-    # columns from each holder). The pull's two requests ahead of the rows, the counts ([n, T]
-    # int64 for T tables) and the rows' indices (8 bytes a row asked of each holder), cost a
-    # latency each and are priced with them; the gradients of other ranks' rows are pushed at the
-    # end of the step (at most staleness steps late), outside the graph.
+    # columns from each holder), which balanced reads make also the rows it serves. The pull's
+    # two requests ahead of the rows, the counts ([n, T] int64 for T tables) and the rows'
+    # indices (8 bytes a row asked of each holder), are priced by the cost model with them
+    # (cost/search/tables.py). Copies: the rows served, laid out once, and the pulled rows kept
+    # by the cache (forward); the gradients of others' rows kept as pending writes (backward),
+    # pushed at the end of the step at most staleness steps late, outside the graph. The cache's
+    # index bookkeeping (int64 ids, clocks, use counts: 32 bytes a pulled row, 16 a written one)
+    # is not priced.
     Transition("table cached rows", "table_cached", "dp", "Shard(0)", "Shard(0)",
                "the rows this rank pulls from their holders (requests ahead: counts, 8 bytes a row)",
-               (Movement(_F, "all_to_all"),), copies=(Copy(_F, full=1.0),)),
+               (Movement(_F, "all_to_all"),), copies=(Copy(_F, full=2.0), Copy(_B, full=1.0))),
     Transition("table replicated gradients", "table_replicated", "dp", "-", "-",
                "this rank's rows and row gradients, as rows of the table's dtype",
                (Movement(_B, "all_gather"),), copies=(Copy(_B, full=1.0),)),

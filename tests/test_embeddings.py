@@ -343,9 +343,21 @@ def test_tables_that_cannot_be_sharded_so_are_refused_by_name(model, kind, messa
 def test_embedding_fields_of_a_strategy_are_checked():
     with pytest.raises(ValueError, match=r"Strategy.staleness must be an int >= 0 .* got -1"):
         gp.Strategy(dp=2, embeddings="row_wise", embedding_optimizer=gp.SparseOptimizer(), staleness=-1)
-    with pytest.raises(NotImplementedError, match=r"HET's hot-row cache .* is not implemented yet"):
-        gp.Strategy(dp=4, embeddings="row_wise", embedding_optimizer=gp.SparseOptimizer(), embedding_cache=0.05,
-                    staleness=2)
+    with pytest.raises(ValueError, match=r"Strategy.staleness=2 bounds how old cached rows may be, but "
+                                         r"Strategy.embedding_cache=0 caches none"):
+        gp.Strategy(dp=4, embeddings="row_wise", embedding_optimizer=gp.SparseOptimizer(), staleness=2)
+    with pytest.raises(ValueError, match=r"embedding_cache=0.05 caches rows of other ranks' table shards, but "
+                                         r"Strategy.embeddings='data_parallel' keeps every table whole"):
+        gp.Strategy(dp=4, embeddings="data_parallel", embedding_optimizer=gp.SparseOptimizer(), embedding_cache=0.05)
+    with pytest.raises(ValueError, match=r"Strategy.embedding_cache must be a share of each table's rows in \[0, 1\]"):
+        gp.Strategy(dp=4, embeddings="row_wise", embedding_optimizer=gp.SparseOptimizer(), embedding_cache=5)
+    with pytest.raises(ValueError, match=r"TableSharding\(kind='data_parallel', cache=8\): .* nothing to cache"):
+        gp.TableSharding("data_parallel", cache=8)
+    with pytest.raises(ValueError, match=r"TableSharding.staleness=1 bounds .* cache=0 caches none"):
+        gp.TableSharding("row_wise", staleness=1)
+    cached = gp.TableSharding("table_wise", 1, cache=30, staleness=2)
+    assert gp.TableSharding.from_json(cached.to_json()) == cached
+    assert str(cached) == "table_wise on rank 1, 30 rows cached 2 steps stale at most"
     with pytest.raises(ValueError, match=r"name their optimizer, e.g. embedding_optimizer=gp.SparseOptimizer"):
         gp.Strategy(dp=2, embeddings="table_wise")
     with pytest.raises(ValueError, match=r"SparseOptimizer.kind must be one of .*, got 'adam'"):

@@ -57,8 +57,8 @@ def _expert_cases():
 
 
 def _table_cases():
-    """A row-wise table of 10 rows (5 a rank) and a replicated one on dp 2, every rank sending
-    one id to each rank (balanced: the fake ops' expectation)."""
+    """A row-wise table of 10 rows (5 a rank), cached or not, and a replicated one on dp 2, every
+    rank sending one id to each rank (balanced: the fake ops' expectation)."""
     rank = dist.get_rank()
     ids, offsets = torch.tensor([rank, 5 + rank]), torch.tensor([0, 1])
     rows = ("row_wise", 10, 4, 0, "sum", False, None)
@@ -70,7 +70,9 @@ def _table_cases():
             (ops.table_combine,
              lambda t, s: (([t((5, 4))], routed(), counts(rows), [ids], [offsets], (rows,), "dp", 0.5), {})),
             (ops.table_replicated,
-             lambda t, s: (([t((10, 4))], [ids], [offsets], [None], counts(whole), (whole,), "dp", 0.5), {}))]
+             lambda t, s: (([t((10, 4))], [ids], [offsets], [None], counts(whole), (whole,), "dp", 0.5), {})),
+            (ops.table_cached,  # with a cache of 3 rows, exact
+             lambda t, s: (([t((5, 4))], [ids], [offsets], [None], (rows,), ((3, 0),), "dp", 0.5), {}))]
 
 
 def _signature(value):

@@ -128,6 +128,7 @@ class _Copies(TorchDispatchMode):
     def __init__(self, phase: list):
         super().__init__()
         self.phase, self.written, self.inside = phase, {}, 0
+        self.floats_only = False  # the row cache's index bookkeeping (int64) is not priced
 
     @contextlib.contextmanager
     def backend(self):
@@ -140,7 +141,7 @@ class _Copies(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (not self.inside and func.overloadpacket.__name__ in self.OPS and isinstance(out, torch.Tensor)
-                and out.dim() and _called_from(RUNTIME)):
+                and out.dim() and not (self.floats_only and not out.is_floating_point()) and _called_from(RUNTIME)):
             self.written[self.phase[0]] = self.written.get(self.phase[0], 0) + out.numel() * out.element_size()
         return out
 
@@ -384,6 +385,7 @@ def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
     shard = nn.Parameter(torch.randn(rows if sharding == "data_parallel" else 5, d))
     log, phase = [], ["forward"]
     copies = _Copies(phase)
+    copies.floats_only = name == "table cached rows"  # the entry's note: its int64 bookkeeping is not priced
     mesh = mesh_lib.ProcessMesh({"dp": n})
     spec = (sharding, rows, d, 0, "sum", False, None)
     with mesh_lib.active(mesh):
@@ -399,14 +401,18 @@ def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
                 out = out.requires_grad_()
             elif name == "table pooled":
                 out = ops.table_combine([shard], routed, counts, [ids], [offsets], (spec,), "dp", 0.5)[0]
+            elif name == "table cached rows":  # nothing cached yet: the n - 1 other ranks' rows pulled
+                out = ops.table_cached([shard], [ids], [offsets], [None], (spec,), ((3, 0),), "dp", 0.5)[0]
             else:
                 out = ops.table_replicated([shard], [ids], [offsets], [None], counts, (spec,), "dp", 0.5)[0]
         phase[0] = "backward"
         with copies:
             (out * 2).sum().backward()
     size = {"table counts": 16.0 * n, "table ids": 16.0 * n, "table pooled": 4.0 * bags * d * n,
-            "table replicated gradients": 4.0 * n * (2 + d)}[name]
+            "table replicated gradients": 4.0 * n * (2 + d), "table cached rows": 4.0 * d * (n - 1)}[name]
     expected = [(m.phase, m.kind, m.size(size, n), m.blocking) for m in TABLE[name].moves()]
+    if name == "table cached rows":  # the pull's requests ahead of the rows (the entry's note)
+        expected += [("forward", "all_to_all", 8.0 * n, True), ("forward", "all_to_all", 8.0 * (n - 1), True)]
     return ((sorted(expected), _expected_copies(name, size, n, 1)),
             (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
 
