@@ -11,7 +11,11 @@ SGD, the same update on the rows a step touches) for ``--rounds`` steps after a 
   of the jagged batch with :func:`graphpass.batching.cut` (a user would write that cut by hand):
   dense table gradients all-reduced in buckets; the reference of the ratio column;
 * ``gp dp``: ``Strategy(dp=n)``: the tables are ordinary weights (dense gradients in the buckets);
-* ``gp <kind>``: ``Strategy(dp=n, embeddings=kind, embedding_optimizer=SparseOptimizer('sgd'))``.
+* ``gp <kind>``: ``Strategy(dp=n, embeddings=kind, embedding_optimizer=SparseOptimizer('sgd'))``;
+* ``gp row_wise cache s=k``: the same row-wise tables with HET's cache (``embedding_cache=--cache``
+  of each table's rows, ``staleness=k``; :mod:`graphpass.runtime.row_cache`), k = 0, 1, 2, 5:
+  the ``/ no cache`` column is its table bytes against uncached row-wise's (HET: up to 88% less),
+  ``hits`` the share of other ranks' rows read from the cache.
 
 Columns: median step time (a step's time is its slowest rank's; each step starts at a barrier)
 and its ratio to DDP's; the bytes each rank hands to collectives in a step (the tensors given to
@@ -59,6 +63,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache", type=float, default=0.05, help="the cached rows' share of each table")
+    p.add_argument("--stalenesses", type=int, nargs="+", default=[0, 1, 2, 5])
     return p.parse_args(argv)
 
 
@@ -129,8 +135,10 @@ def _run_rank(args, kind: str) -> dict:
             opt.step()
             opt.zero_grad()
     else:
+        sharding, staleness = (kind.split(":")[0], int(kind.split(":")[1])) if ":" in kind else (kind, None)
+        cache = {} if staleness is None else {"embedding_cache": args.cache, "staleness": staleness}
         strategy = gp.Strategy(dp=world) if kind == "gp" else gp.Strategy(
-            dp=world, embeddings=kind, embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.01))
+            dp=world, embeddings=sharding, embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.01), **cache)
         dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batches[0], strategy=strategy)
         opt = torch.optim.SGD(dmodel.parameters(), lr=0.01)
         state = list(dmodel.graph_module.parameters())
@@ -151,19 +159,26 @@ def _run_rank(args, kind: str) -> dict:
             step(batch)
             times.append(time.perf_counter() - t0)
     table, dense = counted.table / args.rounds, counted.dense / args.rounds
+    hits = None
+    if kind != "ddp" and dmodel._cached:
+        from graphpass.runtime.row_cache import cache_of
+        counts = [cache_of(shard).counters for shard in dmodel._cached]
+        read = sum(c["hits"] + c["pulled"] for c in counts)
+        hits = sum(c["hits"] for c in counts) / read if read else 0.0
     if kind == "ddp":  # its reducer all-reduces every gradient once a step, in C++
         table = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("tables."))
         dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("tables."))
     with MemoryProbe(baseline=state + optimizer_state_tensors(opt) + list(batches[-1])) as probe:
         step(batches[-1])
-    return {"times": times, "table": table, "dense": dense, "peak": probe.peak_bytes}
+    return {"times": times, "table": table, "dense": dense, "peak": probe.peak_bytes, "hits": hits}
 
 
 def _row(args, world: int, kind: str) -> dict:
     results = gp.launch(_run_rank, world, args=(args, kind), timeout_s=1200)
     steps = [max(r["times"][i] for r in results) for i in range(args.rounds)]
     return {"step": statistics.median(steps), "table": statistics.mean(r["table"] for r in results),
-            "dense": statistics.mean(r["dense"] for r in results), "peak": results[0]["peak"]}
+            "dense": statistics.mean(r["dense"] for r in results), "peak": results[0]["peak"],
+            "hits": None if results[0]["hits"] is None else statistics.mean(r["hits"] for r in results)}
 
 
 def _torchrec_note() -> str:
@@ -184,17 +199,23 @@ def main(argv=None) -> None:
           f"rows {min(config.table_rows):,}..{max(config.table_rows):,}, bags of 1..8 Zipf ids; global batch "
           f"{args.batch}; SGD; median of {args.rounds} steps after {args.warmup}; {args.threads} thread(s) a rank")
     print(_torchrec_note())
-    labels = [("torch DDP", "ddp"), ("gp dp", "gp")] + [(f"gp {k}", k) for k in KINDS]
+    labels = [("torch DDP", "ddp"), ("gp dp", "gp")] + [(f"gp {k}", k) for k in KINDS] + [
+        (f"gp row_wise cache s={s}", f"row_wise:{s}") for s in args.stalenesses]
+    print(f"cache: {args.cache:.0%} of each table's rows on every rank")
     for world in args.world_sizes:
         print(f"\n{world} ranks")
-        print(f"  {'strategy':<17} {'step ms':>9} {'/ DDP':>7} {'table MiB/step':>15} {'dense MiB/step':>15} "
-              f"{'peak MiB (rank 0)':>18}")
-        reference = None
+        print(f"  {'strategy':<24} {'step ms':>9} {'/ DDP':>7} {'table MiB/step':>15} {'/ no cache':>11} {'hits':>6} "
+              f"{'dense MiB/step':>15} {'peak MiB (rank 0)':>18}")
+        reference = uncached = None
         for label, kind in labels:
             r = _row(args, world, kind)
             reference = reference or r["step"]
-            print(f"  {label:<17} {r['step'] * 1e3:9.1f} {r['step'] / reference:7.3f} {r['table'] / 2**20:15.3f} "
-                  f"{r['dense'] / 2**20:15.3f} {r['peak'] / 2**20:18.1f}")
+            if kind == "row_wise":
+                uncached = r["table"]
+            versus = f"{r['table'] / uncached:11.3f}" if ":" in kind else f"{'':>11}"
+            hits = f"{r['hits']:6.1%}" if r["hits"] is not None else f"{'':>6}"
+            print(f"  {label:<24} {r['step'] * 1e3:9.1f} {r['step'] / reference:7.3f} {r['table'] / 2**20:15.3f} "
+                  f"{versus} {hits} {r['dense'] / 2**20:15.3f} {r['peak'] / 2**20:18.1f}")
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
 
 

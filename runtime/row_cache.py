@@ -159,7 +159,13 @@ def _holders(ids: torch.Tensor, spec: tuple, size: int, rank: int) -> list[tuple
     if sharding == "table_wise":
         return [(owner, torch.ones_like(ids, dtype=torch.bool), ids)]
     c = shard_rows(rows, size)
-    return [(p, ids // c == p, ids[ids // c == p] % c) for p in range(size) if p != rank]
+    dest = ids // c
+    out = []
+    for p in range(size):
+        if p != rank:
+            which = dest == p
+            out.append((p, which, ids[which] - p * c))
+    return out
 
 
 def _own(ids: torch.Tensor, spec: tuple, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
