@@ -162,6 +162,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     delayed_disk_update: bool = False,
     batch_dims: Mapping[str | int, int | Jagged | None] | None = None,
     embedding_optimizer: SparseOptimizer | None = None,
+    staleness: int = 0,
 ) -> DistributedModule:
     """Compile ``model`` into this rank's distributed training program.
 
@@ -207,6 +208,10 @@ def compile(  # noqa: A001 - the public name the contract uses
             of the model's embedding tables: the planner then shards each table its own way
             (``graphpass.plan(..., embedding_optimizer=)``; ``docs/embeddings.md``). A Strategy
             names its own (``Strategy.embedding_optimizer``).
+        staleness: with ``strategy="auto"`` and ``embedding_optimizer``, the steps a cached
+            embedding row may lag (HET's bounded staleness; ``graphpass.plan(..., staleness=)``):
+            0 (default) keeps training exact; more lets the planner give tables caches that
+            move fewer bytes and train not quite as one process does.
 
     Returns:
         the :class:`DistributedModule` for this rank.
@@ -240,7 +245,7 @@ def compile(  # noqa: A001 - the public name the contract uses
     timeout_s = _check_timeout(timeout_s, device_type)
     captured, plan, local_inputs = _capture_and_plan(program_model, cluster, inputs, strategy, rank, world_size,
                                                      keys=batch.keys, batch_dims=batch_dims,
-                                                     embedding_optimizer=embedding_optimizer)
+                                                     embedding_optimizer=embedding_optimizer, staleness=staleness)
     crossing = cluster.hsdp_warning(plan.mesh)
     if crossing and rank == 0:
         warnings.warn(crossing, stacklevel=2)
@@ -375,20 +380,21 @@ def _check_timeout(timeout_s: float | None, device_type: str) -> float:
 def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Tensor, ...], strategy: StrategyLike,
                       rank: int, ranks_present: int, *, world_size: int | None = None,
                       keys: tuple[str, ...] | None = None, batch_dims: Mapping[Any, Any] | None = None,
-                      embedding_optimizer: SparseOptimizer | None = None):
+                      embedding_optimizer: SparseOptimizer | None = None, staleness: int = 0):
     """The plan (the user's, or planned: on rank 0 and broadcast when ``ranks_present > 1``) and
     the capture at one microbatch of a rank's share; (capture, plan, local inputs)."""
     world_size = ranks_present if world_size is None else world_size
     chosen, given_plan, reasons = resolve_strategy(strategy, world_size)
-    if embedding_optimizer is not None and (chosen is not None or given_plan is not None):
-        raise ValueError("compile(embedding_optimizer=) goes to the planner (strategy='auto'); a Strategy names "
-                         "its own (Strategy(embeddings=..., embedding_optimizer=...)) and a Plan holds it "
-                         "(Plan.embedding_optimizer)")
+    if (embedding_optimizer is not None or staleness) and (chosen is not None or given_plan is not None):
+        raise ValueError("compile(embedding_optimizer=, staleness=) go to the planner (strategy='auto'); a Strategy "
+                         "names its own (Strategy(embeddings=..., embedding_optimizer=..., staleness=...)) and a Plan "
+                         "holds them (Plan.embedding_optimizer, TableSharding.staleness)")
     name = type(getattr(model, "wrapped", model)).__name__
     batches = batching.resolve(model, inputs, keys, batch_dims)
     if chosen is None and given_plan is None:  # "auto": rank 0 plans, every rank gets its plan
         with phase(f"planning {name} on {world_size} device{'s' if world_size != 1 else ''}"):
-            given_plan = _auto_plan(model, cluster, inputs, rank, ranks_present, batches, embedding_optimizer)
+            given_plan = _auto_plan(model, cluster, inputs, rank, ranks_present, batches, embedding_optimizer,
+                                    staleness)
     source = given_plan if given_plan is not None else chosen
     dp = source.mesh.dp  # type: ignore[union-attr]
     k = source.microbatches  # type: ignore[union-attr]
@@ -437,7 +443,8 @@ def apply_capacity_factor(model: nn.Module, capacity_factor: float | None) -> No
 
 
 def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor], rank: int, world_size: int,
-               batches: Sequence[batching.InputBatch], embedding_optimizer: SparseOptimizer | None = None) -> Plan:
+               batches: Sequence[batching.InputBatch], embedding_optimizer: SparseOptimizer | None = None,
+               staleness: int = 0) -> Plan:
     """The planner's choice among what the runtime executes, solved on rank 0 and broadcast, so
     that every rank runs the same plan.
 
@@ -450,7 +457,7 @@ def _auto_plan(model: nn.Module, cluster: Cluster, inputs: Sequence[torch.Tensor
     if rank == 0:
         try:
             text = make_plan(model, cluster, inputs, batch_dims=batching.declaration(batches),
-                             embedding_optimizer=embedding_optimizer).to_json(indent=None)
+                             embedding_optimizer=embedding_optimizer, staleness=staleness).to_json(indent=None)
         except Exception as exc:
             if world_size > 1:
                 _broadcast_plan(None, _portable(exc))

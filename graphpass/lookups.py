@@ -109,6 +109,18 @@ class IdCheck:
                         f"{lookup.table!r} ({lookup.rows} rows, lookup {lookup.node!r}), at position {list(at)} of "
                         f"the ids that table reads; ids must be in 0..{lookup.rows - 1}")
 
+    def ids(self, batch: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each table's ids in ``batch`` (all its lookups' ids, flat), by table state key: what
+        the planner's profile of the id distribution counts."""
+        if self._program is None:
+            return {}
+        with torch.no_grad():
+            all_ids = self._program(*batch)
+        out: dict[str, list[torch.Tensor]] = {}
+        for lookup, ids in zip(self.lookups, all_ids):
+            out.setdefault(lookup.table, []).append(ids.reshape(-1).long())
+        return {table: torch.cat(parts) for table, parts in out.items()}
+
     def check(self, batch: Sequence[torch.Tensor], shares: Callable[[], Sequence[Sequence[torch.Tensor]]]) -> None:
         """Check ``batch`` as one share, or, where the program's shapes do not take the whole
         batch (a view of a share's size), each of ``shares()``."""

@@ -431,6 +431,6 @@ def test_a_planned_dlrm_trains_as_one_process(rank_pool):
     results = assert_parity(dlrm, dlrm_batches, ["auto"], world_sizes=(2,), ranks=rank_pool, optimizer="sgd",
                             compile_fn=compile_auto)
     assert all(r.passed for r in results)
-    with pytest.raises(ValueError, match=r"compile\(embedding_optimizer=\) goes to the planner"):
+    with pytest.raises(ValueError, match=r"compile\(embedding_optimizer=, staleness=\) go to the planner"):
         gp.compile(dlrm(), gp.Cluster.local(), example_inputs=dlrm_batches()[0], strategy=gp.Strategy(),
                    embedding_optimizer=gp.SparseOptimizer())

@@ -15,6 +15,21 @@ table's gradient. For every table and kind this prices, per rank and step:
   holder; ``g b d e`` table- and column-wise), forward and backward; ``table replicated
   gradients`` all-gathers ``n f b (d + 2) e``. The counts exchange is one latency.
 
+With a profile of the table's ids (:attr:`TableCost.id_counts`, counted in the example batch)
+each routed kind is also priced with HET's cache (``graphpass.runtime.row_cache``) of
+:data:`CACHE_SHARES` of its rows: a rank reading ``m = f b`` ids drawn from the profile reads
+row ``i`` in a step with chance ``q_i = 1 - (1 - p_i)^m``. A row among the ``C`` most read
+(what an LFU cache of ``C`` rows keeps) is pulled, then read from the cache for ``s`` steps
+(staleness ``s``), so it is pulled ``q_i / (1 + s q_i)`` times a step (once a step when read
+every step, once every ``s + 1`` steps at most), and its gradient pushed as often; the others
+``q_i``. ``r`` times that many rows go each way (``r``: the share of rows on other ranks,
+``(n - 1) / n``; column-wise every row, a part from each rank), each with its 8-byte index:
+the table's "table cached rows" entry, and the cache's ``C`` rows (plus 24 bytes of index each)
+in memory. At ``s = 0`` the cache reads nothing across steps and the option is the exact
+pull-style lookup: rows gathered to the reader instead of pooled at their holders. A profile
+from one batch sees only the ids that batch reads: rarer ids are missing from it, so the
+predicted hit share is an upper bound (sample more batches for a closer one).
+
 :func:`choose` takes, for every table, its fastest kind, then moves the tables whose memory
 costs the most time to save onto kinds that hold less until the tables fit their budget
 (largest memory saved per second lost first): the plan's choice and its reason per table.
@@ -26,9 +41,14 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from graphpass.tables import balance_owners
+import torch
+
+from graphpass.tables import balance_owners, cached_rows
+from graphpass.transitions import TABLE
 
 KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+#: the cache sizes priced, as shares of a table's rows
+CACHE_SHARES = (0.01, 0.05, 0.2)
 
 
 @dataclass(frozen=True)
@@ -48,21 +68,59 @@ class TableCost:
     element_bytes: int
     ids_per_sample: float
     bags_per_sample: float
+    #: the profile of its ids: how often each distinct id was read in the example batch, most
+    #: read first (empty: no profile, e.g. ids on the meta device; no cache is priced)
+    id_counts: tuple[int, ...] = ()
+
+    def reads(self, ids: float, capacity: int, staleness: int) -> tuple[float, float]:
+        """``(D, P)``: the distinct rows a rank reading ``ids`` ids drawn from the profile reads
+        in a step, and how many of them it pulls with a cache of the ``capacity`` most read rows
+        at ``staleness`` (the module docstring)."""
+        counts = torch.tensor(self.id_counts, dtype=torch.float64)
+        q = 1.0 - (1.0 - counts / counts.sum()) ** ids  # each row's chance to be read in a step
+        kept = q[:capacity]
+        return float(q.sum()), float(q[capacity:].sum() + (kept / (1.0 + staleness * kept)).sum())
 
 
 @dataclass(frozen=True)
 class TableOption:
-    """One table under one kind: bytes on the rank that holds the most of it, and seconds per step."""
+    """One table under one kind: bytes on the rank that holds the most of it, and seconds per
+    step; with a cache, its rows and the share of the rows read that it serves."""
 
     kind: str
     bytes: float
     time_s: float
+    cache: int = 0
+    hits: float = 0.0
+
+
+def _cached(table: TableCost, kind: str, held: float, n: int, local_batch: float, staleness: int,
+            time_of: Callable[[str, float], float], shares: Sequence[float]) -> list[TableOption]:
+    """``kind`` (holding ``held`` bytes a rank) with a cache of each of ``shares`` of its rows
+    (the module docstring)."""
+    out = []
+    e, d = table.element_bytes, table.dim
+    holders = n if kind == "column_wise" else 1
+    remote = 1.0 if kind == "column_wise" else (n - 1) / n
+    entry = TABLE["table cached rows"]
+    for share in shares:
+        capacity = cached_rows(share, table.rows)
+        distinct, pulled = table.reads(table.ids_per_sample * local_batch, capacity, staleness)
+        rows = remote * pulled  # pulled, and pushed, a step
+        requests = time_of("all_to_all", 8.0 * n) + time_of("all_to_all", 8.0 * rows * holders)
+        pull = requests + sum(time_of("all_to_all", size) for _, size in entry.movements(rows * d * e, n))
+        push = requests + time_of("all_to_all", rows * d * e)
+        hits = 1.0 - rows / (remote * distinct) if distinct else 0.0
+        out.append(TableOption(kind, held + capacity * (d * e + 24), pull + push, capacity, hits))
+    return out
 
 
 def options(table: TableCost, n: int, local_batch: float, state_per_element: int, state_per_row: int,
-            time_of: Callable[[str, float], float]) -> list[TableOption]:
-    """``table`` under each kind on ``n`` ranks; ``time_of(kind, bytes)`` is one collective over
-    the data-parallel axis (``"all_to_all"``, ``"all_gather"``)."""
+            time_of: Callable[[str, float], float], staleness: int = 0,
+            shares: Sequence[float] = CACHE_SHARES) -> list[TableOption]:
+    """``table`` under each kind on ``n`` ranks, and each routed kind with a cache of each of
+    ``shares`` of its rows at ``staleness`` where the table has an id profile; ``time_of(kind,
+    bytes)`` is one collective over the data-parallel axis (``"all_to_all"``, ``"all_gather"``)."""
     e, d, rows = table.element_bytes, table.dim, table.rows
     whole = rows * d * e * (1 + state_per_element) + rows * 4 * state_per_row
     ids = 16.0 * table.ids_per_sample * local_batch
@@ -78,6 +136,9 @@ def options(table: TableCost, n: int, local_batch: float, state_per_element: int
     if d % n == 0:
         out.append(TableOption("column_wise", rows * d // n * e * (1 + state_per_element) + rows * 4 * state_per_row,
                                counts + time_of("all_to_all", n * ids) + 2 * time_of("all_to_all", pooled)))
+    if table.id_counts:
+        out += [cached for option in out[1:] for cached in _cached(table, option.kind, option.bytes, n, local_batch,
+                                                                   staleness, time_of, shares)]
     return out
 
 
@@ -86,17 +147,18 @@ class TableChoices:
     """The search's tables: each table's kind (and owner), the bytes on the fullest rank, the
     seconds per step, and a reason per table."""
 
-    kinds: dict[str, tuple[str, int]]
+    kinds: dict[str, tuple[str, int, int]]  # (kind, owner, cached rows)
     bytes: float
     time_s: float
     reasons: tuple[str, ...]
 
 
 def choose(tables: Sequence[TableCost], n: int, local_batch: float, state_per_element: int, state_per_row: int,
-           time_of: Callable[[str, float], float], budget_bytes: float) -> TableChoices | None:
-    """Each table's kind: the fastest, then the cheapest trade of time for memory until the
-    tables' fullest rank holds at most ``budget_bytes``; None when no choice fits."""
-    opts = {t.name: options(t, n, local_batch, state_per_element, state_per_row, time_of) for t in tables}
+           time_of: Callable[[str, float], float], budget_bytes: float, staleness: int = 0) -> TableChoices | None:
+    """Each table's kind (and cache, at ``staleness``): the fastest, then the cheapest trade of
+    time for memory until the tables' fullest rank holds at most ``budget_bytes``; None when no
+    choice fits."""
+    opts = {t.name: options(t, n, local_batch, state_per_element, state_per_row, time_of, staleness) for t in tables}
     picked = {name: min(o, key=lambda x: (x.time_s, x.bytes)) for name, o in opts.items()}
     fastest = dict(picked)
     while True:
@@ -117,9 +179,18 @@ def choose(tables: Sequence[TableCost], n: int, local_batch: float, state_per_el
                f"fits (fastest, {fastest[t.name].kind}, would hold {fastest[t.name].bytes / 2**30:.2f} GiB a rank)")
         reasons.append(f"table {t.name} [{t.rows:,} x {t.dim}]: {chosen.kind}"
                        + (f" on rank {owners_of[t.name]}" if chosen.kind == "table_wise" else "")
+                       + (_cache_reason(chosen, staleness) if chosen.cache else "")
                        + f", {chosen.bytes / 2**30:.3f} GiB on its fullest rank, {chosen.time_s * 1e3:.2f} ms a step: {why}")
-    kinds = {name: (o.kind, owners_of.get(name, 0)) for name, o in picked.items()}
+    kinds = {name: (o.kind, owners_of.get(name, 0), o.cache) for name, o in picked.items()}
     return TableChoices(kinds, fullest, sum(o.time_s for o in picked.values()), tuple(reasons))
+
+
+def _cache_reason(option: TableOption, staleness: int) -> str:
+    if staleness == 0:
+        return (f", rows pulled to their readers and pooled there (exact: staleness 0; its {option.cache:,}-row cache "
+                "serves only repeats within a step)")
+    return (f", {option.cache:,} rows cached at staleness {staleness} ({max(option.hits, 0.0):.0%} of the other "
+            "ranks' rows predicted read from the cache)")
 
 
 def owners(tables: Sequence[TableCost], picked: dict[str, TableOption], n: int) -> tuple[dict[str, int], float]:

@@ -159,12 +159,19 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
             + "; call it on every rank under torchrun or graphpass.launch, or drop measure_together")
 
 
-def _table_costs(gm, batch: int) -> list[T.TableCost]:
-    """Each embedding table of ``gm`` as the search prices it: shape, element size, and the ids
-    and pooled rows its lookups read per sample of the example batch."""
+def _table_costs(gm, batch: int, inputs: Sequence[torch.Tensor]) -> list[T.TableCost]:
+    """Each embedding table of ``gm`` as the search prices it: shape, element size, the ids and
+    pooled rows its lookups read per sample of the example batch, and the profile of its ids
+    there (how often each distinct id is read; none where the ids are not real tensors)."""
     from graphpass import meta
+    from graphpass.lookups import IdCheck
     from graphpass.tables import lookup_args, tables
 
+    profiles: dict[str, tuple[int, ...]] = {}
+    if not any(t.is_meta for t in inputs):
+        for key, ids in IdCheck(gm).ids(inputs).items():
+            counts = torch.unique(ids, return_counts=True)[1]
+            profiles[key] = tuple(torch.sort(counts, descending=True).values.tolist())
     out = []
     for node, lookups in tables(gm).items():
         if meta.get(node, meta.ATTR_KIND, None) != "parameter":
@@ -181,8 +188,9 @@ def _table_costs(gm, batch: int) -> list[T.TableCost]:
                 bags += args["ids"].meta[meta.VAL].shape[0]
             else:
                 bags += args["offsets"].meta[meta.VAL].shape[-1] - (1 if args["include_last_offset"] else 0)
+        key = (meta.get(node, meta.STATE_KEYS, ()) or (node.target,))[0]
         out.append(T.TableCost(node.name, int(value.shape[0]), int(value.shape[1]), value.element_size(),
-                               ids / batch, bags / batch))
+                               ids / batch, bags / batch, profiles.get(key, ())))
     return out
 
 
@@ -254,6 +262,7 @@ class Planner:
         offload: bool | None = None,
         batch_dims: Mapping[Any, Any] | None = None,
         embedding_optimizer: SparseOptimizer | None = None,
+        staleness: int = 0,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -263,6 +272,11 @@ class Planner:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         batch = Batch.of(example_inputs)
         inputs, model = batch.tensors, adapt(model, batch, loss_fn)
+        # a model on the meta device is planned on meta inputs; real ones still give the tables'
+        # id profile (a sample batch's ids, for a model too large to build)
+        samples = inputs
+        if any(p.is_meta for p in model.parameters()):
+            inputs = tuple(t.to("meta") for t in inputs)
         if not inputs or inputs[0].dim() == 0:
             raise ValueError("example_inputs[0] must have a batch dimension (dim 0)")
         self.budget = (
@@ -285,7 +299,14 @@ class Planner:
                      if measure_ops else None)
         self.profile = GraphProfile(captured.gm, inputs, self.batch, self.cluster, times, remeasure)
         self.embedding_optimizer = embedding_optimizer
-        self.tables = _table_costs(captured.gm, self.batch) if embedding_optimizer is not None else []
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be an int >= 0 (steps a cached embedding row may lag; 0 is exact), "
+                             f"got {staleness!r}")
+        if staleness and embedding_optimizer is None:
+            raise ValueError(f"staleness={staleness} lets the planner cache embedding rows that lag, but no "
+                             "embedding_optimizer is given, so no table is sharded; pass embedding_optimizer too")
+        self.staleness = staleness
+        self.tables = _table_costs(captured.gm, self.batch, samples) if embedding_optimizer is not None else []
         if embedding_optimizer is not None and not self.tables:
             raise ValueError("embedding_optimizer updates sharded embedding tables, but this model has none (a weight "
                              "read only by embedding lookups); leave it out")
@@ -430,7 +451,7 @@ class Planner:
             owners, fullest = T.owners(tables, {t.name: o for t, o in zip(tables, chosen)}, n)
             return T.TableChoices({t.name: (kind, owners.get(t.name, 0)) for t in tables}, fullest,
                                   sum(o.time_s for o in chosen), (f"every table {kind} (the Strategy's)",))
-        found = T.choose(tables, n, self.batch / n, per_element, per_row, time_of, budget)
+        found = T.choose(tables, n, self.batch / n, per_element, per_row, time_of, budget, self.staleness)
         if found is None:
             smallest = sum(min(o.bytes for o in T.options(t, n, self.batch / n, per_element, per_row, time_of))
                            for t in tables)
@@ -443,8 +464,8 @@ class Planner:
         """The plan's tables: each table's TableSharding by node name, and the sparse optimizer."""
         if tables is None:
             return None
-        return ({name: TableSharding(kind, owner) for name, (kind, owner) in tables.kinds.items()},
-                self.embedding_optimizer, tables)
+        return ({name: TableSharding(kind, owner, cache, self.staleness if cache else 0)
+                 for name, (kind, owner, cache) in tables.kinds.items()}, self.embedding_optimizer, tables)
 
     def _even_stages(self, strategy: Strategy) -> list[list[int]]:
         """The blocks of each stage of the cut ``compile`` makes for a uniform Strategy (the
@@ -526,6 +547,7 @@ def plan(
     offload: bool | None = None,
     batch_dims: Mapping[Any, Any] | None = None,
     embedding_optimizer: SparseOptimizer | None = None,
+    staleness: int = 0,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -563,7 +585,14 @@ def plan(
             (data-parallel, table-, row- or column-wise) that is fastest within 60% of the budget
             (:mod:`graphpass.cost.search.tables`), the dense part on a mesh of dp alone with what
             is left; ``explain()`` gives each table's choice. A ``strategy`` with ``embeddings``
-            brings its own.
+            brings its own. Where the example batch's ids are real tensors, their profile (how
+            often each id is read) prices HET's cache for each table too (1%, 5% or 20% of its
+            rows; ``graphpass.runtime.row_cache``).
+        staleness: with ``embedding_optimizer``, how many steps a cached row may lag when read
+            and its gradient when pushed (HET's bounded staleness): the planner prices caches at
+            this staleness and plans a table's cache only at it. 0 (default) is exact: a cache
+            then serves only the exact pull-style lookup; more trades exactness for fewer bytes,
+            and only the user chooses it.
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -582,5 +611,6 @@ def plan(
                       optimizer_states=optimizer_states, expert_loads=expert_loads,
                       capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn, offload=offload,
                       batch_dims=batch_dims, embedding_optimizer=embedding_optimizer or (
-                          strategy.embedding_optimizer if isinstance(strategy, Strategy) else None))
+                          strategy.embedding_optimizer if isinstance(strategy, Strategy) else None),
+                      staleness=staleness)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
