@@ -153,25 +153,38 @@ class TableChoices:
     reasons: tuple[str, ...]
 
 
-def choose(tables: Sequence[TableCost], n: int, local_batch: float, state_per_element: int, state_per_row: int,
-           time_of: Callable[[str, float], float], budget_bytes: float, staleness: int = 0) -> TableChoices | None:
-    """Each table's kind (and cache, at ``staleness``): the fastest, then the cheapest trade of
-    time for memory until the tables' fullest rank holds at most ``budget_bytes``; None when no
-    choice fits."""
+def frontier(tables: Sequence[TableCost], n: int, local_batch: float, state_per_element: int, state_per_row: int,
+             time_of: Callable[[str, float], float], staleness: int = 0) -> list[TableChoices]:
+    """The tables' choices from the fastest (each table's fastest kind and cache) to the
+    smallest, each step the move that saves the most memory per second it costs: the trade of
+    time for memory the search walks (fullest rank's bytes falling, seconds rising)."""
     opts = {t.name: options(t, n, local_batch, state_per_element, state_per_row, time_of, staleness) for t in tables}
     picked = {name: min(o, key=lambda x: (x.time_s, x.bytes)) for name, o in opts.items()}
     fastest = dict(picked)
+    path = [_choices(tables, picked, fastest, n, staleness)]
     while True:
-        owners_of, fullest = owners(tables, picked, n)
-        if fullest <= budget_bytes:
-            break
-        # the move that saves the most memory per second it costs
         moves = [(name, alt) for name, o in opts.items() for alt in o if alt.bytes < picked[name].bytes]
         if not moves:
-            return None
+            return path
         name, alt = max(moves, key=lambda m: ((picked[m[0]].bytes - m[1].bytes)
                                              / max(m[1].time_s - picked[m[0]].time_s, 1e-12)))
         picked[name] = alt
+        step = _choices(tables, picked, fastest, n, staleness)
+        if step.bytes < path[-1].bytes:  # a move that balances owners worse saves nothing: not a point
+            path.append(step)
+
+
+def choose(tables: Sequence[TableCost], n: int, local_batch: float, state_per_element: int, state_per_row: int,
+           time_of: Callable[[str, float], float], budget_bytes: float, staleness: int = 0) -> TableChoices | None:
+    """The fastest point of the :func:`frontier` whose fullest rank holds at most
+    ``budget_bytes``; None when none fits."""
+    return next((c for c in frontier(tables, n, local_batch, state_per_element, state_per_row, time_of, staleness)
+                 if c.bytes <= budget_bytes), None)
+
+
+def _choices(tables: Sequence[TableCost], picked: dict[str, TableOption], fastest: dict[str, TableOption], n: int,
+             staleness: int) -> TableChoices:
+    owners_of, fullest = owners(tables, picked, n)
     reasons = []
     for t in tables:
         chosen = picked[t.name]

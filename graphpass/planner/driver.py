@@ -29,7 +29,7 @@ from graphpass.cost.search import tables as T
 from graphpass.cost.search.tables import TableChoices
 from graphpass.passes.tensor_parallel import TensorParallelError
 from graphpass.plan import Choice, Plan, Strategy
-from graphpass.tables import SparseOptimizer, TableSharding
+from graphpass.tables import SparseOptimizer, TableSharding, cached_rows
 from graphpass.plan_builder import uniform_stages
 from graphpass.planner.op_placement import MEGATRON, OpLayout, Prices, op_layouts
 from graphpass.planner.measure import GraphProfile, PlanningError
@@ -157,6 +157,17 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
             f"{cluster.world_size} ranks, but " + ("no process group is initialised" if running is None
                                                    else f"the running group has {running}")
             + "; call it on every rank under torchrun or graphpass.launch, or drop measure_together")
+
+
+#: how many of the tables' choices (from fastest to smallest) the search tries the dense part beside
+_TABLE_SPLITS = 5
+
+
+def _spread(points: Sequence[Any], count: int) -> list[Any]:
+    """At most ``count`` of ``points``, evenly spaced, the first and the last among them."""
+    if len(points) <= count:
+        return list(points)
+    return [points[round(i * (len(points) - 1) / (count - 1))] for i in range(count)]
 
 
 def _table_costs(gm, batch: int, inputs: Sequence[torch.Tensor]) -> list[T.TableCost]:
@@ -410,7 +421,7 @@ class Planner:
                              f"{', '.join(b.name for b in blocks)}), got {len(choices)} entries")
         tables = None
         if self.tables and strategy.embeddings:
-            tables = self._choose_tables(costing, strategy.embeddings)
+            tables = self._strategy_tables(strategy)
             costing = replace(costing, memory_limit_bytes=costing.memory_limit_bytes - tables.bytes)
         cand = S.evaluate(blocks, layout, list(choices), costing,
                           self._even_stages(strategy) if layout.num_stages > 1 else None)
@@ -427,38 +438,47 @@ class Planner:
         return _to_plan(self.profile, blocks, cand, costing, strategy, reasons, start,
                         (self.capacity_factor, self._capacity_reason), tables=self._table_plan(tables))
 
-    def _choose_tables(self, costing: S.Costing, kind: str | None) -> TableChoices:
-        """The tables' shardings over all ranks (``kind`` for every table, or each table's own
-        choice) under 60% of the memory budget, leaving the rest to the dense part.
-
-        Raises:
-            graphpass.cost.search.NoPlanError: the tables fit no sharding.
-        """
+    def _table_pricing(self):
+        """``(n, state per element, state per row, time_of)`` the tables are priced with."""
         n = self.cluster.world_size
         ranks = list(range(n))
 
         def time_of(collective: str, size: float) -> float:
             return collective_time(collective, size, ranks, self.cluster) if n > 1 and size > 0 else 0.0
 
-        optimizer = self.embedding_optimizer
-        per_element = {"adagrad": 1, "lazy_adam": 2}.get(optimizer.kind, 0)
-        per_row = 1 if optimizer.kind == "rowwise_adagrad" else 0
-        budget = 0.6 * costing.memory_limit_bytes
-        tables = self.tables
-        if kind is not None:  # a Strategy's one kind for every table: priced, not chosen
-            chosen = [next(o for o in T.options(t, n, self.batch / n, per_element, per_row, time_of) if o.kind == kind)
-                      for t in tables]
-            owners, fullest = T.owners(tables, {t.name: o for t, o in zip(tables, chosen)}, n)
-            return T.TableChoices({t.name: (kind, owners.get(t.name, 0)) for t in tables}, fullest,
-                                  sum(o.time_s for o in chosen), (f"every table {kind} (the Strategy's)",))
-        found = T.choose(tables, n, self.batch / n, per_element, per_row, time_of, budget, self.staleness)
-        if found is None:
-            smallest = sum(min(o.bytes for o in T.options(t, n, self.batch / n, per_element, per_row, time_of))
-                           for t in tables)
-            raise S.NoPlanError(f"the embedding tables need {smallest / 2**30:.2f} GiB a rank even sharded over all "
-                                f"{n} devices, more than 60% of the budget ({budget / 2**30:.2f} GiB); use more "
-                                "devices, a larger budget, or a sparse optimizer with less state (sgd)")
-        return found
+        kind = self.embedding_optimizer.kind
+        return n, {"adagrad": 1, "lazy_adam": 2}.get(kind, 0), 1 if kind == "rowwise_adagrad" else 0, time_of
+
+    def _strategy_tables(self, strategy: Strategy) -> TableChoices:
+        """A Strategy's tables, priced as it shards them (its kind, cache and staleness)."""
+        n, per_element, per_row, time_of = self._table_pricing()
+        chosen = []
+        for t in self.tables:
+            share = (strategy.embedding_cache,) if strategy.embedding_cache else ()
+            opts = T.options(t, n, self.batch / n, per_element, per_row, time_of, strategy.staleness, share)
+            cache = cached_rows(strategy.embedding_cache, t.rows)
+            # without an id profile a cache is not priced: the table as its kind alone
+            chosen.append(next((o for o in opts if o.kind == strategy.embeddings and o.cache == cache),
+                               next(o for o in opts if o.kind == strategy.embeddings)))
+        owners, fullest = T.owners(self.tables, {t.name: o for t, o in zip(self.tables, chosen)}, n)
+        return T.TableChoices({t.name: (o.kind, owners.get(t.name, 0), o.cache) for t, o in zip(self.tables, chosen)},
+                              fullest, sum(o.time_s for o in chosen),
+                              (f"every table {strategy.embeddings} (the Strategy's)",))
+
+    def _table_frontier(self, costing: S.Costing) -> list[TableChoices]:
+        """The tables' choices that fit the budget, fastest first (:func:`graphpass.cost.search.tables.frontier`).
+
+        Raises:
+            graphpass.cost.search.NoPlanError: the tables fit no sharding.
+        """
+        n, per_element, per_row, time_of = self._table_pricing()
+        path = T.frontier(self.tables, n, self.batch / n, per_element, per_row, time_of, self.staleness)
+        fits = [c for c in path if c.bytes <= costing.memory_limit_bytes]
+        if not fits:
+            raise S.NoPlanError(f"the embedding tables need {path[-1].bytes / 2**30:.2f} GiB a rank even sharded over "
+                                f"all {n} devices, more than the budget ({costing.memory_limit_bytes / 2**30:.2f} "
+                                "GiB); use more devices, a larger budget, or a sparse optimizer with less state (sgd)")
+        return fits
 
     def _table_plan(self, tables: TableChoices | None):
         """The plan's tables: each table's TableSharding by node name, and the sparse optimizer."""
@@ -510,19 +530,37 @@ class Planner:
         layouts = self._ensure(mesh_list)
         usable = [m for m in mesh_list if m.key in layouts]
         _, costing = self._with_budget(memory_budget)
-        if self.tables:
-            tables = self._choose_tables(costing, None)
-            costing = replace(costing, memory_limit_bytes=costing.memory_limit_bytes - tables.bytes)
-        try:
-            best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
-            searched = []
-        except S.NoPlanError:
-            if not self._offload_when_needed:
-                raise
-            costing = replace(costing, offload=True)
-            best, found, infeasible, pruned = S.search(layouts, usable, costing, time_limit_s, per_operator)
-            searched = ["no plan fits on the devices alone: offload searched (Planner(offload=True) searches it "
-                        "always, in the same solve)"]
+
+        def search(costing: S.Costing):
+            try:
+                return (*S.search(layouts, usable, costing, time_limit_s, per_operator), costing, [])
+            except S.NoPlanError:
+                if not self._offload_when_needed:
+                    raise
+                costing = replace(costing, offload=True)
+                return (*S.search(layouts, usable, costing, time_limit_s, per_operator), costing,
+                        ["no plan fits on the devices alone: offload searched (Planner(offload=True) searches it "
+                         "always, in the same solve)"])
+
+        if self.tables:  # the memory split between the tables and the dense part: the fastest whole
+            best_total, tried, failed = None, 0, None
+            for choice in _spread(self._table_frontier(costing), _TABLE_SPLITS):
+                tried += 1
+                try:
+                    result = search(replace(costing, memory_limit_bytes=costing.memory_limit_bytes - choice.bytes))
+                except S.NoPlanError as exc:
+                    failed = exc
+                    continue
+                if best_total is None or result[0].step_time_s + choice.time_s < best_total[0]:
+                    best_total = (result[0].step_time_s + choice.time_s, result, choice)
+            if best_total is None:
+                raise failed
+            _, (best, found, infeasible, pruned, costing, searched), tables = best_total
+            searched = searched + [
+                f"memory split between the embedding tables and the dense part: {tables.bytes / 2**30:.3f} GiB a rank "
+                f"to the tables, the fastest whole of {tried} splits tried along the tables' trade of time for memory"]
+        else:
+            best, found, infeasible, pruned, costing, searched = search(costing)
         alternatives = _alternatives(best, found, infeasible)
         reasons = searched + _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
                                       self.measure_s, pruned)
@@ -582,9 +620,10 @@ def plan(
             for a jagged one (:mod:`graphpass.batching`; inferred where embedding lookups show it).
         embedding_optimizer: the :class:`graphpass.SparseOptimizer` of the model's embedding
             tables: given, the search shards every table over all devices, each the kind
-            (data-parallel, table-, row- or column-wise) that is fastest within 60% of the budget
+            (data-parallel, table-, row- or column-wise) of the tables' trade of time for memory
             (:mod:`graphpass.cost.search.tables`), the dense part on a mesh of dp alone with what
-            is left; ``explain()`` gives each table's choice. A ``strategy`` with ``embeddings``
+            is left, trying several splits of the memory between them and keeping the fastest
+            whole; ``explain()`` gives each table's choice. A ``strategy`` with ``embeddings``
             brings its own. Where the example batch's ids are real tensors, their profile (how
             often each id is read) prices HET's cache for each table too (1%, 5% or 20% of its
             rows; ``graphpass.runtime.row_cache``).
