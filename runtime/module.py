@@ -348,7 +348,7 @@ class DistributedModule(nn.Module):
         """Send every pending write of the embedding tables' caches to the rows' holders, apply
         them with the sparse optimizer (no step counted) and empty the caches, so the tables hold
         every update made so far (:mod:`graphpass.runtime.row_cache`). Every rank calls it (a
-        collective); :func:`graphpass.save_checkpoint` does. Nothing to do without a cache."""
+        collective); :func:`graphpass.save` does. Nothing to do without a cache."""
         if self._cached:
             with mesh_lib.active(self._mesh):
                 row_cache.push(self._cached, "dp", everything=True)

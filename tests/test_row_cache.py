@@ -15,7 +15,9 @@ import graphpass as gp
 from graphpass.runtime import row_cache
 
 from dlrm import DLRM, CriteoLike, DLRMConfig
-from test_embeddings import _DENSE_LR, _sparse_optimizer, _train_reference, dlrm, dlrm_batches
+from graphpass.testing import assert_parity
+from test_embeddings import (_DENSE_LR, _sparse_optimizer, _train_reference, dlrm, dlrm_batches, hf_llama,
+                             hf_llama_batches, table_major, table_major_batches)
 
 
 def _plan_with(model, batches, strategy, tables):
@@ -252,3 +254,22 @@ def test_the_planner_caches_tables_over_slow_links_only_at_the_staleness_the_use
     with pytest.raises(ValueError, match=r"staleness=2 lets the planner cache embedding rows that lag, but no "
                                          r"embedding_optimizer is given"):
         gp.plan(model, cluster, batch, staleness=2)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cached_lookups_of_every_form_train_as_one_process(rank_pool, world_size):
+    """Table-major mean bags with their last offset, one-hot plain lookups and ids hashed in the
+    model, and Hugging Face Llama's vocabulary embedding (padding_idx 0, whose row takes no
+    gradient), each with a cache at staleness 0, row-, table- or column-wise: as one process
+    (graphpass.testing's tolerances; the cached lookup pools the same rows in the same order)."""
+    sgd = gp.SparseOptimizer("sgd", lr=0.05)  # assert_parity's lr
+
+    def cached(kind, **kw):
+        return gp.Strategy(embeddings=kind, embedding_optimizer=sgd, embedding_cache=0.1, **kw)
+
+    assert_parity(table_major, table_major_batches,
+                  [cached("row_wise"), cached("table_wise"), cached("column_wise", microbatches=2)],
+                  world_sizes=(world_size,), ranks=rank_pool, optimizer="sgd")
+    assert_parity(hf_llama, hf_llama_batches, [cached("row_wise"), cached("column_wise")],
+                  world_sizes=(world_size,), ranks=rank_pool, optimizer="sgd")
