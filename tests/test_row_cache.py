@@ -224,7 +224,8 @@ def test_the_planner_caches_tables_over_slow_links_only_at_the_staleness_the_use
     """A Criteo-like DLRM of 10^8 rows (meta device) on 8 single-GPU nodes over 10 Gbit/s
     Ethernet, planned with the id profile of a real sample batch: at staleness 0 no table lags
     (a table may only be pulled exactly), at 2 and 5 tables get caches, with their predicted hit
-    share in explain(), and the predicted step time falls."""
+    share in explain(), and the predicted step time falls; a profile from more sample batches
+    (id_samples) predicts fewer hits."""
     import dataclasses
 
     from dlrm import criteo_like
@@ -251,6 +252,13 @@ def test_the_planner_caches_tables_over_slow_links_only_at_the_staleness_the_use
             assert f"cached at staleness {staleness} (" in plan.explain()
         assert gp.Plan.from_json(plan.to_json()) == plan
     assert times[5] < times[2] < times[0], times
+    # four more sample batches see more of the rare ids: fewer predicted hits, a slower step
+    data = CriteoLike(sampled, seed=1)
+    plan = gp.plan(model, cluster, batch, embedding_optimizer=gp.SparseOptimizer("rowwise_adagrad", lr=0.01),
+                   staleness=2, id_samples=[data.batch(32768) for _ in range(4)])
+    assert times[2] < plan.report.predicted_step_time_s < times[0], (times, plan.report.predicted_step_time_s)
+    with pytest.raises(ValueError, match=r"id_samples: each sample batch is given as the example batch is"):
+        gp.plan(model, cluster, batch, embedding_optimizer=gp.SparseOptimizer("sgd"), id_samples=[batch[:3]])
     with pytest.raises(ValueError, match=r"staleness=2 lets the planner cache embedding rows that lag, but no "
                                          r"embedding_optimizer is given"):
         gp.plan(model, cluster, batch, staleness=2)

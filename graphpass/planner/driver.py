@@ -163,6 +163,16 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
 _TABLE_SPLITS = 5
 
 
+def _sample_tensors(sample: Any, example: Batch, field: str) -> tuple[torch.Tensor, ...]:
+    """A sample batch's tensors in the example batch's order (a tuple, or a dict with its keys)."""
+    tensors = Batch.of(sample, what=field)
+    if tensors.keys != example.keys or len(tensors.tensors) != len(example.tensors):
+        raise ValueError(f"{field}: each sample batch is given as the example batch is (its keys "
+                         f"{list(example.keys) if example.keys else len(example.tensors)}), got "
+                         f"{list(tensors.keys) if tensors.keys else len(tensors.tensors)}")
+    return tensors.tensors
+
+
 def _spread(points: Sequence[Any], count: int) -> list[Any]:
     """At most ``count`` of ``points``, evenly spaced, the first and the last among them."""
     if len(points) <= count:
@@ -170,19 +180,30 @@ def _spread(points: Sequence[Any], count: int) -> list[Any]:
     return [points[round(i * (len(points) - 1) / (count - 1))] for i in range(count)]
 
 
-def _table_costs(gm, batch: int, inputs: Sequence[torch.Tensor]) -> list[T.TableCost]:
+def _table_costs(gm, batch: int, samples: Sequence[Sequence[torch.Tensor]]) -> list[T.TableCost]:
     """Each embedding table of ``gm`` as the search prices it: shape, element size, the ids and
-    pooled rows its lookups read per sample of the example batch, and the profile of its ids
-    there (how often each distinct id is read; none where the ids are not real tensors)."""
+    pooled rows its lookups read per sample of the example batch, and the profile of its ids in
+    the sample batches (how often each distinct id is read; none where the ids are not real
+    tensors)."""
     from graphpass import meta
     from graphpass.lookups import IdCheck
     from graphpass.tables import lookup_args, tables
 
-    profiles: dict[str, tuple[int, ...]] = {}
-    if not any(t.is_meta for t in inputs):
-        for key, ids in IdCheck(gm).ids(inputs).items():
-            counts = torch.unique(ids, return_counts=True)[1]
-            profiles[key] = tuple(torch.sort(counts, descending=True).values.tolist())
+    read: dict[str, list[torch.Tensor]] = {}
+    check = IdCheck(gm)
+    for k, sample in enumerate(samples):
+        if any(t.is_meta for t in sample):
+            continue
+        try:
+            found = check.ids(sample)
+        except (RuntimeError, IndexError) as exc:
+            raise ValueError(f"id_samples[{k}]: the model's lookups' ids cannot be computed from this batch "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); give sample batches shaped "
+                             "like example_inputs") from exc
+        for key, ids in found.items():
+            read.setdefault(key, []).append(ids)
+    profiles = {key: tuple(torch.sort(torch.unique(torch.cat(ids), return_counts=True)[1], descending=True).values.tolist())
+                for key, ids in read.items()}
     out = []
     for node, lookups in tables(gm).items():
         if meta.get(node, meta.ATTR_KIND, None) != "parameter":
@@ -274,6 +295,7 @@ class Planner:
         batch_dims: Mapping[Any, Any] | None = None,
         embedding_optimizer: SparseOptimizer | None = None,
         staleness: int = 0,
+        id_samples: Sequence[Any] | None = None,
     ):
         start = time.perf_counter()
         self.cluster = resolve_cluster(cluster)
@@ -285,7 +307,7 @@ class Planner:
         inputs, model = batch.tensors, adapt(model, batch, loss_fn)
         # a model on the meta device is planned on meta inputs; real ones still give the tables'
         # id profile (a sample batch's ids, for a model too large to build)
-        samples = inputs
+        samples = [inputs] if id_samples is None else [_sample_tensors(b, batch, "id_samples") for b in id_samples]
         if any(p.is_meta for p in model.parameters()):
             inputs = tuple(t.to("meta") for t in inputs)
         if not inputs or inputs[0].dim() == 0:
@@ -586,6 +608,7 @@ def plan(
     batch_dims: Mapping[Any, Any] | None = None,
     embedding_optimizer: SparseOptimizer | None = None,
     staleness: int = 0,
+    id_samples: Sequence[Any] | None = None,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -632,6 +655,9 @@ def plan(
             this staleness and plans a table's cache only at it. 0 (default) is exact: a cache
             then serves only the exact pull-style lookup; more trades exactness for fewer bytes,
             and only the user chooses it.
+        id_samples: batches (given as ``example_inputs`` is) whose ids make the tables' id
+            profile; default the example batch. More batches see more of the rare ids, so the
+            predicted hit shares come closer (one batch's profile gives an upper bound).
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -651,5 +677,5 @@ def plan(
                       capacity_factors=capacity_factors, max_dropped=max_dropped, loss_fn=loss_fn, offload=offload,
                       batch_dims=batch_dims, embedding_optimizer=embedding_optimizer or (
                           strategy.embedding_optimizer if isinstance(strategy, Strategy) else None),
-                      staleness=staleness)
+                      staleness=staleness, id_samples=id_samples)
     return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
