@@ -414,7 +414,8 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Te
     with phase(f"capturing {name}"):
         captured = capture(model, local_inputs)
     batching.annotate(captured.gm, batches)
-    plan = given_plan if given_plan is not None else plan_from_strategy(captured.gm, chosen, reasons)  # type: ignore[arg-type]
+    plan = given_plan if given_plan is not None else plan_from_strategy(  # type: ignore[arg-type]
+        captured.gm, chosen, reasons, node_size=cluster.devices_per_node)
     plan.check_graph(captured.gm)  # the plan's placements against this model's graph
     input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, plan)

@@ -177,7 +177,8 @@ class TensorLayout:
     With ``zero`` > 0 the last placement is ZeRO's ``Shard(0)``; with ``rows`` it is a row-wise
     embedding table's padded ``Shard(0)`` (the same rows, without ZeRO's gathers). ``owner``:
     ``(axis, rank)`` when only that rank of the axis holds the tensor (a table-wise embedding
-    table; the others hold no rows of it). Build one with :meth:`whole` and the ``with_*``
+    table; the others hold no rows of it); with ``rows`` too, the padded rows are cut among the
+    ``size`` ranks of the axis from ``rank`` on and the others hold none (a table-row-wise table). Build one with :meth:`whole` and the ``with_*``
     methods (passes add their cut to what earlier passes made).
     """
 
@@ -298,7 +299,8 @@ class TensorLayout:
                        rows=True)
 
     def with_owner(self, axis: str, rank: int) -> "TensorLayout":
-        """This layout, held by rank ``rank`` of ``axis`` alone (a table-wise embedding table)."""
+        """This layout, held by rank ``rank`` of ``axis`` alone (a table-wise embedding table),
+        or after :meth:`with_rows` on ``axis``, by the ranks from ``rank`` on (table-row-wise)."""
         return replace(self, owner=(axis, int(rank)))
 
     def with_slice(self, slice_: Slice) -> "TensorLayout":
@@ -366,7 +368,10 @@ class TensorLayout:
             if cut.rows:
                 text += " padded rows"
             cuts.append(text)
-        if self.owner is not None:
+        if self.owner is not None and self.rows:
+            axis, first = self.owner
+            cuts.append(f"held by {axis} ranks {first}..{first + self.axis_size(axis) - 1}")
+        elif self.owner is not None:
             cuts.append(f"held by {self.owner[0]} rank {self.owner[1]}")
         if self.slice is not None:
             cuts.insert(0, f"slice {self.slice.index}/{self.slice.parts} of dim {self.slice.dim}")

@@ -136,7 +136,8 @@ class Strategy:
         embeddings: how every embedding table (a weight only lookups read,
             :mod:`graphpass.tables`) is sharded over ``dp``: one of
             :data:`graphpass.tables.SHARDINGS` (table-wise tables go to the ranks largest first,
-            each to the rank holding the fewest rows so far); its gradient is then sparse and
+            each to the rank holding the fewest rows so far; table-row-wise ones so to the
+            nodes, row-wise among a node's ranks, the cluster's devices per node); its gradient is then sparse and
             ``embedding_optimizer`` updates it. None: tables are ordinary weights.
         embedding_optimizer: the :class:`graphpass.SparseOptimizer` of the sharded tables
             (needed with ``embeddings``; the user's optimizer steps the other parameters).

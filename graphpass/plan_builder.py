@@ -28,19 +28,22 @@ from graphpass.stages import stage_starts
 from graphpass.tables import PLACEMENT_DIM, SparseOptimizer, TableSharding, balance_owners, cached_rows, tables
 
 
-def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str]) -> Plan:
+def plan_from_strategy(gm: fx.GraphModule, strategy: Strategy, reasons: Sequence[str], *,
+                       node_size: int | None = None) -> Plan:
     """The plan a uniform strategy implies: :func:`plan_from_choices` with
-    :attr:`Strategy.choice` for every node."""
+    :attr:`Strategy.choice` for every node (``node_size``: the cluster's devices per node, the
+    groups ``Strategy(embeddings="table_row_wise")`` cuts tables over; None: all of dp)."""
     return plan_from_choices(gm, strategy.mesh, strategy.choice, sequence_parallel=strategy.sequence_parallel,
                              microbatches=strategy.microbatches, strategy=strategy, reasons=reasons,
-                             offload_window=strategy.offload_window or 1)
+                             offload_window=strategy.offload_window or 1, node_size=node_size)
 
 
 def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[str, Choice], *,
                       sequence_parallel: bool = False, microbatches: int = 1, strategy: Strategy | None = None,
                       reasons: Sequence[str] = (), offload_window: int = 1,
                       tp_layout: tuple[Mapping[str, str], Mapping[str, tuple[int, ...]]] | None = None,
-                      table_plan: tuple[Mapping[str, TableSharding], SparseOptimizer] | None = None) -> Plan:
+                      table_plan: tuple[Mapping[str, TableSharding], SparseOptimizer] | None = None,
+                      node_size: int | None = None) -> Plan:
     """The plan of ``choices`` (one for every node, or node name → choice; unlisted nodes take
     ``Choice()``) on ``mesh``.
 
@@ -76,7 +79,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
                              "(no grouped expert product: graphpass.nn.MoE, Hugging Face's grouped_mm experts); "
                              "use ep=1")
     tensors: dict[str, TensorPlan] = {}
-    sharded_tables = table_shardings(gm, strategy, mesh.dp) if strategy is not None and strategy.embeddings \
+    sharded_tables = table_shardings(gm, strategy, mesh.dp, node_size) if strategy is not None and strategy.embeddings \
         else {}
     optimizer = strategy.embedding_optimizer if strategy is not None else None
     if table_plan is not None:  # the planner's per-table choices
@@ -145,18 +148,27 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
     )
 
 
-def table_shardings(gm: fx.GraphModule, strategy: Strategy, dp: int) -> dict[fx.Node, TableSharding]:
+def table_shardings(gm: fx.GraphModule, strategy: Strategy, dp: int, node_size: int | None = None
+                    ) -> dict[fx.Node, TableSharding]:
     """Every embedding table of ``gm`` (:func:`graphpass.tables.tables`) sharded as
     ``strategy.embeddings`` over ``dp`` ranks, with ``strategy.embedding_cache`` of its rows
     cached at ``strategy.staleness``; table-wise tables go to the ranks largest first, each to
-    the rank that holds the fewest elements so far (TorchRec's greedy balance by size)."""
+    the rank that holds the fewest elements so far (TorchRec's greedy balance by size), and
+    table-row-wise tables so to the groups of ``node_size`` ranks (None: one group of all)."""
     kind = strategy.embeddings
     found = [node for node in tables(gm) if meta.get(node, meta.ATTR_KIND) == "parameter"]
-    owners = balance_owners({node.name: meta.get(node, meta.VAL).numel() for node in found}, dp)[0] \
-        if kind == "table_wise" else {}
+    group = 0
+    if kind == "table_row_wise":
+        group = min(node_size or dp, dp)
+        if dp % group:
+            raise ValueError(f"Strategy(embeddings='table_row_wise') cuts each table over a node's {group} ranks, "
+                             f"which do not divide dp={dp}; use a dp that is a multiple of the devices per node")
+    sizes = {node.name: meta.get(node, meta.VAL).numel() for node in found}
+    owners = balance_owners(sizes, dp)[0] if kind == "table_wise" else \
+        {name: g * group for name, g in balance_owners(sizes, dp // group)[0].items()} if group else {}
     return {node: TableSharding(kind, owners.get(node.name, 0),
                                 cached_rows(strategy.embedding_cache, meta.get(node, meta.VAL).shape[0]),
-                                strategy.staleness)
+                                strategy.staleness, group)
             for node in found}
 
 

@@ -22,7 +22,12 @@ Sharding kinds (TorchRec's words), over the ``n`` ranks of the data-parallel axi
   shards padded, as ZeRO's); an id goes to the rank holding its row, and each bag's partial sums
   come back to be added;
 - ``"column_wise"``: rank ``r`` holds columns ``[r d / n, (r + 1) d / n)`` of every row; every
-  rank's ids go to every rank, and the pooled columns come back side by side.
+  rank's ids go to every rank, and the pooled columns come back side by side;
+- ``"table_row_wise"``: the ``ranks`` ranks from ``owner`` on (a node) hold the table row-wise
+  among them, rank ``owner + i`` rows ``[i c, (i + 1) c)``, ``c = ceil(rows / ranks)``; the
+  other ranks hold none of it. An id goes to the rank of its row in that group, as row-wise
+  (TorchRec's table-row-wise: the table's exchange stays inside one node's fast links for the
+  rows, and its pooled blocks come back from ``ranks`` holders instead of ``n``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 import torch.fx as fx
 
 #: the sharding kinds, as TorchRec names them
-SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
 #: the sparse optimizers (FBGEMM's fused ones): plain SGD, Adagrad (a state per element),
 #: row-wise Adagrad (one state per row), lazy Adam (torch.optim.SparseAdam: moments of the
 #: touched rows only)
@@ -57,7 +62,10 @@ class TableSharding:
 
     Attributes:
         kind: one of :data:`SHARDINGS`.
-        owner: for ``"table_wise"``, the data-parallel rank that holds the table.
+        owner: for ``"table_wise"``, the data-parallel rank that holds the table; for
+            ``"table_row_wise"``, the first rank of the group holding its rows.
+        ranks: for ``"table_row_wise"``, how many consecutive ranks (from ``owner``) hold its
+            rows (a node's); 0 for the other kinds.
         cache: HET's cache: how many rows of other ranks' shards each rank keeps (hot rows,
             evicted by use count; :mod:`graphpass.runtime.row_cache`); 0: none, every lookup goes
             to the rows' holders. Row-, table- and column-wise tables only.
@@ -69,11 +77,12 @@ class TableSharding:
     owner: int = 0
     cache: int = 0
     staleness: int = 0
+    ranks: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in SHARDINGS:
             raise ValueError(f"TableSharding.kind must be one of {SHARDINGS}, got {self.kind!r}")
-        for name in ("owner", "cache", "staleness"):
+        for name in ("owner", "cache", "staleness", "ranks"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TableSharding.{name} must be an int >= 0, got {value!r}")
@@ -84,9 +93,22 @@ class TableSharding:
         if self.staleness and not self.cache:
             raise ValueError(f"TableSharding.staleness={self.staleness} bounds how old cached rows may be, but "
                              "cache=0 caches none; give the table a cache (rows) or use staleness=0")
+        if (self.kind == "table_row_wise") != (self.ranks > 0):
+            raise ValueError(f"TableSharding(kind={self.kind!r}, ranks={self.ranks}): "
+                             + ("a table_row_wise table names how many ranks hold its rows (ranks >= 1, a node's)"
+                                if self.kind == "table_row_wise" else "only a table_row_wise table takes ranks"))
+
+    @property
+    def holders(self) -> range:
+        """The data-parallel ranks holding rows of the table, of ``n`` (row- and column-wise,
+        data-parallel: all of them; table_wise: the owner; table_row_wise: its group)."""
+        return range(self.owner, self.owner + (self.ranks or 1))
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, **({"owner": self.owner} if self.kind == "table_wise" else {})}
+        out: dict[str, Any] = {"kind": self.kind, **({"owner": self.owner} if self.kind in ("table_wise", "table_row_wise")
+                                                    else {})}
+        if self.ranks:
+            out["ranks"] = self.ranks
         if self.cache:
             out.update(cache=self.cache, staleness=self.staleness)
         return out
@@ -95,14 +117,15 @@ class TableSharding:
     def from_json(cls, data: Any) -> "TableSharding":
         if isinstance(data, str):
             return cls(data)
-        fields = {"kind", "owner", "cache", "staleness"}
+        fields = {"kind", "owner", "cache", "staleness", "ranks"}
         if not isinstance(data, Mapping) or "kind" not in data or set(data) - fields:
             raise ValueError(f"a table sharding is {{'kind': one of {SHARDINGS}, 'owner': rank, 'cache': rows, "
-                             f"'staleness': steps}}, got {data!r}")
+                             f"'staleness': steps, 'ranks': table_row_wise's group}}, got {data!r}")
         return cls(**data)
 
     def __str__(self) -> str:
-        text = self.kind + (f" on rank {self.owner}" if self.kind == "table_wise" else "")
+        text = self.kind + (f" on rank {self.owner}" if self.kind == "table_wise" else
+                            f" on ranks {self.owner}..{self.owner + self.ranks - 1}" if self.ranks else "")
         if self.cache:
             text += f", {self.cache} rows cached" + (f" {self.staleness} steps stale at most" if self.staleness
                                                      else " (exact)")
@@ -178,7 +201,7 @@ def tables(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
 
 
 #: each sharding's placement on ``dp`` in torch's words (None: ``Replicate()``)
-PLACEMENT_DIM = {"row_wise": 0, "column_wise": 1, "data_parallel": None, "table_wise": None}
+PLACEMENT_DIM = {"row_wise": 0, "column_wise": 1, "data_parallel": None, "table_wise": None, "table_row_wise": 0}
 
 
 def check_plan(plan) -> None:
@@ -209,6 +232,9 @@ def check_plan(plan) -> None:
                              "drop zero")
         if t.table.kind == "table_wise" and t.table.owner >= dp:
             raise ValueError(f"{field_name}.table: owner {t.table.owner} is not a rank of dp={dp}; use 0..{dp - 1}")
+        if t.table.kind == "table_row_wise" and t.table.holders.stop > dp:
+            raise ValueError(f"{field_name}.table: ranks {t.table.owner}..{t.table.holders.stop - 1} hold its rows, "
+                             f"but dp={dp} has ranks 0..{dp - 1}")
         dim = PLACEMENT_DIM[t.table.kind]
         want = Replicate() if dim is None else Shard(dim)
         if t.placement("dp") != want:
@@ -243,6 +269,9 @@ def problems(plan, node: fx.Node) -> list[str]:
     if t.table.kind == "row_wise" and rows < dp:
         out.append(f"{field_name}: row_wise over dp={dp} ranks, but {node.target!r} has {rows} rows: a table sharded "
                    f"more ways than its rows; use table_wise or data_parallel")
+    if t.table.kind == "table_row_wise" and rows < t.table.ranks:
+        out.append(f"{field_name}: table_row_wise over {t.table.ranks} ranks, but {node.target!r} has {rows} rows: a "
+                   "table sharded more ways than its rows; use table_wise or data_parallel")
     if t.table.kind == "column_wise" and dim % dp:
         out.append(f"{field_name}: column_wise over dp={dp} ranks, but {node.target!r} has {dim} columns, which do "
                    "not divide; use row_wise or table_wise")

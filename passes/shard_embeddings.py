@@ -4,7 +4,7 @@ Contract: for every ``get_attr`` whose plan entry has a :attr:`~graphpass.layout
 (:class:`graphpass.tables.TableSharding`; a weight only embedding lookups read), the pass replaces
 the table by this rank's shard (row-wise: rows ``[r c, (r + 1) c)`` padded as ZeRO's;
 column-wise: columns ``[r d/n, (r + 1) d/n)``; table-wise: the whole table on its owner, no rows
-elsewhere; data-parallel: the whole table), gives the node the matching ``gp.layout``
+elsewhere; table-row-wise: row-wise among its group's ranks, no rows elsewhere; data-parallel: the whole table), gives the node the matching ``gp.layout``
 (checkpoints and ``full_state_dict`` put the table back together), and replaces each lookup by
 the sharded lookups the emitter makes (:func:`graphpass.passes.collectives.emit_table_lookups`:
 counts, ids to the rows' holders, pooled rows back; :mod:`graphpass.runtime.embeddings`). The
@@ -68,7 +68,7 @@ def shard_embeddings(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         for lookup in users:
             args = lookup_args(lookup)
             lookups.append((lookup, node, (sharding.kind, int(rows), int(dim), sharding.owner, args["mode"],
-                                           args["include_last_offset"], args["padding_idx"]),
+                                           args["include_last_offset"], args["padding_idx"], sharding.ranks),
                             (sharding.cache, sharding.staleness) if sharding.cache else None))
     # one exchange for every lookup whose ids come from the inputs alone (a lookup reading
     # another's result, rare, goes on its own where it stands)
@@ -135,6 +135,13 @@ def _shard(gm: fx.GraphModule, node: fx.Node, sharding: TableSharding, size: int
     elif sharding.kind == "table_wise":
         local = full.clone() if index == sharding.owner else full.new_zeros(0, dim)
         layout = layout.with_owner(AXIS, sharding.owner)
+    elif sharding.kind == "table_row_wise":  # row-wise inside its group, nothing elsewhere
+        c = shard_rows(rows, sharding.ranks)
+        local = full.new_zeros(c if index in sharding.holders else 0, dim)
+        if index in sharding.holders:
+            mine = full[(index - sharding.owner) * c:(index - sharding.owner + 1) * c]
+            local[:mine.shape[0]] = mine
+        layout = layout.with_rows(AXIS, sharding.ranks).with_owner(AXIS, sharding.owner)
     else:
         local = full.clone()
     setattr(owner, attr, nn.Parameter(local, requires_grad=True))

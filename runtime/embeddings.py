@@ -108,13 +108,27 @@ def _bags(ids: torch.Tensor, offsets: torch.Tensor | None, mode: str, include_la
     return ids, bag, ends - starts, bags
 
 
-def _destinations(ids: torch.Tensor, sharding: str, rows: int, size: int, owner: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each id's destination rank and its row index in that rank's shard (row- and table-wise)."""
+def destinations(ids: torch.Tensor, spec: tuple, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each id's destination rank and its row index in that rank's shard (row-, table- and
+    table-row-wise; ``spec`` the table's :data:`Spec`)."""
+    sharding, rows, owner, group = spec[0], spec[1], spec[3], spec[7]
     if sharding == "row_wise":
         c = shard_rows(rows, size)
         return ids // c, ids % c
+    if sharding == "table_row_wise":  # row-wise among the group's ranks
+        c = shard_rows(rows, group)
+        return owner + ids // c, ids % c
     return torch.full_like(ids, owner), ids
+
+
+def first_row(spec: tuple, size: int, rank: int) -> int:
+    """The table row that row 0 of rank ``rank``'s shard is (``spec`` the table's :data:`Spec`,
+    ``size`` ranks on the axis)."""
+    if spec[0] == "row_wise":
+        return rank * shard_rows(spec[1], size)
+    if spec[0] == "table_row_wise":
+        return (rank - spec[3]) * shard_rows(spec[1], spec[7])
+    return 0
 
 
 def _all_to_all(out: torch.Tensor, send: torch.Tensor, out_splits, in_splits, group) -> None:
@@ -135,16 +149,17 @@ def _all_gather(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
 
 
 #: One lookup of a group, as the ops take it: ``(sharding, rows, dim, owner, mode,
-#: include_last_offset, padding_idx)`` of its table (full shape ``[rows, dim]``), how it pools, and
-#: the row that takes no gradient (a plain lookup's ``padding_idx``; None: none).
+#: include_last_offset, padding_idx, ranks)`` of its table (full shape ``[rows, dim]``), how it
+#: pools, the row that takes no gradient (a plain lookup's ``padding_idx``; None: none), and a
+#: table-row-wise table's group size (0 for the other kinds).
 Spec = tuple
 
 
-def _sent_counts(flat: torch.Tensor, sharding: str, rows: int, size: int, owner: int) -> torch.Tensor:
+def _sent_counts(flat: torch.Tensor, spec: tuple, size: int) -> torch.Tensor:
     """How many of the ids go to each rank."""
-    if sharding in ("column_wise", "data_parallel"):  # every rank gets all of them (or hears of them)
+    if spec[0] in ("column_wise", "data_parallel"):  # every rank gets all of them (or hears of them)
         return torch.full((size,), flat.numel(), dtype=torch.long)
-    return torch.bincount(_destinations(flat, sharding, rows, size, owner)[0], minlength=size)
+    return torch.bincount(destinations(flat, spec, size)[0], minlength=size)
 
 
 def table_counts(ids: list, offsets: list, specs: tuple, axis: str, size: int) -> torch.Tensor:
@@ -160,9 +175,9 @@ def table_counts(ids: list, offsets: list, specs: tuple, axis: str, size: int) -
         return torch.empty(2, size, len(specs), 2, dtype=torch.long, device=ids[0].device)
     mesh = mesh_lib.current()
     sent, bags = [], []
-    for t, o, (sharding, rows, _, owner, mode, last, _) in zip(ids, offsets, specs):
-        flat, _, _, b = _bags(t.long(), o, mode, last)
-        sent.append(_sent_counts(flat, sharding, rows, size, owner))
+    for t, o, spec in zip(ids, offsets, specs):
+        flat, _, _, b = _bags(t.long(), o, spec[4], spec[5])
+        sent.append(_sent_counts(flat, spec, size))
         bags.append(torch.full_like(sent[-1], b))
     counts = torch.empty(2, size, len(specs), 2, dtype=torch.long)
     torch.stack([torch.stack(sent, 1), torch.stack(bags, 1)], 2, out=counts[0])
@@ -205,9 +220,9 @@ def table_dispatch(ids: list, offsets: list, weights: list, counts: torch.Tensor
     mesh = mesh_lib.current()
     size = counts.shape[1]
     by_dest: list[list[torch.Tensor]] = [[] for _ in range(size)]
-    for t, o, w, (sharding, rows, _, owner, mode, last, _) in zip(ids, offsets, weights, specs):
-        flat, bag, _, _ = _bags(t.long(), o, mode, last)
-        dest, local = (None, flat) if sharding == "column_wise" else _destinations(flat, sharding, rows, size, owner)
+    for t, o, w, spec in zip(ids, offsets, weights, specs):
+        flat, bag, _, _ = _bags(t.long(), o, spec[4], spec[5])
+        dest, local = (None, flat) if spec[0] == "column_wise" else destinations(flat, spec, size)
         parts = [local, bag]
         if columns == 3:
             w = torch.ones(flat.numel()) if w is None else w.reshape(-1)[:flat.numel()]
@@ -301,7 +316,7 @@ class _Combine(torch.autograd.Function):
                 values = values * weights
             local = routed[rows, 0]
             if spec[6] is not None:  # the padding row takes no gradient
-                first = ctx.rank * shard_rows(spec[1], len(back_rows)) if spec[0] == "row_wise" else 0
+                first = first_row(spec, len(back_rows), ctx.rank)
                 values = values * (local + first != spec[6]).unsqueeze(1).to(values.dtype)
             sparse_grad(shard).add(local, values * scale)
         return (None,) * (6 + len(ctx.shards))

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.layout import Cut, Slice, TensorLayout
+from graphpass.layout import Cut, Slice, TensorLayout, shard_rows
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.tensor_parallel import gather_tp_parameters
 from graphpass.runtime.zero import gather_full_parameters
@@ -143,10 +143,14 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
     if not keys:
         return None
     pieces, shape = _whole(tuple(local.shape)), tuple(local.shape)
+    if tensor_layout is not None and tensor_layout.owner is not None and tensor_layout.rows:
+        # a group's rows: any rank's view is of a group member's padded rows (this rank may hold none)
+        pieces = _whole(tensor_layout.local_shape)
     if tensor_layout is not None:
         # from the rank's tensor outwards: the cuts in reverse order
+        first = tensor_layout.owner[1] if tensor_layout.owner is not None else 0  # a group's first rank
         for cut in reversed(list(tensor_layout.cuts())):
-            rank = mesh.axis_rank(cut.axis)
+            rank = mesh.axis_rank(cut.axis) - (first if cut.rows else 0)
             if cut.padded:
                 pieces = _zero(pieces, cut, rank)
             else:
@@ -157,13 +161,34 @@ def layout_of(node: fx.Node, local: torch.Tensor, mesh: mesh_lib.ProcessMesh,
         if slice_ is not None:
             pieces, shape = _sliced(pieces, slice_), tensor_layout.shape
     local_shape = tuple(local.shape)
-    if tensor_layout is not None and tensor_layout.owner is not None:  # the owner holds it whole
+    if tensor_layout is not None and tensor_layout.owner is not None:
         axis, owner = tensor_layout.owner
-        shape = tensor_layout.shape
-        mine = mesh.axis_rank(axis) == owner
-        pieces, local_shape = (_whole(shape), shape) if mine else ([], local_shape)
+        if tensor_layout.rows:  # rows cut among a group of ranks from the owner on; none elsewhere
+            if not owner <= mesh.axis_rank(axis) < owner + tensor_layout.axis_size(axis):
+                pieces = []
+        else:  # the owner holds it whole
+            shape = tensor_layout.shape
+            mine = mesh.axis_rank(axis) == owner
+            pieces, local_shape = (_whole(shape), shape) if mine else ([], local_shape)
     pieces = [p for p in pieces if all(n > 0 for n in p.sizes)]
     return HeldPieces(keys[0], shape, local_shape, tuple(pieces))
+
+
+def _from_group(local: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """The whole tensor whose rows a group of ranks holds (``layout.owner``'s rank and the next
+    ones, padded rows each; a table-row-wise embedding table), on every rank of its axis: one
+    all-gather of every rank's padded rows (zeros outside the group)."""
+    axis, owner = layout.owner
+    mesh = mesh_lib.current()
+    group = mesh.group(axis)
+    c = shard_rows(layout.shape[0], layout.axis_size(axis))
+    padded = local.new_zeros(c, *layout.shape[1:])
+    padded[:local.shape[0]] = local.detach()
+    if group is None:
+        return padded[:layout.shape[0]]
+    everyone = padded.new_empty(mesh.axis_size(axis) * c, *layout.shape[1:])
+    torch.distributed.all_gather_into_tensor(everyone, padded, group=group)
+    return everyone[owner * c:owner * c + layout.shape[0]].clone()
 
 
 def _from_owner(local: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
@@ -189,7 +214,9 @@ def gather_full(tensors: Mapping[str, tuple[torch.Tensor, TensorLayout]],
     ``experts(buffer)``: the tensor naming each slot's expert.
     """
     out: dict[str, torch.Tensor] = {}
-    pending = {target: (local, list(layout.cuts())) for target, (local, layout) in tensors.items()}
+    # a group's rows (table-row-wise) are gathered by _from_group below, not cut by cut
+    pending = {target: (local, [] if layout.owner is not None and layout.rows else list(layout.cuts()))
+               for target, (local, layout) in tensors.items()}
     with torch.no_grad():
         while any(cuts for _, cuts in pending.values()):
             # every tensor's innermost remaining cut, one batched collective per (axis, kind)
@@ -210,7 +237,9 @@ def gather_full(tensors: Mapping[str, tuple[torch.Tensor, TensorLayout]],
                         full = full[experts(buffer).argsort()]
                     pending[target] = (full, pending[target][1])
         for target, (local, layout) in tensors.items():
-            if layout.owner is not None:  # held by one rank: it sends the others the whole tensor
+            if layout.owner is not None and layout.rows:  # rows held by a group of ranks
+                pending[target] = (_from_group(local, layout), [])
+            elif layout.owner is not None:  # held by one rank: it sends the others the whole tensor
                 pending[target] = (_from_owner(pending[target][0], layout), [])
         slices: dict[str, list[tuple[Slice, torch.Tensor]]] = {}
         for target, (full, _) in pending.items():

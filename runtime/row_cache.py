@@ -41,7 +41,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from graphpass.layout import shard_rows
 from graphpass.runtime import embeddings
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime.fake import is_fake
@@ -150,32 +149,27 @@ def cache_of(shard: torch.Tensor) -> RowCache | None:
 
 def _holders(ids: torch.Tensor, spec: tuple, size: int, rank: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """For sorted ``ids`` of other ranks' rows: ``(rank, which ids, their rows in its shard)`` of
-    every rank holding some of them (row-wise: the rank of each row's range; table-wise: the
-    owner; column-wise: every rank, each with its columns of every row)."""
-    sharding, rows, _, owner = spec[:4]
-    if sharding == "column_wise":
+    every rank holding some of them (row-, table- and table-row-wise: the rank of each row,
+    :func:`graphpass.runtime.embeddings.destinations`; column-wise: every rank, each with its
+    columns of every row)."""
+    if spec[0] == "column_wise":
         every = torch.ones_like(ids, dtype=torch.bool)
         return [(p, every, ids) for p in range(size)]
-    if sharding == "table_wise":
-        return [(owner, torch.ones_like(ids, dtype=torch.bool), ids)]
-    c = shard_rows(rows, size)
-    dest = ids // c
+    dest, local = embeddings.destinations(ids, spec, size)
     out = []
     for p in range(size):
         if p != rank:
             which = dest == p
-            out.append((p, which, ids[which] - p * c))
+            out.append((p, which, local[which]))
     return out
 
 
 def _own(ids: torch.Tensor, spec: tuple, size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which of ``ids`` this rank's shard holds whole, and their rows in it."""
-    sharding, rows, _, owner = spec[:4]
-    if sharding == "row_wise":
-        c = shard_rows(rows, size)
-        return ids // c == rank, ids % c
-    mine = sharding == "table_wise" and owner == rank
-    return torch.full_like(ids, mine, dtype=torch.bool), ids
+    if spec[0] == "column_wise":
+        return torch.zeros_like(ids, dtype=torch.bool), ids
+    dest, local = embeddings.destinations(ids, spec, size)
+    return dest == rank, local
 
 
 def _ask(asks: list[list[torch.Tensor]], group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

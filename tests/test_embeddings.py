@@ -115,6 +115,34 @@ _MIXED = {"tables_0_weight": gp.TableSharding("row_wise"), "tables_1_weight": gp
           "tables_2_weight": gp.TableSharding("column_wise"), "tables_3_weight": gp.TableSharding("data_parallel")}
 
 
+def _grouped(world_size: int) -> dict:
+    """Table-row-wise tables on the two halves of the ranks (one with a cache), and a row-wise one."""
+    half = max(1, world_size // 2)
+    return {"tables_0_weight": gp.TableSharding("table_row_wise", 0, ranks=half),
+            "tables_1_weight": gp.TableSharding("table_row_wise", world_size - half, ranks=half),
+            "tables_2_weight": gp.TableSharding("table_row_wise", world_size - half, cache=20, ranks=half),
+            "tables_3_weight": gp.TableSharding("row_wise")}
+
+
+def plan_with_tables(model, batches, strategy: gp.Strategy, shardings: dict) -> gp.Plan:
+    """``strategy``'s plan with each table of ``shardings`` (by node name) sharded as it says: a
+    hand-edited plan."""
+    from graphpass import batching
+    from graphpass.capture import capture
+    from graphpass.plan_builder import plan_from_strategy
+    from graphpass.tables import PLACEMENT_DIM
+
+    inputs = batching.resolve(model, batches[0], None, None)
+    captured = capture(model, batching.cut(batches[0], inputs, strategy.dp * strategy.microbatches, 0))
+    batching.annotate(captured.gm, inputs)
+    plan = plan_from_strategy(captured.gm, strategy, ())
+    for name, table in shardings.items():
+        dim = PLACEMENT_DIM[table.kind]
+        plan = plan.with_tensor(name, table=table, placements={"dp": torch.distributed.tensor.Replicate() if dim is None
+                                                               else torch.distributed.tensor.Shard(dim)})
+    return plan
+
+
 def _sparse_optimizer(kind: str) -> gp.SparseOptimizer:
     return gp.SparseOptimizer(kind, lr=_TABLE_LR, eps=1e-8)
 
@@ -161,24 +189,13 @@ def _train_sharded(cases) -> list:
     world_size = torch.distributed.get_world_size()
     for sharding, kind, microbatches in cases:
         strategy = gp.Strategy(dp=world_size, microbatches=microbatches,
-                               embeddings=sharding if sharding != "mixed" else "row_wise",
+                               embeddings=sharding if sharding not in ("mixed", "grouped") else "row_wise",
                                embedding_optimizer=_sparse_optimizer(kind))
         batches = dlrm_batches()
         model = dlrm()
         plan = None
-        if sharding == "mixed":  # a hand-edited plan: one kind per table
-            from graphpass.plan_builder import plan_from_strategy
-            from graphpass.capture import capture
-            from graphpass import batching
-            inputs = batching.resolve(model, batches[0], None, None)
-            captured = capture(model, batching.cut(batches[0], inputs, world_size * microbatches, 0))
-            batching.annotate(captured.gm, inputs)
-            plan = plan_from_strategy(captured.gm, strategy, ())
-            for name, table in _MIXED.items():
-                placement = {"row_wise": torch.distributed.tensor.Shard(0),
-                             "column_wise": torch.distributed.tensor.Shard(1)}.get(table.kind,
-                                                                                   torch.distributed.tensor.Replicate())
-                plan = plan.with_tensor(name, table=table, placements={"dp": placement})
+        if sharding in ("mixed", "grouped"):  # a hand-edited plan: one kind per table
+            plan = plan_with_tables(model, batches, strategy, _MIXED if sharding == "mixed" else _grouped(world_size))
         dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batches[0], strategy=plan or strategy)
         opt = torch.optim.SGD(dmodel.parameters(), lr=_DENSE_LR, momentum=0.9)
         losses = []
@@ -190,8 +207,9 @@ def _train_sharded(cases) -> list:
     return out
 
 
-_CASES = [(kind, "sgd", 1) for kind in ("data_parallel", "table_wise", "row_wise", "column_wise")] + [
-    ("mixed", "sgd", 2), ("mixed", "adagrad", 1), ("mixed", "rowwise_adagrad", 1), ("mixed", "lazy_adam", 1)]
+_CASES = [(kind, "sgd", 1) for kind in ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")] + [
+    ("mixed", "sgd", 2), ("mixed", "adagrad", 1), ("mixed", "rowwise_adagrad", 1), ("mixed", "lazy_adam", 1),
+    ("grouped", "sgd", 2), ("grouped", "lazy_adam", 1)]
 
 
 @pytest.mark.timeout(600)
@@ -217,9 +235,13 @@ def test_sharded_tables_and_sparse_optimizers_train_as_one_process(rank_pool, wo
 def _save_sharded(path: str, sharding: str, kind: str) -> list[float]:
     """Train 2 steps under ``sharding`` and save; then go on for 1 step (the losses returned)."""
     world_size = torch.distributed.get_world_size()
-    strategy = gp.Strategy(dp=world_size, embeddings=sharding, embedding_optimizer=_sparse_optimizer(kind))
+    grouped = sharding == "grouped"
+    strategy = gp.Strategy(dp=world_size, embeddings="row_wise" if grouped else sharding,
+                           embedding_optimizer=_sparse_optimizer(kind))
     batches = dlrm_batches()
-    dmodel = gp.compile(dlrm(), gp.Cluster.local(), example_inputs=batches[0], strategy=strategy)
+    model = dlrm()
+    plan = plan_with_tables(model, batches, strategy, _grouped(world_size)) if grouped else strategy
+    dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batches[0], strategy=plan)
     opt = torch.optim.SGD(dmodel.parameters(), lr=_DENSE_LR, momentum=0.9)
     losses = []
     for step, batch in enumerate(batches):
@@ -246,12 +268,13 @@ def _resume_sharded(path: str, sharding: str, kind: str) -> tuple[float, dict]:
 
 @pytest.mark.timeout(600)
 def test_sharded_tables_and_their_optimizer_state_reshard_through_checkpoints(rank_pool, tmp_path):
-    """Saved row-wise on 4 ranks after 2 steps of lazy Adam (moments and the step count matter),
-    resumed column-wise and table-wise on 2: the third step as if nothing had happened."""
+    """Saved row-wise (or table-row-wise on the two halves of the ranks, one table cached) on 4
+    ranks after 2 steps of lazy Adam (moments and the step count matter), resumed column-wise,
+    table-wise and row-wise on 2: the third step as if nothing had happened."""
     ref_losses, ref_state = _train_reference("lazy_adam")
-    for resumed_as in ("column_wise", "table_wise"):
+    for saved_as, resumed_as in (("row_wise", "column_wise"), ("row_wise", "table_wise"), ("grouped", "row_wise")):
         path = str(tmp_path / resumed_as)
-        losses = rank_pool(4).run(_save_sharded, path, "row_wise", "lazy_adam", timeout_s=300)[0]
+        losses = rank_pool(4).run(_save_sharded, path, saved_as, "lazy_adam", timeout_s=300)[0]
         loss, state = rank_pool(2).run(_resume_sharded, path, resumed_as, "lazy_adam", timeout_s=300)[0]
         # lazy Adam's tolerances (test_sharded_tables_and_sparse_optimizers_train_as_one_process)
         torch.testing.assert_close(torch.tensor([*losses[:2], loss]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
@@ -355,6 +378,16 @@ def test_embedding_fields_of_a_strategy_are_checked():
         gp.TableSharding("data_parallel", cache=8)
     with pytest.raises(ValueError, match=r"TableSharding.staleness=1 bounds .* cache=0 caches none"):
         gp.TableSharding("row_wise", staleness=1)
+    with pytest.raises(ValueError, match=r"a table_row_wise table names how many ranks hold its rows"):
+        gp.TableSharding("table_row_wise")
+    with pytest.raises(ValueError, match=r"only a table_row_wise table takes ranks"):
+        gp.TableSharding("row_wise", ranks=2)
+    grouped = gp.TableSharding("table_row_wise", 2, ranks=2)
+    assert gp.TableSharding.from_json(grouped.to_json()) == grouped and str(grouped) == "table_row_wise on ranks 2..3"
+    with pytest.raises(ValueError, match=r"ranks 1..2 hold its rows, but dp=2 has ranks 0..1"):
+        gp.Plan(mesh={"dp": 2}, tensors={"t": gp.TensorPlan({"dp": torch.distributed.tensor.Shard(0)},
+                                                             table=gp.TableSharding("table_row_wise", 1, ranks=2))},
+                embedding_optimizer=gp.SparseOptimizer())
     cached = gp.TableSharding("table_wise", 1, cache=30, staleness=2)
     assert gp.TableSharding.from_json(cached.to_json()) == cached
     assert str(cached) == "table_wise on rank 1, 30 rows cached 2 steps stale at most"
@@ -405,6 +438,9 @@ def test_the_planner_shards_a_billion_row_dlrm_table_by_table(scale, cluster):
     text = plan.explain()
     assert text.count("table tables_") == len(config.table_rows)
     assert "row_wise" in text or "column_wise" in text  # the big tables are cut
+    per_node = gp.Cluster.preset("h100-80g", *map(int, cluster.split(":")[1].split("x"))).devices_per_node
+    for table in tables.values():  # a table-row-wise table's rows stay inside one node
+        assert table.kind != "table_row_wise" or (table.ranks == per_node and table.owner % per_node == 0), table
     assert gp.Plan.from_json(plan.to_json()) == plan
 
 

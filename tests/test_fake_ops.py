@@ -61,8 +61,8 @@ def _table_cases():
     rank sending one id to each rank (balanced: the fake ops' expectation)."""
     rank = dist.get_rank()
     ids, offsets = torch.tensor([rank, 5 + rank]), torch.tensor([0, 1])
-    rows = ("row_wise", 10, 4, 0, "sum", False, None)
-    whole = ("data_parallel", 10, 4, 0, "mean", False, None)
+    rows = ("row_wise", 10, 4, 0, "sum", False, None, 0)
+    whole = ("data_parallel", 10, 4, 0, "mean", False, None, 0)
     counts = lambda spec: ops.table_counts([ids], [offsets], (spec,), "dp", 2)  # noqa: E731
     routed = lambda: ops.table_dispatch([ids], [offsets], [None], counts(rows), (rows,), "dp")  # noqa: E731
     return [(ops.table_counts, lambda t, s: (([ids], [offsets], (rows,), "dp", 2), {})),

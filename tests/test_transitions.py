@@ -387,7 +387,7 @@ def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
     copies = _Copies(phase)
     copies.floats_only = name == "table cached rows"  # the entry's note: its int64 bookkeeping is not priced
     mesh = mesh_lib.ProcessMesh({"dp": n})
-    spec = (sharding, rows, d, 0, "sum", False, None)
+    spec = (sharding, rows, d, 0, "sum", False, None, 0)
     with mesh_lib.active(mesh):
         counts = ops.table_counts([ids], [offsets], (spec,), "dp", n)
         routed = None if sharding == "data_parallel" else ops.table_dispatch([ids], [offsets], [None], counts, (spec,),

@@ -46,7 +46,7 @@ import torch
 from graphpass.tables import balance_owners, cached_rows
 from graphpass.transitions import TABLE
 
-KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+KINDS = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
 #: the cache sizes priced, as shares of a table's rows
 CACHE_SHARES = (0.01, 0.05, 0.2)
 
@@ -101,6 +101,8 @@ def _cached(table: TableCost, kind: str, held: float, n: int, local_batch: float
     out = []
     e, d = table.element_bytes, table.dim
     holders = n if kind == "column_wise" else 1
+    # the share of a rank's rows on other ranks: all of them column-wise, (n - 1) / n row-wise and
+    # on average table-wise (and table-row-wise: a group of g holds g / n of the tables)
     remote = 1.0 if kind == "column_wise" else (n - 1) / n
     entry = TABLE["table cached rows"]
     for share in shares:
@@ -117,8 +119,9 @@ def _cached(table: TableCost, kind: str, held: float, n: int, local_batch: float
 
 def options(table: TableCost, n: int, local_batch: float, state_per_element: int, state_per_row: int,
             time_of: Callable[[str, float], float], staleness: int = 0,
-            shares: Sequence[float] = CACHE_SHARES) -> list[TableOption]:
-    """``table`` under each kind on ``n`` ranks, and each routed kind with a cache of each of
+            shares: Sequence[float] = CACHE_SHARES, group: int = 0) -> list[TableOption]:
+    """``table`` under each kind on ``n`` ranks (table-row-wise over ``group`` ranks, a node's,
+    where ``group`` divides ``n``), and each routed kind with a cache of each of
     ``shares`` of its rows at ``staleness`` where the table has an id profile; ``time_of(kind,
     bytes)`` is one collective over the data-parallel axis (``"all_to_all"``, ``"all_gather"``)."""
     e, d, rows = table.element_bytes, table.dim, table.rows
@@ -136,6 +139,10 @@ def options(table: TableCost, n: int, local_batch: float, state_per_element: int
     if d % n == 0:
         out.append(TableOption("column_wise", rows * d // n * e * (1 + state_per_element) + rows * 4 * state_per_row,
                                counts + time_of("all_to_all", n * ids) + 2 * time_of("all_to_all", pooled)))
+    if group and n % group == 0:  # a block from each of the group's holders (all n: row-wise's twin)
+        out.append(TableOption("table_row_wise",
+                               math.ceil(rows / group) * (d * e * (1 + state_per_element) + 4 * state_per_row),
+                               counts + time_of("all_to_all", ids) + 2 * time_of("all_to_all", group * pooled)))
     if table.id_counts:
         out += [cached for option in out[1:] for cached in _cached(table, option.kind, option.bytes, n, local_batch,
                                                                    staleness, time_of, shares)]
@@ -154,14 +161,15 @@ class TableChoices:
 
 
 def frontier(tables: Sequence[TableCost], n: int, local_batch: float, state_per_element: int, state_per_row: int,
-             time_of: Callable[[str, float], float], staleness: int = 0) -> list[TableChoices]:
+             time_of: Callable[[str, float], float], staleness: int = 0, group: int = 0) -> list[TableChoices]:
     """The tables' choices from the fastest (each table's fastest kind and cache) to the
     smallest, each step the move that saves the most memory per second it costs: the trade of
     time for memory the search walks (fullest rank's bytes falling, seconds rising)."""
-    opts = {t.name: options(t, n, local_batch, state_per_element, state_per_row, time_of, staleness) for t in tables}
+    opts = {t.name: options(t, n, local_batch, state_per_element, state_per_row, time_of, staleness, group=group)
+            for t in tables}
     picked = {name: min(o, key=lambda x: (x.time_s, x.bytes)) for name, o in opts.items()}
     fastest = dict(picked)
-    path = [_choices(tables, picked, fastest, n, staleness)]
+    path = [_choices(tables, picked, fastest, n, staleness, group)]
     while True:
         moves = [(name, alt) for name, o in opts.items() for alt in o if alt.bytes < picked[name].bytes]
         if not moves:
@@ -169,29 +177,32 @@ def frontier(tables: Sequence[TableCost], n: int, local_batch: float, state_per_
         name, alt = max(moves, key=lambda m: ((picked[m[0]].bytes - m[1].bytes)
                                              / max(m[1].time_s - picked[m[0]].time_s, 1e-12)))
         picked[name] = alt
-        step = _choices(tables, picked, fastest, n, staleness)
+        step = _choices(tables, picked, fastest, n, staleness, group)
         if step.bytes < path[-1].bytes:  # a move that balances owners worse saves nothing: not a point
             path.append(step)
 
 
 def choose(tables: Sequence[TableCost], n: int, local_batch: float, state_per_element: int, state_per_row: int,
-           time_of: Callable[[str, float], float], budget_bytes: float, staleness: int = 0) -> TableChoices | None:
+           time_of: Callable[[str, float], float], budget_bytes: float, staleness: int = 0,
+           group: int = 0) -> TableChoices | None:
     """The fastest point of the :func:`frontier` whose fullest rank holds at most
     ``budget_bytes``; None when none fits."""
-    return next((c for c in frontier(tables, n, local_batch, state_per_element, state_per_row, time_of, staleness)
-                 if c.bytes <= budget_bytes), None)
+    return next((c for c in frontier(tables, n, local_batch, state_per_element, state_per_row, time_of, staleness,
+                                     group) if c.bytes <= budget_bytes), None)
 
 
 def _choices(tables: Sequence[TableCost], picked: dict[str, TableOption], fastest: dict[str, TableOption], n: int,
-             staleness: int) -> TableChoices:
-    owners_of, fullest = owners(tables, picked, n)
+             staleness: int, group: int) -> TableChoices:
+    owners_of, fullest = owners(tables, picked, n, group)
     reasons = []
     for t in tables:
         chosen = picked[t.name]
         why = ("fastest" if chosen is fastest[t.name] else
                f"fits (fastest, {fastest[t.name].kind}, would hold {fastest[t.name].bytes / 2**30:.2f} GiB a rank)")
         reasons.append(f"table {t.name} [{t.rows:,} x {t.dim}]: {chosen.kind}"
-                       + (f" on rank {owners_of[t.name]}" if chosen.kind == "table_wise" else "")
+                       + (f" on rank {owners_of[t.name]}" if chosen.kind == "table_wise" else
+                          f" on ranks {owners_of[t.name]}..{owners_of[t.name] + group - 1}"
+                          if chosen.kind == "table_row_wise" else "")
                        + (_cache_reason(chosen, staleness) if chosen.cache else "")
                        + f", {chosen.bytes / 2**30:.3f} GiB on its fullest rank, {chosen.time_s * 1e3:.2f} ms a step: {why}")
     kinds = {name: (o.kind, owners_of.get(name, 0), o.cache) for name, o in picked.items()}
@@ -206,11 +217,17 @@ def _cache_reason(option: TableOption, staleness: int) -> str:
             "ranks' rows predicted read from the cache)")
 
 
-def owners(tables: Sequence[TableCost], picked: dict[str, TableOption], n: int) -> tuple[dict[str, int], float]:
-    """Table-wise tables' owners (:func:`graphpass.tables.balance_owners`, as the plan builder
-    places them) and the fullest rank's bytes: theirs, plus every other table's share, which
-    every rank holds."""
-    spread = sum(picked[t.name].bytes for t in tables if picked[t.name].kind != "table_wise")
-    owned, held = balance_owners({t.name: picked[t.name].bytes for t in tables if picked[t.name].kind == "table_wise"},
-                                 n)
-    return owned, spread + max(held, default=0.0)
+def owners(tables: Sequence[TableCost], picked: dict[str, TableOption], n: int, group: int = 0
+           ) -> tuple[dict[str, int], float]:
+    """Table-wise tables' owners and table-row-wise tables' groups (their first rank), each
+    balanced by :func:`graphpass.tables.balance_owners` as the plan builder places them, and the
+    fullest rank's bytes: its own and its group's, plus every other table's share, which every
+    rank holds."""
+    def of(kind: str) -> dict[str, float]:
+        return {t.name: picked[t.name].bytes for t in tables if picked[t.name].kind == kind}
+
+    spread = sum(picked[t.name].bytes for t in tables if picked[t.name].kind not in ("table_wise", "table_row_wise"))
+    owned, held = balance_owners(of("table_wise"), n)
+    groups, group_held = balance_owners(of("table_row_wise"), n // group if group else 1)
+    owned.update({name: g * group for name, g in groups.items()})
+    return owned, spread + max(held[r] + group_held[r // group if group else 0] for r in range(n))

@@ -477,15 +477,25 @@ class Planner:
         chosen = []
         for t in self.tables:
             share = (strategy.embedding_cache,) if strategy.embedding_cache else ()
-            opts = T.options(t, n, self.batch / n, per_element, per_row, time_of, strategy.staleness, share)
+            opts = T.options(t, n, self.batch / n, per_element, per_row, time_of, strategy.staleness, share,
+                             self._group(strategy))
             cache = cached_rows(strategy.embedding_cache, t.rows)
             # without an id profile a cache is not priced: the table as its kind alone
             chosen.append(next((o for o in opts if o.kind == strategy.embeddings and o.cache == cache),
                                next(o for o in opts if o.kind == strategy.embeddings)))
-        owners, fullest = T.owners(self.tables, {t.name: o for t, o in zip(self.tables, chosen)}, n)
+        owners, fullest = T.owners(self.tables, {t.name: o for t, o in zip(self.tables, chosen)}, n,
+                                   self._group(strategy))
         return T.TableChoices({t.name: (o.kind, owners.get(t.name, 0), o.cache) for t, o in zip(self.tables, chosen)},
                               fullest, sum(o.time_s for o in chosen),
                               (f"every table {strategy.embeddings} (the Strategy's)",))
+
+    def _group(self, strategy: Strategy | None = None) -> int:
+        """The ranks a table-row-wise table is cut over: a node's (of all dp where the nodes hold
+        more, as the plan builder makes a Strategy's)."""
+        n, per_node = self.cluster.world_size, self.cluster.devices_per_node
+        if strategy is not None and strategy.embeddings == "table_row_wise":
+            return min(per_node, n)
+        return per_node
 
     def _table_frontier(self, costing: S.Costing) -> list[TableChoices]:
         """The tables' choices that fit the budget, fastest first (:func:`graphpass.cost.search.tables.frontier`).
@@ -494,7 +504,8 @@ class Planner:
             graphpass.cost.search.NoPlanError: the tables fit no sharding.
         """
         n, per_element, per_row, time_of = self._table_pricing()
-        path = T.frontier(self.tables, n, self.batch / n, per_element, per_row, time_of, self.staleness)
+        path = T.frontier(self.tables, n, self.batch / n, per_element, per_row, time_of, self.staleness,
+                          self.cluster.devices_per_node)
         fits = [c for c in path if c.bytes <= costing.memory_limit_bytes]
         if not fits:
             raise S.NoPlanError(f"the embedding tables need {path[-1].bytes / 2**30:.2f} GiB a rank even sharded over "
@@ -506,7 +517,9 @@ class Planner:
         """The plan's tables: each table's TableSharding by node name, and the sparse optimizer."""
         if tables is None:
             return None
-        return ({name: TableSharding(kind, owner, cache, self.staleness if cache else 0)
+        group = self._group()
+        return ({name: TableSharding(kind, owner, cache, self.staleness if cache else 0,
+                                     min(group, self.cluster.world_size) if kind == "table_row_wise" else 0)
                  for name, (kind, owner, cache) in tables.kinds.items()}, self.embedding_optimizer, tables)
 
     def _even_stages(self, strategy: Strategy) -> list[list[int]]:
