@@ -377,7 +377,7 @@ def _check_timeout(timeout_s: float | None, device_type: str) -> float:
     return float(timeout_s)
 
 
-def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Tensor, ...], strategy: StrategyLike,
+def _capture_and_plan(model: nn.Module, cluster: Cluster | None, inputs: tuple[torch.Tensor, ...], strategy: StrategyLike,
                       rank: int, ranks_present: int, *, world_size: int | None = None,
                       keys: tuple[str, ...] | None = None, batch_dims: Mapping[Any, Any] | None = None,
                       embedding_optimizer: SparseOptimizer | None = None, staleness: int = 0):
@@ -415,7 +415,7 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster, inputs: tuple[torch.Te
         captured = capture(model, local_inputs)
     batching.annotate(captured.gm, batches)
     plan = given_plan if given_plan is not None else plan_from_strategy(  # type: ignore[arg-type]
-        captured.gm, chosen, reasons, node_size=cluster.devices_per_node)
+        captured.gm, chosen, reasons, node_size=cluster.devices_per_node if cluster is not None else None)
     plan.check_graph(captured.gm)  # the plan's placements against this model's graph
     input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, plan)

@@ -4,12 +4,14 @@ The ``shard_embeddings`` pass replaces each lookup of a sharded table (``aten.em
 ``aten.embedding``) by three ops on this rank's shard (the kinds: :mod:`graphpass.tables`),
 TorchRec's input and output distributions over the ``n`` ranks of the axis::
 
-    counts = table_counts(ids, offsets, "row_wise", "dp", 2, rows, 0, "sum", False)
-    routed = table_dispatch(ids, offsets, weights, counts, "row_wise", "dp", rows, 0, "sum", False)
-    pooled = table_combine(shard, routed, counts, ids, offsets, "row_wise", "dp", dim, "sum", False, 0.5)
+    specs = (("row_wise", rows, dim, 0, "sum", False, None, 0),)   # one Spec per lookup
+    counts = table_counts([ids], [offsets], specs, "dp", 2)
+    routed = table_dispatch([ids], [offsets], [weights], counts, specs, "dp")
+    pooled, = table_combine([shard], routed, counts, [ids], [offsets], specs, "dp", 0.5)
 
 - :func:`table_counts`: each id's bag from the offsets (a plain embedding: every id is a bag of
-  one) and its destination: the rank holding its row (row-wise), the owner (table-wise), every
+  one) and its destination (:func:`destinations`): the rank holding its row (row-wise; among
+  its group, table-row-wise), the owner (table-wise), every
   rank (column-wise); an all-to-all of how many ids go to each rank and of each rank's bag count;
 - :func:`table_dispatch`: an all-to-all of the ids (as rows of the receiving shard), each with
   the position of its bag among the bags the receiver pools, and its per-sample weight's bits
