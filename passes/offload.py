@@ -145,10 +145,12 @@ def _stream(gm: fx.GraphModule, streamed: list[tuple[fx.Node, list[fx.Node]]], w
         if not fetches:
             continue
         layer = param.meta.get(meta.LAYER)
-        stage = param.meta.get(meta.STAGE)  # a window never reaches into another pipeline stage
+        fetch = min(fetches, key=order.__getitem__)
+        # a window never reaches into another pipeline stage: the stage that reads the parameter
+        # (a weight tied to a later stage has a node of its own there, whose meta keeps the first's)
+        stage = fetch.meta.get(meta.STAGE, param.meta.get(meta.STAGE))
         key = (stage, "layer", layer) if layer is not None else (stage, "param", param.name)
         units.setdefault(key, []).append(param)
-        fetch = min(fetches, key=order.__getitem__)
         if key not in first_read or order[fetch] < order[first_read[key]]:
             first_read[key] = fetch
         last = max((u for f in fetches for u in f.users), key=order.__getitem__)

@@ -342,11 +342,17 @@ class OffloadedParams:
 
     def upload(self) -> None:
         """Start copying every master that changed since its last upload into its compute copy
-        (the graph's ``fetch_param`` waits for it)."""
+        (the graph's ``fetch_param`` waits for it). A streamed copy is filled from the master at
+        each use, unless it is still resident: one this rank's program never releases (a weight
+        tied to a later pipeline stage, whose last use is there) is refreshed here like the others."""
         for target, master in self.masters.items():
-            if master._version == self._uploaded[target] or self.compute[target] in _STREAMED:
-                continue  # streamed copies are filled from the master at each use
+            if master._version == self._uploaded[target]:
+                continue
             param = self.compute[target]
+            streamed = _STREAMED.get(param)
+            if streamed is not None and not streamed.resident:
+                self._uploaded[target] = master._version  # its next bring_in reads the master
+                continue
             previous = _PENDING.pop(param, None)
             if previous is not None:
                 previous.wait()
