@@ -9,6 +9,8 @@ bag cut at the wrong offsets or a missing gradient average is off by far more.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -446,8 +448,8 @@ def test_the_planner_shards_a_billion_row_dlrm_table_by_table(scale, cluster):
 
 def test_the_tables_take_the_memory_the_dense_part_does_not_need():
     """1.0 billion rows on 8 H100s in 36 GiB a device: the tables need 84% or more of it even
-    sharded row-wise; the search tries splits of the memory along the tables' trade of time for
-    memory and finds the plan (a fixed share for the tables would find none)."""
+    sharded row-wise; the stage ILP takes a point of the tables' trade of time for memory beside
+    the dense part and finds the plan (a fixed share for the tables would find none)."""
     model, batch, _ = _meta_dlrm(31)
     plan = gp.plan(model, "h100-80g:1x8", batch, memory_budget="36GiB",
                    embedding_optimizer=gp.SparseOptimizer("rowwise_adagrad", lr=0.01))
@@ -456,6 +458,37 @@ def test_the_tables_take_the_memory_the_dense_part_does_not_need():
     split = next(line for line in plan.explain().splitlines() if "memory split between the embedding tables" in line)
     to_tables = float(split.split("dense part: ")[1].split(" GiB")[0])
     assert to_tables > 0.84 * 36, split
+
+
+def test_the_stage_ilp_takes_the_tables_point_no_split_solved_apart_beats():
+    """One solve: with a dense part that competes for memory (a 200M-parameter top MLP beside
+    1.0 billion rows on 8 H100s in 33 GiB), the stage ILP's point of the tables' trade of time for
+    memory is as fast as the dense part solved beside each point alone, and the point is not the
+    tables' fastest (the dense part is worth some of their memory)."""
+    import graphpass.planner
+
+    from dlrm import criteo_like
+
+    config = replace(criteo_like(embedding_dim=64, scale=31), top=(8192, 8192, 8192, 1))
+    with torch.device("meta"):
+        model = DLRM(config)
+    small = DLRMConfig(**{**config.__dict__, "table_rows": tuple(min(r, 1000) for r in config.table_rows)})
+    batch = tuple(t.to("meta") for t in CriteoLike(small, seed=0).batch(4096))
+    planner = graphpass.planner.Planner(model, "h100-80g:1x8", batch,
+                                        embedding_optimizer=gp.SparseOptimizer("rowwise_adagrad", lr=0.01))
+    joint = planner.auto(memory_budget="33GiB")
+    split = next(line for line in joint.explain().splitlines() if "memory split between the embedding tables" in line)
+    taken = int(split.split(" point ")[1].split(" of ")[0]) - 1
+    assert taken > 0, split
+    points = planner._table_frontier(planner._with_budget("33GiB")[1])
+    alone = {}
+    for k in sorted({taken, *range(0, len(points), max(1, len(points) // 8))}):
+        planner._table_frontier = lambda costing, point=points[k]: [point]  # the dense part beside this point only
+        alone[k] = planner.auto(memory_budget="33GiB").report.predicted_step_time_s
+    # the same formula and solver on both sides: equal to the solver's rounding
+    assert joint.report.predicted_step_time_s == pytest.approx(alone[taken], rel=1e-6)
+    assert joint.report.predicted_step_time_s <= min(alone.values()) * (1 + 1e-6), alone
+    assert joint.report.predicted_peak_memory_bytes <= 33 * 2**30
 
 
 def _plan_for_two():

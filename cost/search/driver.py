@@ -103,7 +103,7 @@ def step_floor(layout: Parallelism, options: Sequence[Sequence[tuple[Choice, Pri
     fastest option, spread perfectly over the stages. With ``T`` the sum of those per-microbatch
     times over ``p`` stages, the 1F1B/GPipe path ``sum_s t_s + (m - 1) max_s t_s`` is at least
     ``T + (m - 1) T / p``; the slowest rank's tail (exposed dp communication and optimizer) is
-    at least the ranks' mean of the smallest of each."""
+    at least the ranks' mean of the smallest of each; sharded tables add their fastest point."""
     if layout.virtual_stages != 1 or layout.schedule not in ("1f1b", "gpipe"):
         return 0.0
     p, m = layout.num_stages, layout.microbatches
@@ -112,7 +112,7 @@ def step_floor(layout: Parallelism, options: Sequence[Sequence[tuple[Choice, Pri
     optimizer = sum(min(pr.optimizer_s for _, pr in opts) for opts in options)
     path = total + (m - 1) * total / p
     return (_shared_host_step(path, layout.mesh.pp, m, costing.host_contention, costing.host_oversubscription)
-            + (max(0.0, comm) + optimizer) / p)
+            + (max(0.0, comm) + optimizer) / p + min((t for t, _ in costing.tables), default=0.0))
 
 
 def solve_mesh(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing, deadline: float,
@@ -124,30 +124,30 @@ def solve_mesh(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costin
     prepared = prepared or _mesh_options(blocks, layout, costing, per_operator)
     prices, offered, options = prepared.prices, prepared.offered, prepared.options
     comms = prices.comms
-    smallest = _smallest_peak(layout, options)
+    smallest = _smallest_peak(layout, options) + min((b for _, b in costing.tables), default=0.0)
     stages = partition(blocks, layout, costing, comms, options)
     if stages is None:
         return None, smallest
     choices: list[Choice] = [Choice()] * len(blocks)
     priced: list[Priced] = [options[i][0][1] for i in range(len(blocks))]
-    optimal, gap = True, 0.0
+    optimal, gap, tables = True, 0.0, None
     # Stages with the same blocks (by signature) and the same microbatches in flight have the
     # same answer: solve once, reuse by position.
-    cache: dict[tuple, tuple[list[int], bool, float] | None] = {}
+    cache: dict[tuple, tuple[list[int], bool, float, int | None] | None] = {}
     for s, indices in enumerate(stages):
         flight = _stage_flight(layout, s)
         key = (tuple(blocks[i].signature + blocks[i].kind for i in indices), flight)
         if key not in cache:
             solved = solve_stage(blocks, indices, options, layout, flight, costing, deadline)
-            cache[key] = None if solved is None else ([solved[0][i] for i in indices], solved[1], solved[2])
+            cache[key] = None if solved is None else ([solved[0][i] for i in indices], *solved[1:])
         if cache[key] is None:
             return None, smallest
-        positions, stage_optimal, stage_gap = cache[key]
+        positions, stage_optimal, stage_gap, tables = cache[key]  # tables: one stage only
         optimal &= stage_optimal
         gap = max(gap, stage_gap)
         for i, o in zip(indices, positions):
             choices[i], priced[i] = options[i][o]
-    best = compose(blocks, layout, stages, choices, priced, costing, comms, "ilp", optimal, gap)
+    best = compose(blocks, layout, stages, choices, priced, costing, comms, "ilp", optimal, gap, tables)
     uniform_prices = []
     for base in baselines:  # a uniform assignment can win only through the pipeline max term
         uniform = uniform_choices(blocks, base)

@@ -70,6 +70,11 @@ class Costing:
             block's parameters in host memory or on disk, its activations in host memory.
         offload_overlap: the share of the device <-> host copies' time that hides behind the
             step's compute (1: copies on their own stream / DMA engines, as on a GPU).
+        tables: the embedding tables' trade of time for memory, ``(seconds a step, bytes on the
+            fullest rank)`` per point (:func:`graphpass.cost.search.tables.frontier`): the stage
+            ILP takes exactly one point beside the blocks' choices, its seconds in the step and
+            its bytes in every memory row (one solve for the dense part and the tables). Empty:
+            no sharded tables. Only on meshes of one stage (sharded tables run on dp alone).
     """
 
     cluster: Cluster
@@ -87,6 +92,7 @@ class Costing:
     capacity_factor: float | None = None
     offload: bool = True
     offload_overlap: float = 1.0
+    tables: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

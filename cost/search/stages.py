@@ -40,6 +40,12 @@ activations are freed. In between, backward frees a layer's activations as it ma
 gradients, so the sum is largest at one of the ends. The transient rows keep both,
 conservatively.
 
+With sharded embedding tables (``Costing.tables``: points ``k`` of their trade of time for
+memory, :mod:`graphpass.cost.search.tables`, each ``T_k`` seconds a step and ``B_k`` bytes on the
+fullest rank), booleans ``y_k`` with ``sum_k y_k = 1`` pick one point in the same solve: the
+objective gains ``sum_k T_k y_k`` and every memory row ``sum_k B_k y_k`` (the tables are state
+held all step), so the ILP weighs a table's faster kind against the dense part's memory.
+
 **Step time** (:func:`compose`) of a mesh with ``p`` stages of per-microbatch time ``t_s``
 (1F1B / GPipe): ``sum_s t_s + (m - 1) max_s t_s + max_s (E_s + u_s)``; for ``p = 1`` that is
 ``m t + E + u``. Interleaved 1F1B with ``v`` stages per rank (rank ``r`` runs ``T_r``, the sum
@@ -106,6 +112,9 @@ class Candidate:
     uniform: list[tuple[str, float, float]] = field(default_factory=list)
     #: the slowest tail after the schedule: exposed data-parallel communication + optimizer step.
     tail_s: float = 0.0
+    #: the point of ``Costing.tables`` taken (its seconds in ``step_time_s``, its bytes in the
+    #: peaks); None without sharded tables.
+    tables: int | None = None
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -165,8 +174,12 @@ def partition(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing
 
 
 def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Sequence[Sequence[tuple[Choice, Priced]]],
-                layout: Parallelism, flight: int, costing: Costing, deadline: float) -> tuple[dict[int, int], bool, float] | None:
-    """The clustered stage ILP; returns block index -> option index, optimality, gap (None: infeasible)."""
+                layout: Parallelism, flight: int, costing: Costing, deadline: float
+                ) -> tuple[dict[int, int], bool, float, int | None] | None:
+    """The clustered stage ILP; returns block index -> option index, optimality, gap and the
+    point of ``costing.tables`` taken (None: no tables); None: infeasible."""
+    points = costing.tables
+    assert not points or layout.num_stages == 1, "sharded tables are planned on meshes of one stage"
     clusters: dict[str, list[int]] = {}
     for i in indices:
         clusters.setdefault(blocks[i].signature + f"|{blocks[i].kind}", []).append(i)
@@ -185,17 +198,22 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
                     used[key, o] = model.bool_var(f"z[{key},{o}]")
         priced = {(key, o): options[clusters[key][0]][o][1] for key, o in counts}
         ns, prs = list(counts.values()), list(priced.values())
+        ys = [model.bool_var(f"y[{k}]") for k in range(len(points))]  # the tables' point
+        if ys:
+            model.add_linear(ys, [1.0] * len(ys), 1.0, 1.0)
+        table_s = [t for t, _ in points]
+        table_mem = [b * mem_scale for _, b in points]
         # Ties (communication fully hidden) go to the option that communicates least.
-        model.minimize([exposed, *ns], [1.0] + [m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s)
-                                                for p in prs])
+        model.minimize([exposed, *ns, *ys], [1.0] + [m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s)
+                                                     for p in prs] + table_s)
         model.add_linear([exposed, *ns], [-1.0] + [p.dp_comm_s - p.window_s for p in prs], -math.inf, 0.0)
         host = costing.cluster.host
         if any(p.host_link_s or p.host_bytes or p.host_act_bytes or p.disk_bytes for p in prs):
             # Offload: the copies to and from host memory hide behind compute, on a link of their
             # own; what they keep must fit the host's memory and the disk.
             exposed_host = model.num_var(0.0, math.inf, "exposed_host")
-            model.minimize([exposed, exposed_host, *ns], [1.0, 1.0] + [
-                m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s) for p in prs])
+            model.minimize([exposed, exposed_host, *ns, *ys], [1.0, 1.0] + [
+                m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s) for p in prs] + table_s)
             model.add_linear([exposed_host, *ns], [-1.0] + [p.host_link_s - p.host_window_s for p in prs], -math.inf, 0.0)
             host_scale = 1.0 / host.memory_bytes
             model.add_linear(ns, [(p.host_bytes + flight * p.host_act_bytes) * host_scale for p in prs], -math.inf,
@@ -203,8 +221,9 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
             if any(p.disk_bytes for p in prs):
                 model.add_linear(ns, [p.disk_bytes / max(host.disk_bytes, 1) for p in prs], -math.inf, 1.0)
         # The start of backward (every activation alive) and its end.
-        model.add_linear(ns, [p.start_peak_bytes(flight) * mem_scale for p in prs], -math.inf, 1.0)
-        model.add_linear(ns, [p.end_peak_bytes() * mem_scale for p in prs], -math.inf, 1.0 - spike * mem_scale)
+        model.add_linear([*ns, *ys], [p.start_peak_bytes(flight) * mem_scale for p in prs] + table_mem, -math.inf, 1.0)
+        model.add_linear([*ns, *ys], [p.end_peak_bytes() * mem_scale for p in prs] + table_mem, -math.inf,
+                         1.0 - spike * mem_scale)
         for key, members in clusters.items():
             picks = [counts[key, o] for o in range(len(options[members[0]]))]
             model.add_linear(picks, [1.0] * len(picks), len(members), len(members))
@@ -219,16 +238,18 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
                 # backward frees them before it reaches any layer.
                 act = 0.0 if layer_transient and blocks[clusters[k2][0]].kind == POST else p.act_bytes
                 coefs.append((p.state_bytes + flight * act) * mem_scale)
-            model.add_linear([*ns, z], [*coefs, priced[key, o].transient_bytes * mem_scale], -math.inf, 1.0)
-        return counts
+            model.add_linear([*ns, *ys, z], [*coefs, *table_mem, priced[key, o].transient_bytes * mem_scale],
+                             -math.inf, 1.0)
+        return counts, ys
 
     if any(pr.host_link_s or pr.host_bytes or pr.host_act_bytes or pr.disk_bytes
            for i in indices for _, pr in options[i]):
         deadline = min(deadline, time.perf_counter() + OFFLOAD_STAGE_LIMIT_S)
     # At least 50 ms, even past the deadline: a stage without an answer loses its mesh.
-    result, counts = ilp.solve(build, _STAGE_BACKEND, max(deadline, time.perf_counter() + 0.05))
+    result, handles = ilp.solve(build, _STAGE_BACKEND, max(deadline, time.perf_counter() + 0.05))
     if not result.found:
         return None
+    counts, ys = handles
     assignment: dict[int, int] = {}
     for key, members in clusters.items():
         queue = list(members)
@@ -237,7 +258,8 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
                 assignment[queue.pop(0)] = o
     optimal = result.status == ilp.OPTIMAL
     gap = 0.0 if optimal else max(0.0, result.objective - result.bound) / max(abs(result.objective), 1e-12)
-    return assignment, optimal, gap
+    point = max(range(len(ys)), key=lambda k: result.value(ys[k])) if ys else None
+    return assignment, optimal, gap, point
 
 
 # -------------------------------------------------------------------------------- composition
@@ -260,8 +282,10 @@ def _stage_peak(blocks: Sequence[BlockCost], indices: Sequence[int], priced: Seq
 
 def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[int]], choices: list[Choice],
             priced: list[Priced], costing: Costing, comms: _Collectives, how: str,
-            optimal: bool = True, gap: float = 0.0) -> Candidate:
-    """Step time and per-stage peaks of a full assignment (the formula in the module docstring)."""
+            optimal: bool = True, gap: float = 0.0, tables: int | None = None) -> Candidate:
+    """Step time and per-stage peaks of a full assignment (the formula in the module docstring),
+    with point ``tables`` of ``costing.tables`` (its exchanges in the step, its bytes on the one
+    stage) where given."""
     b = local_batch(layout, costing.batch)
     scale = b / costing.batch
     chunk_times = []
@@ -305,8 +329,12 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
     fill = 1.0 - ZERO_BUBBLE_SHARE if layout.schedule == "zero_bubble" else 0.0
     step = _shared_host_step(path, layout.mesh.pp, m * layout.virtual_stages, costing.host_contention,
                              costing.host_oversubscription, fill) + max(tails)
+    if tables is not None:
+        table_s, table_bytes = costing.tables[tables]
+        step += table_s
+        peaks = [p + table_bytes for p in peaks]
     return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how,
-                     tail_s=max(tails))
+                     tail_s=max(tails), tables=tables)
 
 
 def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float,
@@ -358,7 +386,8 @@ def uniform_choices(blocks: Sequence[BlockCost], choice: Choice) -> list[Choice]
 def evaluate(blocks: Sequence[BlockCost], layout: Parallelism, choices: list[Choice], costing: Costing,
              stages: list[list[int]] | None = None, prices: _Prices | None = None) -> Candidate | None:
     """Price one fixed assignment (a uniform baseline) on ``mesh``; stages by :func:`partition`
-    unless given. None when no stage split exists at all."""
+    unless given. None when no stage split exists at all. With ``costing.tables``, the tables
+    take the fastest point that fits beside the assignment (the smallest where none does)."""
     prices = prices or _Prices(layout, costing)
     comms = prices.comms
     priced = [prices(b, c) for b, c in zip(blocks, choices)]
@@ -367,4 +396,11 @@ def evaluate(blocks: Sequence[BlockCost], layout: Parallelism, choices: list[Cho
                            [[(c, p)] for c, p in zip(choices, priced)])
         if stages is None:
             return None
-    return compose(blocks, layout, stages, choices, priced, costing, comms, "fixed")
+    dense = compose(blocks, layout, stages, choices, priced, costing, comms, "fixed")
+    if not costing.tables:
+        return dense
+    room = costing.memory_limit_bytes - dense.peak_memory_bytes
+    fits = [k for k, (_, b) in enumerate(costing.tables) if b <= room]
+    point = (min(fits, key=lambda k: costing.tables[k][0]) if fits
+             else min(range(len(costing.tables)), key=lambda k: costing.tables[k][1]))
+    return compose(blocks, layout, stages, choices, priced, costing, comms, "fixed", tables=point)

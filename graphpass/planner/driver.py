@@ -159,8 +159,9 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
             + "; call it on every rank under torchrun or graphpass.launch, or drop measure_together")
 
 
-#: how many of the tables' choices (from fastest to smallest) the search tries the dense part beside
-_TABLE_SPLITS = 5
+#: at most this many of the tables' choices (from fastest to smallest, evenly spaced) are offered
+#: to the stage ILP, which takes one of them beside the dense part's choices
+_TABLE_POINTS = 256
 
 
 def _sample_tensors(sample: Any, example: Batch, field: str) -> tuple[torch.Tensor, ...]:
@@ -444,7 +445,7 @@ class Planner:
         tables = None
         if self.tables and strategy.embeddings:
             tables = self._strategy_tables(strategy)
-            costing = replace(costing, memory_limit_bytes=costing.memory_limit_bytes - tables.bytes)
+            costing = replace(costing, tables=((tables.time_s, tables.bytes),))
         cand = S.evaluate(blocks, layout, list(choices), costing,
                           self._even_stages(strategy) if layout.num_stages > 1 else None)
         if cand is None:
@@ -577,25 +578,17 @@ class Planner:
                         ["no plan fits on the devices alone: offload searched (Planner(offload=True) searches it "
                          "always, in the same solve)"])
 
-        if self.tables:  # the memory split between the tables and the dense part: the fastest whole
-            best_total, tried, failed = None, 0, None
-            for choice in _spread(self._table_frontier(costing), _TABLE_SPLITS):
-                tried += 1
-                try:
-                    result = search(replace(costing, memory_limit_bytes=costing.memory_limit_bytes - choice.bytes))
-                except S.NoPlanError as exc:
-                    failed = exc
-                    continue
-                if best_total is None or result[0].step_time_s + choice.time_s < best_total[0]:
-                    best_total = (result[0].step_time_s + choice.time_s, result, choice)
-            if best_total is None:
-                raise failed
-            _, (best, found, infeasible, pruned, costing, searched), tables = best_total
+        points = []
+        if self.tables:  # the tables' trade of time for memory, one point of it taken in the stage ILP
+            points = _spread(self._table_frontier(costing), _TABLE_POINTS)
+            costing = replace(costing, tables=tuple((p.time_s, p.bytes) for p in points))
+        best, found, infeasible, pruned, costing, searched = search(costing)
+        if best.tables is not None:
+            tables = points[best.tables]
             searched = searched + [
                 f"memory split between the embedding tables and the dense part: {tables.bytes / 2**30:.3f} GiB a rank "
-                f"to the tables, the fastest whole of {tried} splits tried along the tables' trade of time for memory"]
-        else:
-            best, found, infeasible, pruned, costing, searched = search(costing)
+                f"to the tables, point {best.tables + 1} of {len(points)} along the tables' trade of time for memory "
+                "(fastest first), taken in the same ILP as the dense part's choices"]
         alternatives = _alternatives(best, found, infeasible)
         reasons = searched + _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
                                       self.measure_s, pruned)
@@ -658,8 +651,8 @@ def plan(
             tables: given, the search shards every table over all devices, each the kind
             (data-parallel, table-, row- or column-wise) of the tables' trade of time for memory
             (:mod:`graphpass.cost.search.tables`), the dense part on a mesh of dp alone with what
-            is left, trying several splits of the memory between them and keeping the fastest
-            whole; ``explain()`` gives each table's choice. A ``strategy`` with ``embeddings``
+            is left: the stage ILP takes one point of that trade beside the dense part's choices
+            (one solve); ``explain()`` gives each table's choice. A ``strategy`` with ``embeddings``
             brings its own. Where the example batch's ids are real tensors, their profile (how
             often each id is read) prices HET's cache for each table too (1%, 5% or 20% of its
             rows; ``graphpass.runtime.row_cache``).

@@ -143,12 +143,13 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                 "disk_bytes": pr.disk_bytes, "host_link_s": pr.host_link_s,
             })
     reasons = list(reasons) + ([capacity_reason] if capacity_reason else [])
-    table_s = table_bytes = 0.0
-    if tables is not None:  # the embedding tables' shardings, priced beside the dense part
+    # the embedding tables' point, priced in the candidate's step and peak (the same solve)
+    table_s = costing.tables[cand.tables][0] if cand.tables is not None else 0.0
+    if tables is not None:
         choices_of, _, priced = tables
-        table_s, table_bytes = priced.time_s, priced.bytes
-        reasons.append(f"embedding tables: {len(choices_of)} sharded over dp={mesh.dp}, {table_bytes / 2**30:.3f} GiB on "
-                       f"the fullest rank, {table_s * 1e3:.2f} ms a step of exchanges (beside the dense part's plan)")
+        reasons.append(f"embedding tables: {len(choices_of)} sharded over dp={mesh.dp}, {priced.bytes / 2**30:.3f} GiB on "
+                       f"the fullest rank, {priced.time_s * 1e3:.2f} ms a step of exchanges (in the step and peak "
+                       "predicted)")
         reasons += [f"  {line}" for line in priced.reasons]
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
     # The step on the slowest pp rank: its microbatches' compute and tp collectives, then the
@@ -157,11 +158,13 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     work = m * cand.stage_times_s[slowest]
     tp = sum(cand.priced[i].tp_comm_s for s, indices in enumerate(cand.stages)
              if layout.rank_of(s) == slowest for i in indices) * m
-    bubble = max(0.0, cand.step_time_s - work - cand.tail_s)
+    bubble = max(0.0, cand.step_time_s - table_s - work - cand.tail_s)
     tp = min(tp, work)
-    time_split = {"compute": max(0.0, cand.step_time_s - tp - cand.tail_s - bubble), "tp_comm": tp,
+    time_split = {"compute": max(0.0, cand.step_time_s - table_s - tp - cand.tail_s - bubble), "tp_comm": tp,
                   "dp_comm_exposed": cand.exposed_comm_s, "optimizer": max(0.0, cand.tail_s - cand.exposed_comm_s),
                   "bubble": bubble}
+    if cand.tables is not None:
+        time_split["embedding_exchange"] = table_s
     op_layout = profile.tp_layouts.get((mesh.tp, layout.tp_layout))
     if op_layout is not None:
         reasons.insert(1, f"tensor-parallel layout: {op_layout.name} (the op-level solver placed the projections "
@@ -177,12 +180,12 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                              table_plan=tables[:2] if tables is not None else None)
     report = replace(
         base.report,
-        predicted_step_time_s=cand.step_time_s + table_s,
-        predicted_peak_memory_bytes=int(cand.peak_memory_bytes + window_bytes + table_bytes),
+        predicted_step_time_s=cand.step_time_s,
+        predicted_peak_memory_bytes=int(cand.peak_memory_bytes + window_bytes),
         predicted_stage_peaks_bytes=tuple(int(p) for p in cand.stage_peaks_bytes),
         breakdown=tuple(breakdown),
         time_split_s=time_split,
-        memory_budget_bytes=int(costing.memory_limit_bytes + table_bytes),  # the dense part had what tables left
+        memory_budget_bytes=int(costing.memory_limit_bytes),
         devices_per_node=costing.cluster.devices_per_node,
         alternatives=tuple(alternatives),
     )
