@@ -15,7 +15,11 @@ SGD, the same update on the rows a step touches) for ``--rounds`` steps after a 
 * ``gp row_wise cache s=k``: the same row-wise tables with HET's cache (``embedding_cache=--cache``
   of each table's rows, ``staleness=k``; :mod:`graphpass.runtime.row_cache`), k = 0, 1, 2, 5:
   the ``/ no cache`` column is its table bytes against uncached row-wise's (HET: up to 88% less),
-  ``hits`` the share of other ranks' rows read from the cache.
+  ``hits`` the share of other ranks' rows read from the cache;
+* ``gp planned s=k``: graphpass's planner's own choice per table (``gp.plan(...,
+  embedding_optimizer=, staleness=k)`` on ``Cluster.local(n)``, planned once from the example
+  batch's ids, the dense part beside it), compiled from that plan on every rank; a line under the
+  table gives its kinds, caches and the step time it predicted.
 
 Columns: median step time (a step's time is its slowest rank's; each step starts at a barrier)
 and its ratio to DDP's; the bytes each rank hands to collectives in a step (the tensors given to
@@ -65,6 +69,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--cache", type=float, default=0.05, help="the cached rows' share of each table")
     p.add_argument("--stalenesses", type=int, nargs="+", default=[0, 1, 2, 5])
+    p.add_argument("--planned-stalenesses", type=int, nargs="*", default=[0, 2],
+                   help="the staleness each planner's row allows (0: exact)")
     return p.parse_args(argv)
 
 
@@ -115,7 +121,7 @@ class _Bytes:
         embeddings._all_gather_flat = self._flat
 
 
-def _run_rank(args, kind: str) -> dict:
+def _run_rank(args, kind: str, plan_json: str | None = None) -> dict:
     torch.set_num_threads(args.threads)
     world, rank = dist.get_world_size(), dist.get_rank()
     config = _config(args)
@@ -137,8 +143,11 @@ def _run_rank(args, kind: str) -> dict:
     else:
         sharding, staleness = (kind.split(":")[0], int(kind.split(":")[1])) if ":" in kind else (kind, None)
         cache = {} if staleness is None else {"embedding_cache": args.cache, "staleness": staleness}
-        strategy = gp.Strategy(dp=world) if kind == "gp" else gp.Strategy(
-            dp=world, embeddings=sharding, embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.01), **cache)
+        if plan_json is not None:
+            strategy = gp.Plan.from_json(plan_json)
+        else:
+            strategy = gp.Strategy(dp=world) if kind == "gp" else gp.Strategy(
+                dp=world, embeddings=sharding, embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.01), **cache)
         dmodel = gp.compile(model, gp.Cluster.local(), example_inputs=batches[0], strategy=strategy)
         opt = torch.optim.SGD(dmodel.parameters(), lr=0.01)
         state = list(dmodel.graph_module.parameters())
@@ -173,8 +182,30 @@ def _run_rank(args, kind: str) -> dict:
     return {"times": times, "table": table, "dense": dense, "peak": probe.peak_bytes, "hits": hits}
 
 
-def _row(args, world: int, kind: str) -> dict:
-    results = gp.launch(_run_rank, world, args=(args, kind), timeout_s=1200)
+def _planned(args, world: int, staleness: int) -> tuple[gp.Plan, str]:
+    """The planner's plan for the DLRM on ``world`` local ranks, and a line saying what it chose."""
+    config = _config(args)
+    torch.manual_seed(0)
+    batch = CriteoLike(config, seed=1).batch(args.batch)
+    t0 = time.perf_counter()
+    plan = gp.plan(DLRM(config), gp.Cluster.local(world), batch, staleness=staleness,
+                   embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.01))
+    planned_s = time.perf_counter() - t0
+    kinds: dict[str, int] = {}
+    cached = 0
+    for tensor in plan.tensors.values():
+        if tensor.table is not None:
+            kinds[tensor.table.kind] = kinds.get(tensor.table.kind, 0) + 1
+            cached += tensor.table.cache > 0
+    chose = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return plan, (f"planned s={staleness} (in {planned_s:.1f} s): {chose}; {cached} with a cache; zero "
+                  f"{sorted({t.zero for t in plan.tensors.values() if t.table is None})}; predicted step "
+                  f"{plan.report.predicted_step_time_s * 1e3:.1f} ms")
+
+
+def _row(args, world: int, kind: str, plan: gp.Plan | None = None) -> dict:
+    results = gp.launch(_run_rank, world, args=(args, kind, None if plan is None else plan.to_json()),
+                        timeout_s=1200)
     steps = [max(r["times"][i] for r in results) for i in range(args.rounds)]
     return {"step": statistics.median(steps), "table": statistics.mean(r["table"] for r in results),
             "dense": statistics.mean(r["dense"] for r in results), "peak": results[0]["peak"],
@@ -200,22 +231,29 @@ def main(argv=None) -> None:
           f"{args.batch}; SGD; median of {args.rounds} steps after {args.warmup}; {args.threads} thread(s) a rank")
     print(_torchrec_note())
     labels = [("torch DDP", "ddp"), ("gp dp", "gp")] + [(f"gp {k}", k) for k in KINDS] + [
-        (f"gp row_wise cache s={s}", f"row_wise:{s}") for s in args.stalenesses]
+        (f"gp row_wise cache s={s}", f"row_wise:{s}") for s in args.stalenesses] + [
+        (f"gp planned s={s}", f"planned:{s}") for s in args.planned_stalenesses]
     print(f"cache: {args.cache:.0%} of each table's rows on every rank")
     for world in args.world_sizes:
         print(f"\n{world} ranks")
         print(f"  {'strategy':<24} {'step ms':>9} {'/ DDP':>7} {'table MiB/step':>15} {'/ no cache':>11} {'hits':>6} "
               f"{'dense MiB/step':>15} {'peak MiB (rank 0)':>18}")
         reference = uncached = None
+        notes = []
         for label, kind in labels:
-            r = _row(args, world, kind)
+            plan = None
+            if kind.startswith("planned:"):
+                plan, note = _planned(args, world, int(kind.split(":")[1]))
+                notes.append(f"  {label}: {note}")
+            r = _row(args, world, kind, plan)
             reference = reference or r["step"]
             if kind == "row_wise":
                 uncached = r["table"]
-            versus = f"{r['table'] / uncached:11.3f}" if ":" in kind else f"{'':>11}"
+            versus = f"{r['table'] / uncached:11.3f}" if kind.startswith("row_wise:") else f"{'':>11}"
             hits = f"{r['hits']:6.1%}" if r["hits"] is not None else f"{'':>6}"
             print(f"  {label:<24} {r['step'] * 1e3:9.1f} {r['step'] / reference:7.3f} {r['table'] / 2**20:15.3f} "
                   f"{versus} {hits} {r['dense'] / 2**20:15.3f} {r['peak'] / 2**20:18.1f}")
+        print("\n".join(notes))
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
 
 
