@@ -18,8 +18,9 @@ SGD, the same update on the rows a step touches) for ``--rounds`` steps after a 
   ``hits`` the share of other ranks' rows read from the cache;
 * ``gp planned s=k``: graphpass's planner's own choice per table (``gp.plan(...,
   embedding_optimizer=, staleness=k)`` on ``Cluster.local(n)``, planned once from the example
-  batch's ids, the dense part beside it), compiled from that plan on every rank; a line under the
-  table gives its kinds, caches and the step time it predicted.
+  batch's ids, the dense part beside it, in one solve), compiled from that plan on every rank; a
+  line under the table gives its kinds, caches and the step time it predicted. Profile the
+  machine first (``graphpass profile --world-size n``) or the planner prices default figures.
 
 Columns: median step time (a step's time is its slowest rank's; each step starts at a barrier)
 and its ratio to DDP's; the bytes each rank hands to collectives in a step (the tensors given to
@@ -188,7 +189,8 @@ def _planned(args, world: int, staleness: int) -> tuple[gp.Plan, str]:
     torch.manual_seed(0)
     batch = CriteoLike(config, seed=1).batch(args.batch)
     t0 = time.perf_counter()
-    plan = gp.plan(DLRM(config), gp.Cluster.local(world), batch, staleness=staleness,
+    cluster = gp.Cluster.local(world)
+    plan = gp.plan(DLRM(config), cluster, batch, staleness=staleness,
                    embedding_optimizer=gp.SparseOptimizer("sgd", lr=0.01))
     planned_s = time.perf_counter() - t0
     kinds: dict[str, int] = {}
@@ -198,7 +200,7 @@ def _planned(args, world: int, staleness: int) -> tuple[gp.Plan, str]:
             kinds[tensor.table.kind] = kinds.get(tensor.table.kind, 0) + 1
             cached += tensor.table.cache > 0
     chose = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    return plan, (f"planned s={staleness} (in {planned_s:.1f} s): {chose}; {cached} with a cache; zero "
+    return plan, (f"planned s={staleness} on {cluster.name} (in {planned_s:.1f} s): {chose}; {cached} with a cache; zero "
                   f"{sorted({t.zero for t in plan.tensors.values() if t.table is None})}; predicted step "
                   f"{plan.report.predicted_step_time_s * 1e3:.1f} ms")
 
