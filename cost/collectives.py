@@ -32,7 +32,11 @@ where latency dominates (small messages, many ranks), never on bandwidth.
 ``r // devices_per_node``). A group inside one node runs at the intra-node link. A group that spans
 nodes is priced, flat, at the inter-node link: a ring over several nodes crosses the node boundary,
 and every step waits for its slowest hop, which is the per-GPU inter-node link (one NIC per GPU, as
-in a DGX, so each GPU's ring edge gets the whole link). See `link_for_group`.
+in a DGX, so each GPU's ring edge gets the whole link). See `link_for_group`. On sites joined by
+a wide-area link (:mod:`graphpass.sites`), a group inside one site runs on that site's links; a
+group that spans sites takes the wide-area link as its inter-node level, whose bandwidth is the
+sites' aggregate: the ``c = world_size / n`` groups of a mesh axis cross it at once, each ring
+once each way, so each gets ``B / c`` (the hierarchical form's ``k`` rings per group ``B / ck``).
 
 **Hierarchical all-reduce.** A group of ``k`` ranks on each of ``m`` nodes (``k > 1``, ``m > 1``)
 can instead reduce-scatter inside each node, all-reduce its ``S / k`` slice with the matching
@@ -165,20 +169,43 @@ def _nodes_of(cluster: Cluster, group_ranks: Sequence[int]) -> dict[int, int]:
 # --------------------------------------------------------------------------- link choice
 
 
-def link_for_group(cluster: Cluster, group_ranks: Sequence[int]) -> Link:
+def _levels(cluster: Cluster, group_ranks: Sequence[int], streams: int = 1,
+            concurrent_groups: int | None = None) -> tuple[Link, Link]:
+    """The intra- and inter-node links of a group: the cluster's own; for joined sites
+    (:mod:`graphpass.sites`) the links of the group's site, and where the group spans sites,
+    the wide-area link as its inter-node level. That link's bandwidth is the sites' aggregate,
+    shared by every ring crossing it at once: ``concurrent_groups`` groups (default
+    ``world_size / len(group)``: a mesh axis's groups run together), each with ``streams`` rings
+    across (1 for a flat ring; ``k`` for the hierarchical form's per-local-rank rings), one
+    crossing each way per ring."""
+    if not cluster.sites:
+        return Link.from_spec(cluster.intra_node), Link.from_spec(cluster.inter_node)
+    involved = [cluster.sites[i] for i in sorted({cluster.site_of(r) for r in group_ranks})]
+    intra = Link.from_spec(min((site.intra_node for site in involved), key=lambda link: link.bandwidth_gbps))
+    if len(involved) == 1:
+        return intra, Link.from_spec(involved[0].inter_node)
+    groups = cluster.world_size // len(group_ranks) if concurrent_groups is None else concurrent_groups
+    shared = max(1, groups) * streams
+    wan = cluster.wan
+    return intra, Link(wan.bandwidth_gbps * 1e9 / shared, wan.latency_s, tuple(sorted(wan.kind_factors.items())),
+                       wan.sync_s)
+
+
+def link_for_group(cluster: Cluster, group_ranks: Sequence[int], concurrent_groups: int | None = None) -> Link:
     """The link a flat ring over ``group_ranks`` runs at.
 
     Ranks are node-major: rank ``r`` is on node ``r // cluster.devices_per_node``. A group inside
     one node gets ``cluster.intra_node``; a group that spans nodes gets ``cluster.inter_node``,
     because every ring step waits for its slowest hop and some hop crosses nodes on the per-GPU
-    inter-node link.
+    inter-node link. On joined sites, a group inside one site gets that site's links, and one
+    that spans sites the wide-area link, shared with the axis's other groups (:func:`_levels`).
 
     Raises:
         ValueError: An empty group, a repeated rank, or a rank outside the cluster.
     """
     nodes = _nodes_of(cluster, group_ranks)
-    spec = cluster.intra_node if len(nodes) == 1 else cluster.inter_node
-    return Link.from_spec(spec)
+    intra, inter = _levels(cluster, group_ranks, concurrent_groups=concurrent_groups)
+    return intra if len(nodes) == 1 else inter
 
 
 # --------------------------------------------------------------------------- formulas
@@ -307,6 +334,7 @@ def collective_time(
     group_ranks: Sequence[int],
     cluster: Cluster,
     algorithm: str = "auto",
+    concurrent_groups: int | None = None,
 ) -> float:
     """Seconds for one ``kind`` collective of ``size_bytes`` over ``group_ranks`` of ``cluster``.
 
@@ -322,6 +350,8 @@ def collective_time(
             clusters only, as NCCL's tuner chooses) and, over ``k > 1`` ranks on each of several
             nodes, the hierarchical form; for an all-to-all, the cheaper of the flat exchange and
             (there too) the hierarchical one; otherwise the flat ring.
+        concurrent_groups: How many groups like this one run the collective at once (they share
+            a wide-area link between sites); default ``world_size / len(group_ranks)``.
 
     Raises:
         ValueError: Unknown kind or algorithm, a bad group, or an algorithm that does not apply.
@@ -331,7 +361,7 @@ def collective_time(
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {list(ALGORITHMS)}")
     nodes = _nodes_of(cluster, group_ranks)
     num_ranks = len(group_ranks)
-    link = link_for_group(cluster, group_ranks)
+    link = link_for_group(cluster, group_ranks, concurrent_groups)
     if kind == "send_recv":
         if num_ranks not in (1, 2):
             raise ValueError(f"send_recv: group_ranks must be (src, dst), got {list(group_ranks)}")
@@ -365,11 +395,7 @@ def collective_time(
     elif not applies:
         return flat
     two_levels = hierarchical_all_reduce_time if kind == "all_reduce" else hierarchical_all_to_all_time
-    hierarchical = two_levels(
-        size_bytes,
-        num_ranks // len(nodes),
-        len(nodes),
-        Link.from_spec(cluster.intra_node),
-        Link.from_spec(cluster.inter_node),
-    )
+    per_node = num_ranks // len(nodes)
+    hierarchical = two_levels(size_bytes, per_node, len(nodes),
+                              *_levels(cluster, group_ranks, per_node, concurrent_groups))
     return hierarchical if algorithm == "hierarchical" else min(flat, hierarchical)

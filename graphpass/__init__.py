@@ -33,7 +33,7 @@ def plan(*args: Any, **kwargs: Any):
 _LAZY = {
     "compile": "graphpass.api", "verify": "graphpass.api",
     "Cluster": "graphpass.cluster", "DeviceSpec": "graphpass.cluster", "HostSpec": "graphpass.cluster",
-    "LinkSpec": "graphpass.cluster",
+    "LinkSpec": "graphpass.cluster", "Link": "graphpass.sites",
     "presets": "graphpass.cluster",
     "PassError": "graphpass.pass_manager", "PassRecord": "graphpass.pass_manager",
     "profile": "graphpass.cost.profiler",
@@ -74,6 +74,7 @@ __all__ = [
     "HungRankError",
     "HostSpec",
     "Jagged",
+    "Link",
     "LinkSpec",
     "PassError",
     "PassRecord",

@@ -153,12 +153,13 @@ def _batch_shape(text: str) -> tuple[int, ...]:
 
 
 def _cluster(text: str) -> Cluster:
-    """``--cluster``: a preset (``h100-80g``, ``h100-80g:16x8``) or a cluster JSON file (what
-    ``graphpass profile`` writes, or ``Cluster.to_json``)."""
+    """``--cluster``: a preset (``h100-80g``, ``h100-80g:16x8``), joined sites
+    (``h100-80g:4x8+a100-80g:4x8@wan-10g``) or a cluster JSON file (what ``graphpass profile``
+    writes, or ``Cluster.to_json``)."""
     from graphpass.planner import resolve_cluster
 
     path = pathlib.Path(text).expanduser()
-    if text.endswith(".json") or os.sep in text or path.is_file():
+    if "@" not in text and (text.endswith(".json") or os.sep in text or path.is_file()):
         if not path.is_file():
             raise _Usage(f"--cluster: no such cluster file {text} (give a preset such as h100-80g:16x8, or the "
                          "JSON graphpass profile --out writes)")

@@ -44,6 +44,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -549,7 +550,8 @@ def _env_int(var: str) -> int | None:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A homogeneous grid of ``num_nodes x devices_per_node`` devices.
+    """A homogeneous grid of ``num_nodes x devices_per_node`` devices, or sites of such grids
+    joined by a wide-area link (:meth:`join`).
 
     Attributes:
         device: The device every rank runs on.
@@ -561,6 +563,11 @@ class Cluster:
         name: Free-form label, e.g. the preset name.
         host: Each device's host side (:class:`HostSpec`: host memory, its link, disk), what
             offload may use; None: not known, and the planner offloads nothing.
+        sites: The clusters :meth:`join` put behind one wide-area link, in rank order (site 0's
+            ranks first); empty for one site. Their own links price the groups inside them;
+            the fields above are the slowest site's (:mod:`graphpass.sites`).
+        wan: The wide-area link between the sites (its bandwidth shared by every group that
+            crosses it); None for one site.
     """
 
     device: DeviceSpec
@@ -571,6 +578,8 @@ class Cluster:
     backend: str
     name: str = ""
     host: HostSpec | None = None
+    sites: tuple[Cluster, ...] = ()
+    wan: LinkSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, DeviceSpec):
@@ -586,6 +595,97 @@ class Cluster:
         _check_str("Cluster", "name", self.name)
         if self.host is not None and not isinstance(self.host, HostSpec):
             raise ValueError(f"Cluster.host must be a HostSpec or None, got {type(self.host).__name__}")
+        object.__setattr__(self, "sites", tuple(self.sites))
+        if bool(self.sites) != (self.wan is not None) or len(self.sites) == 1:
+            raise ValueError("Cluster.sites and Cluster.wan go together (two or more sites and their link); build "
+                             "joined clusters with Cluster.join(site, site, link=...)")
+        if self.wan is not None and not isinstance(self.wan, LinkSpec):
+            raise ValueError(f"Cluster.wan must be a LinkSpec, got {type(self.wan).__name__}")
+        if self.sites and (sum(s.world_size for s in self.sites) != self.world_size
+                           or any(s.devices_per_node != self.devices_per_node or s.sites for s in self.sites)):
+            raise ValueError(f"Cluster.sites hold {sum(s.world_size for s in self.sites)} devices in nodes of "
+                             f"{sorted({s.devices_per_node for s in self.sites})}, but the cluster has {self.world_size} "
+                             f"in nodes of {self.devices_per_node}; build it with Cluster.join")
+
+    @classmethod
+    def join(cls, *sites: Cluster, link: LinkSpec) -> Cluster:
+        """Sites (each a cluster of its own devices and links) behind one wide-area link, as one
+        cluster whose ranks are site-major (:mod:`graphpass.sites`). Its own device, links and
+        host are the slowest site's (the device with the smallest memory of any site, each host
+        figure the smallest), so code that does not know about sites plans for the slowest.
+
+        Args:
+            sites: Two or more clusters with the same devices per node and backend; their
+                devices and node counts may differ.
+            link: ``graphpass.Link(bandwidth=, latency=)`` or a preset, ``graphpass.Link("wan-10g")``.
+
+        Raises:
+            ValueError: Fewer than two sites, a site that is itself joined, unlike backends, a
+                link that is not a LinkSpec. NotImplementedError: sites with different devices
+                per node.
+        """
+        if len(sites) < 2:
+            raise ValueError(f"Cluster.join needs at least two sites, got {len(sites)}")
+        for i, site in enumerate(sites):
+            if not isinstance(site, Cluster):
+                raise TypeError(f"Cluster.join: site {i} must be a graphpass.Cluster, got {type(site).__name__}")
+            if site.sites:
+                raise ValueError(f"Cluster.join: site {i} ({site.name}) is itself joined; join its sites and the "
+                                 "others in one call (one wide-area link between every pair of sites)")
+        if not isinstance(link, LinkSpec):
+            raise ValueError(f"Cluster.join: link={link!r}: give graphpass.Link(bandwidth=..., latency=...) or a "
+                             "preset such as graphpass.Link('wan-10g')")
+        per_node = {s.devices_per_node for s in sites}
+        if len(per_node) > 1:
+            raise NotImplementedError(
+                "Cluster.join: sites with different devices per node "
+                f"({', '.join(f'{s.name or i}: {s.devices_per_node}' for i, s in enumerate(sites))}) are not "
+                "supported yet (ranks are placed on nodes of one size); describe each site with the same gpus_per_node")
+        backends = {s.backend for s in sites}
+        if len(backends) > 1:
+            raise ValueError(f"Cluster.join: every site must run the same backend, got {sorted(backends)}")
+        slowest = min(sites, key=lambda s: (max(s.device.peak_tflops.values()) * s.device.compute_efficiency,
+                                            s.device.memory_bytes))
+        hosts = [s.host for s in sites]
+        host = None if any(h is None for h in hosts) else HostSpec(
+            min(h.memory_bytes for h in hosts), min(h.link_gbps for h in hosts),
+            min(h.memory_bandwidth_gbps for h in hosts), min(h.disk_bytes for h in hosts),
+            min(h.disk_gbps for h in hosts) if all(h.disk_bytes for h in hosts) else 0.0)
+
+        def slowest_link(links: list[LinkSpec]) -> LinkSpec:
+            return min(links, key=lambda spec: (spec.bandwidth_gbps, -spec.latency_s))
+
+        return cls(
+            device=replace(slowest.device, memory_bytes=min(s.device.memory_bytes for s in sites)),
+            num_nodes=sum(s.num_nodes for s in sites),
+            devices_per_node=per_node.pop(),
+            intra_node=slowest_link([s.intra_node for s in sites]),
+            inter_node=slowest_link([s.inter_node for s in sites]),
+            backend=backends.pop(),
+            name=" + ".join(s.name or f"site {i}" for i, s in enumerate(sites)) + f" over {link.name or 'wan'}",
+            host=host,
+            sites=tuple(sites),
+            wan=link,
+        )
+
+    def site_of(self, rank: int) -> int:
+        """The site ``rank`` is in (0 for a cluster of one site)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank!r} is not in 0..{self.world_size - 1}")
+        return bisect.bisect_right(self.site_starts(), rank) - 1
+
+    def site_starts(self) -> tuple[int, ...]:
+        """Each site's first rank."""
+        starts, first = [], 0
+        for site in self.sites or (self,):
+            starts.append(first)
+            first += site.world_size
+        return tuple(starts)
+
+    def crosses_sites(self, mesh: Mesh, axis: str) -> bool:
+        """Whether some group of ``axis`` in ``mesh`` spans more than one site."""
+        return bool(self.sites) and any(len({self.site_of(r) for r in mesh.group_ranks(axis, rank)}) > 1
+                                        for rank in range(mesh.world_size))
 
     def with_host(self, **changes: Any) -> Cluster:
         """This cluster with its host side changed (``cluster.with_host(memory_bytes=2**40)``:
@@ -640,6 +740,7 @@ class Cluster:
             "inter_node": self.inter_node.to_dict(),
             "backend": self.backend,
             **({"host": self.host.to_dict()} if self.host is not None else {}),
+            **({"sites": [s.to_dict() for s in self.sites], "wan": self.wan.to_dict()} if self.sites else {}),
         }
 
     @classmethod
@@ -651,6 +752,12 @@ class Cluster:
         kwargs["device"] = DeviceSpec.from_dict(kwargs["device"])
         kwargs["intra_node"] = LinkSpec.from_dict(kwargs["intra_node"])
         kwargs["inter_node"] = LinkSpec.from_dict(kwargs["inter_node"])
+        if "sites" in kwargs:
+            if not isinstance(kwargs["sites"], list):
+                raise ValueError(f"Cluster.sites must be a list of clusters, got {type(kwargs['sites']).__name__}")
+            kwargs["sites"] = tuple(cls.from_dict(site) for site in kwargs["sites"])
+        if kwargs.get("wan") is not None:
+            kwargs["wan"] = LinkSpec.from_dict(kwargs["wan"])
         return cls(**kwargs)
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -676,6 +783,10 @@ class Cluster:
         )
         if _UNPROFILED in self.name:
             text += f" [{_UNPROFILED}]"
+        if self.sites:
+            wan = self.wan
+            text = (" + ".join(f"[{site.explain()}]" for site in self.sites)
+                    + f", joined by {wan.name or 'wan'} {wan.bandwidth_gbps * 8:g} Gbit/s, {wan.latency_s * 1e3:g} ms")
         return text
 
     def __str__(self) -> str:

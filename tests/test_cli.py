@@ -260,6 +260,14 @@ def test_cluster_takes_the_json_that_profile_writes(factories, tmp_path, capsys)
     assert err.count("\n") == 1 and "is not a cluster JSON (graphpass profile writes one)" in err, err
 
 
+def test_cluster_takes_sites_joined_by_a_wide_area_link(factories, capsys):
+    assert _plan_tiny(factories, cluster="h100-80g:1x2+a100-80g:1x2@1Gbit/s,20ms") == 0
+    out = capsys.readouterr().out
+    assert "joined by 1Gbit/s,20ms (1 Gbit/s shared, 20 ms); axes crossing it:" in out, out
+    assert _plan_tiny(factories, cluster="h100-80g:1x2+a100-80g:1x2@1Gbit/s,-20ms") == 2
+    assert "Link.latency='-20ms'" in capsys.readouterr().err
+
+
 def test_strategy_prices_the_given_strategy_and_dp_takes_the_rest(factories, capsys):
     assert _plan_tiny(factories, "--strategy", "pp=2,microbatches=2,zero=1", cluster="h100-80g:1x4") == 0
     out = capsys.readouterr().out

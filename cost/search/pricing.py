@@ -24,7 +24,7 @@ from graphpass.cluster import Cluster
 from graphpass.layout import Tiers
 from graphpass.plan import Choice
 from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
-from graphpass.cost.collectives import collective_time, sync_time
+from graphpass.cost.collectives import collective_time, link_for_group, sync_time
 from graphpass.cost.experts import imbalance as expert_imbalance
 from graphpass.cost.search.blocks import LAYER, BlockCost
 from graphpass.cost.search.layouts import Parallelism, local_batch
@@ -135,15 +135,24 @@ def _bucket_spike(bucketed: float, costing: Costing) -> float:
 
 class _Collectives:
     """Memoised collective times for one mesh, on rank 0's groups (a pipeline neighbour pair for
-    ``pp``)."""
+    ``pp``); on joined sites, each axis's slowest group (and pair), since groups inside
+    different sites, or across them, run on different links."""
 
     def __init__(self, cluster: Cluster, layout: Parallelism):
         self.cluster = cluster
         self.mesh = mesh = layout.mesh
-        self.groups = {axis: mesh.group_ranks(axis) for axis in ("dp", "tp", "ep", "edp")}
-        self.groups["pp"] = mesh.group_ranks("pp")[:2]
+        self.groups = {}
+        for axis in ("dp", "tp", "ep", "edp"):
+            self._group(axis)
+        if cluster.sites:
+            pairs = [g[i:i + 2] for g in _groups(mesh, "pp") for i in range(len(g) - 1)]
+            self.groups["pp"] = _slowest_group(cluster, pairs) if pairs else mesh.group_ranks("pp")[:2]
+        else:
+            self.groups["pp"] = mesh.group_ranks("pp")[:2]
         self.memo: dict[tuple[str, str, float], float] = {}
         self.syncs: dict[str, float] = {}
+        # the pipeline's neighbour pairs at one stage boundary send at once: one per other rank
+        self.concurrent = {"pp": mesh.world_size // max(mesh.pp, 1)}
 
     def latency(self, axis: str, kind: str) -> float:
         """The size-independent part of one collective (its time for one byte)."""
@@ -157,7 +166,8 @@ class _Collectives:
             return 0.0
         key = (axis, kind, size)
         if key not in self.memo:
-            self.memo[key] = collective_time(kind, size, group, self.cluster)
+            self.memo[key] = collective_time(kind, size, group, self.cluster,
+                                             concurrent_groups=self.concurrent.get(axis))
         return self.memo[key] + (self.sync(axis) if blocking else 0.0)
 
     def sync(self, axis: str) -> float:
@@ -168,8 +178,30 @@ class _Collectives:
 
     def _group(self, axis: str) -> Sequence[int]:
         if axis not in self.groups:  # HSDP's dp_shard / dp_replicate, joint "a,b" groups
-            self.groups[axis] = self.mesh.group_ranks(axis)
+            mesh = self.mesh
+            self.groups[axis] = (_slowest_group(self.cluster, _groups(mesh, axis)) if self.cluster.sites
+                                 else mesh.group_ranks(axis))
         return self.groups[axis]
+
+
+def _groups(mesh, axis: str) -> list[list[int]]:
+    """Every group of ``axis``, once each."""
+    seen: set[int] = set()
+    out = []
+    for rank in range(mesh.world_size):
+        if rank not in seen:
+            group = list(mesh.group_ranks(axis, rank))
+            seen.update(group)
+            out.append(group)
+    return out
+
+
+def _slowest_group(cluster: Cluster, groups: Sequence[Sequence[int]]) -> list[int]:
+    """The group whose ring runs on the slowest link (least bandwidth, then most latency)."""
+    def speed(group: Sequence[int]) -> tuple[float, float]:
+        link = link_for_group(cluster, group)
+        return link.bandwidth_bytes_per_s, -link.latency_s
+    return list(min(groups, key=speed))
 
 
 def transition_s(name: str, size: float, layout: Parallelism, costing: Costing, backward: bool = True) -> float:

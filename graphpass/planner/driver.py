@@ -74,6 +74,10 @@ def parse_memory(value: Any, name: str = "memory_budget") -> int:
 def resolve_cluster(cluster: Any) -> Cluster:
     if isinstance(cluster, Cluster):
         return cluster
+    if isinstance(cluster, str) and ("@" in cluster or "+" in cluster):
+        from graphpass import sites
+
+        return sites.parse(cluster, resolve_cluster)
     if isinstance(cluster, str):
         match = re.fullmatch(r"([\w.-]+?)(?::(\d+)x(\d+))?", cluster.strip())
         if match and match.group(2):
@@ -84,7 +88,8 @@ def resolve_cluster(cluster: Any) -> Cluster:
             )
         return Cluster.preset(cluster.strip())
     raise TypeError(
-        f"cluster must be a graphpass.Cluster or a preset name such as 'h100-80g' or 'h100-80g:4x8', "
+        f"cluster must be a graphpass.Cluster, a preset name such as 'h100-80g' or 'h100-80g:4x8', or joined "
+        f"sites such as 'h100-80g:4x8+a100-80g:4x8@wan-10g', "
         f"got {type(cluster).__name__}"
     )
 

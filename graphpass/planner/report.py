@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
+from graphpass import sites
 from graphpass.cost import search as S
 from graphpass.plan import Plan, Strategy
 from graphpass.plan_builder import plan_from_choices
@@ -151,6 +152,9 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                        f"the fullest rank, {priced.time_s * 1e3:.2f} ms a step of exchanges (in the step and peak "
                        "predicted)")
         reasons += [f"  {line}" for line in priced.reasons]
+    site_line = sites.describe(costing.cluster, mesh)
+    if site_line:
+        reasons.append(site_line)
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
     # The step on the slowest pp rank: its microbatches' compute and tp collectives, then the
     # tail (exposed dp communication, optimizer); the rest of the step is the pipeline bubble.

@@ -1,0 +1,127 @@
+"""Sites joined by a wide-area link (graphpass.sites): the link's units, the joined cluster, its
+string form, how collectives crossing the link are priced, and what the planner says of it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import graphpass as gp
+from graphpass.cost.collectives import collective_time, link_for_group
+from graphpass.mesh import Mesh
+from graphpass.planner import resolve_cluster
+
+
+def _two_sites(link="wan-10g"):
+    return gp.Cluster.join(gp.Cluster.preset("h100-80g", 2, 4), gp.Cluster.preset("a100-80g", 1, 4), link=gp.Link(link))
+
+
+@pytest.mark.parametrize("bandwidth, gbytes_per_s", [
+    ("10 Gbit/s", 1.25), ("10Gbps", 1.25), ("1.25 GB/s", 1.25), ("400 Mbit/s", 0.05), (8e9, 1.0), ("1Tb/s", 125.0)])
+def test_a_links_rate_reads_bits_and_bytes_by_their_unit(bandwidth, gbytes_per_s):
+    link = gp.Link(bandwidth, "20 ms")
+    assert link.bandwidth_gbps == pytest.approx(gbytes_per_s) and link.latency_s == pytest.approx(0.02)
+    assert gp.Link(1e9, "500us").latency_s == pytest.approx(5e-4) and gp.Link(1e9, 0.003).latency_s == 0.003
+    preset = gp.Link("transatlantic-10g")
+    assert (preset.bandwidth_gbps, preset.latency_s, preset.name) == (1.25, 0.075, "transatlantic-10g")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bandwidth": None}, r"Link.bandwidth=None: give the link's rate"),
+    ({"bandwidth": "fast"}, r"Link.bandwidth='fast'"),
+    ({"bandwidth": 0}, r"Link.bandwidth=0"),
+    ({"bandwidth": "10 Gbit/s", "latency": -1}, r"Link.latency=-1: give the one-way latency"),
+    ({"bandwidth": "10 Gbit/s", "latency": "20 parsecs"}, r"Link.latency='20 parsecs'"),
+])
+def test_a_link_without_a_rate_or_with_a_bad_latency_is_refused_by_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        gp.Link(**kwargs)
+
+
+def test_joined_sites_are_one_site_major_cluster_that_round_trips():
+    cluster = _two_sites()
+    assert cluster.world_size == 12 and cluster.site_starts() == (0, 8)
+    assert [cluster.site_of(r) for r in (0, 7, 8, 11)] == [0, 0, 1, 1]
+    # the fields site-unaware code reads are the slowest site's: the planner never over-promises
+    assert cluster.device.name == "a100-80g" and cluster.inter_node.bandwidth_gbps == 25.0
+    assert cluster.wan.bandwidth_gbps == pytest.approx(1.25) and cluster.wan.latency_s == pytest.approx(0.02)
+    assert gp.Cluster.from_json(cluster.to_json()) == cluster
+    assert "joined by wan-10g 10 Gbit/s, 20 ms" in cluster.explain()
+    assert resolve_cluster("h100-80g:2x4+a100-80g:1x4@wan-10g") == cluster
+    custom = resolve_cluster("h100-80g:1x4+h100-80g:1x4@1Gbit/s,5ms")
+    assert custom.wan.bandwidth_gbps == pytest.approx(0.125) and custom.wan.latency_s == pytest.approx(0.005)
+    with pytest.raises(ValueError, match=r"rank 12 is not in 0..11"):
+        cluster.site_of(12)
+
+
+@pytest.mark.parametrize("build, error, message", [
+    (lambda: gp.Cluster.join(gp.Cluster.preset("h100-80g"), link=gp.Link("wan-10g")), ValueError, "at least two sites"),
+    (lambda: gp.Cluster.join(_two_sites(), gp.Cluster.preset("h100-80g"), link=gp.Link("wan-1g")), ValueError,
+     "is itself joined"),
+    (lambda: gp.Cluster.join(gp.Cluster.preset("h100-80g", 1, 8), gp.Cluster.preset("a100-80g", 1, 4),
+                             link=gp.Link("wan-1g")), NotImplementedError, r"different devices per node \(h100-80g: 8, a100-80g: 4\)"),
+    (lambda: gp.Cluster.join(gp.Cluster.preset("h100-80g"), replace(gp.Cluster.preset("h100-80g"), backend="gloo"),
+                             link=gp.Link("wan-1g")), ValueError, r"the same backend, got \['gloo', 'nccl'\]"),
+    (lambda: gp.Cluster.join(gp.Cluster.preset("h100-80g"), gp.Cluster.preset("h100-80g"), link="slow"), ValueError,
+     r"link='slow': give graphpass.Link"),
+    (lambda: resolve_cluster("h100-80g+h100-80g"), ValueError, r"write joined sites as SITE\+SITE@LINK"),
+])
+def test_sites_that_cannot_be_joined_are_refused_by_name(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+def test_a_group_inside_a_site_runs_on_its_links_and_one_across_shares_the_wide_area_link():
+    cluster = _two_sites()
+    a100 = gp.Cluster.preset("a100-80g", 1, 4)
+    size = 64e6
+    # inside site 1: exactly as that site alone prices it
+    assert collective_time("all_reduce", size, [8, 9, 10, 11], cluster) == collective_time(
+        "all_reduce", size, [0, 1, 2, 3], a100)
+    # a pair's all-reduce, as one of the 12 / 2 = 6 pairs of an axis that cross at once (the
+    # default): two ring steps of alpha + (S / 2) / (B / 6)
+    wan_bytes_per_s = 1.25e9
+    assert collective_time("all_reduce", size, [0, 8], cluster, algorithm="ring") == pytest.approx(
+        2 * (0.02 + size / 2 / (wan_bytes_per_s / 6)))
+    # the whole cluster in one ring: every step waits for the wide-area hop, which it has to itself
+    ring = collective_time("all_reduce", size, list(range(12)), cluster, algorithm="ring")
+    assert ring == pytest.approx(2 * 11 * 0.02 + 2 * 11 / 12 * size / wan_bytes_per_s)
+    assert link_for_group(cluster, [0, 4]).bandwidth_bytes_per_s == pytest.approx(50e9)  # site 0's InfiniBand
+
+
+def test_which_mesh_axes_cross_the_sites():
+    cluster = _two_sites()
+    mesh = Mesh.of(dp=3, tp=4)  # tp inside a node, dp over the three nodes of both sites
+    assert cluster.crosses_sites(mesh, "dp") and not cluster.crosses_sites(mesh, "tp")
+    assert not gp.Cluster.preset("h100-80g", 3, 4).crosses_sites(mesh, "dp")
+
+
+def test_the_planner_prices_the_pipeline_hop_that_crosses_the_sites_and_names_the_crossing_axis():
+    """A pipeline whose stages 1 and 2 sit on either side of the link is priced by that hop,
+    not by rank 0's neighbour inside site 0; the plan says which axes cross and for which device
+    it was priced."""
+    from graphpass.cost.search.layouts import Parallelism
+    from graphpass.cost.search.pricing import _Collectives
+
+    cluster = gp.Cluster.join(gp.Cluster.preset("h100-80g", 2, 8), gp.Cluster.preset("a100-80g", 2, 8),
+                              link=gp.Link("wan-1g"))
+    comms = _Collectives(cluster, Parallelism(Mesh.of(pp=4, dp=8), 4))
+    assert {cluster.site_of(r) for r in comms.groups["pp"]} == {0, 1}
+    # the 8 pairs at that boundary (one per dp rank) share the 1 Gbit/s link
+    assert comms.time("pp", "send_recv", 1e6) == pytest.approx(0.02 + 1e6 / (1e9 / 8 / 8))
+
+    import zoo
+
+    plan = gp.plan(zoo.build("gpt"), "h100-80g:1x4+a100-80g:1x4@wan-1g", zoo.batches("gpt", 1, batch=8)[0])
+    line = next(line for line in plan.explain().splitlines() if "sites:" in line)
+    assert "joined by wan-1g (1 Gbit/s shared, 20 ms); axes crossing it:" in line
+    assert "priced for the slowest site's device (a100-80g)" in line
+
+
+def test_a_joined_cluster_larger_than_the_job_is_refused():
+    import zoo
+
+    with pytest.raises(ValueError, match=r"cluster describes 8 devices but this process group has 1"):
+        gp.compile(zoo.build("gpt"), resolve_cluster("h100-80g:1x4+h100-80g:1x4@wan-10g"),
+                   example_inputs=zoo.batches("gpt", 1, batch=8)[0], strategy=gp.Strategy(dp=8))
