@@ -21,6 +21,7 @@ from graphpass.layout import ActivationPlan, Jagged, Split, TensorPlan, Tiers
 from graphpass.plan import Plan, Strategy
 from graphpass.plan_report import PlanReport
 from graphpass.tables import SparseOptimizer, TableSharding
+from graphpass.compression import GradCompression
 
 
 def plan(*args: Any, **kwargs: Any):
@@ -70,6 +71,7 @@ __all__ = [
     "Cluster",
     "DeviceSpec",
     "DistributedModule",
+    "GradCompression",
     "ExpertPlacement",
     "HungRankError",
     "HostSpec",

@@ -35,6 +35,8 @@ from graphpass.mesh import ORDER, Mesh
 from graphpass.ops import is_linear, linear_operands
 from graphpass.plan_report import PlanReport
 from graphpass import tables as tables_lib
+from graphpass import compression as compression_lib
+from graphpass.compression import GradCompression
 from graphpass.tables import SparseOptimizer, TableSharding
 
 #: What ``Strategy.offload`` may name, in the order it prints them.
@@ -147,6 +149,11 @@ class Strategy:
         staleness: with a cache, how many steps old a cached row may be when read and how many
             steps late a row's gradient may reach the rank holding the row (HET's bounded
             staleness); 0 is exact, more trades exactness for fewer bytes moved.
+        grad_compression: the data-parallel gradient buckets sent compressed, with error
+            feedback (a :class:`graphpass.GradCompression`: PowerSGD or int8,
+            :mod:`graphpass.compression`): fewer bytes a step, no longer one process's training.
+            Plain data parallelism only (zero 0, no tp, ep, dp_shard or sharded tables). None:
+            exact all-reduces.
     """
 
     dp: int = 1
@@ -168,6 +175,7 @@ class Strategy:
     embedding_optimizer: SparseOptimizer | None = None
     embedding_cache: float = 0.0
     staleness: int = 0
+    grad_compression: GradCompression | None = None
 
     def __post_init__(self) -> None:
         self._check_embeddings()
@@ -191,6 +199,9 @@ class Strategy:
         if self.dp_shard is not None:
             self._check_dp_shard()
         self._check_offload()
+        if isinstance(self.grad_compression, Mapping):  # from a plan's JSON
+            object.__setattr__(self, "grad_compression", GradCompression.from_json(self.grad_compression))
+        compression_lib.check_strategy(self)
         if self.split > 1 and self.zero != 3:
             # The slices' only gain is that ZeRO-3 gathers each right before its linear and frees it
             # after (split_operators' contract); at stages 0-2 every weight is whole during the step,
@@ -204,7 +215,7 @@ class Strategy:
         # dp_shard and offload only when set: a Strategy without them reads as before (users' golden files)
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
         unset = {"dp_shard": None, "offload": (), "offload_to": "host", "offload_window": None, "embeddings": None,
-                 "embedding_optimizer": None, "embedding_cache": 0.0, "staleness": 0}
+                 "embedding_optimizer": None, "embedding_cache": 0.0, "staleness": 0, "grad_compression": None}
         return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k in unset and v == unset[k])) + ")"
 
     def _check_embeddings(self) -> None:
@@ -543,6 +554,8 @@ class Plan:
             streamed in (STRONGHOLD's working window).
         embedding_optimizer: the sparse optimizer of the embedding tables the plan shards (a
             :attr:`TensorPlan.table`), applied to the rows each step touches.
+        grad_compression: the data-parallel gradient buckets go compressed with error feedback
+            (:class:`graphpass.GradCompression`; inexact); None: exact all-reduces.
         report: the planner's predictions and reasons (:class:`~graphpass.plan_report.PlanReport`;
             empty for a plan it did not price).
     """
@@ -560,6 +573,7 @@ class Plan:
     capacity_factor: float | str | None = "model"
     offload_window: int = 1
     embedding_optimizer: SparseOptimizer | None = None
+    grad_compression: GradCompression | None = None
     report: PlanReport = field(default_factory=PlanReport)
 
     def __post_init__(self) -> None:
@@ -752,6 +766,7 @@ class Plan:
         data["activations"] = {str(layer): saved.to_json() for layer, saved in self.activations.items()}
         data["report"] = self.report.to_dict()
         data["embedding_optimizer"] = None if self.embedding_optimizer is None else self.embedding_optimizer.to_json()
+        data["grad_compression"] = None if self.grad_compression is None else self.grad_compression.to_json()
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -797,6 +812,8 @@ class Plan:
             kwargs["report"] = PlanReport.from_dict(kwargs["report"])
         if kwargs.get("embedding_optimizer") is not None:
             kwargs["embedding_optimizer"] = SparseOptimizer.from_json(kwargs["embedding_optimizer"])
+        if kwargs.get("grad_compression") is not None:
+            kwargs["grad_compression"] = GradCompression.from_json(kwargs["grad_compression"])
         for name in ("stages", "recompute"):
             if name in kwargs:
                 if not isinstance(kwargs[name], (list, tuple)):
@@ -905,6 +922,9 @@ class Plan:
         lines.append(f"pipeline stages: {len(self.stages)}" + (
             f", {self.microbatches} microbatches" if self.microbatches > 1 else ""))
         lines.append(f"gradient bucket cap: {self.bucket_cap_bytes / 2**20:.1f} MiB")
+        if self.grad_compression is not None:
+            lines.append(f"gradient buckets compressed: {self.grad_compression} (error feedback; INEXACT: does not "
+                         "train as one process does)")
         lines.extend(self.report.lines())
         return "\n".join(lines)
 

@@ -52,8 +52,10 @@ PER_MICROBATCH, PER_STEP = "microbatch", "step"
 
 
 #: ``Transition.size_of``: ``S`` is the whole tensor (its elements times their bytes), or one
-#: float32 per row of it (its last dimension reduced away: the vocabulary-parallel loss).
-TENSOR, FLOAT32_PER_ROW = "tensor", "float32 per row"
+#: float32 per row of it (its last dimension reduced away: the vocabulary-parallel loss);
+#: ``PARTS``: several named sizes (a mapping), one per movement and copy (``Movement.part``), given
+#: by the entry's own function (the compressed buckets: :mod:`graphpass.compression`).
+TENSOR, FLOAT32_PER_ROW, PARTS = "tensor", "float32 per row", "parts"
 
 #: ``Movement.across``: over the replicas of the op's shards (HSDP's ``dp_replicate``, see
 #: :meth:`graphpass.mesh.Mesh.replicate_axis`), on this rank's shard, ``S / n``.
@@ -73,10 +75,12 @@ class Movement:
     per: str = PER_MICROBATCH
     blocking: bool = True
     across: str = ""
+    #: for an entry whose ``S`` has several parts (:data:`PARTS`), the part this one moves
+    part: str = ""
 
-    def size(self, size_bytes: float, n: int) -> float:
+    def size(self, size_bytes: float | Mapping[str, float], n: int) -> float:
         """The bytes this movement's collective runs on, for an op of ``size_bytes`` on ``n`` ranks."""
-        return self.factor * size_bytes / (n if self.across == REPLICAS else 1)
+        return self.factor * _part(size_bytes, self.part) / (n if self.across == REPLICAS else 1)
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,20 @@ class Copy:
     full: float = 0.0
     shard: float = 0.0
     per: str = PER_MICROBATCH
+    part: str = ""  # as Movement.part
 
-    def bytes(self, size_bytes: float, n: int) -> float:
-        return self.full * size_bytes + self.shard * size_bytes / n
+    def bytes(self, size_bytes: float | Mapping[str, float], n: int) -> float:
+        size = _part(size_bytes, self.part)
+        return self.full * size + self.shard * size / n
+
+
+def _part(size_bytes: float | Mapping[str, float], part: str) -> float:
+    """``S``, or its ``part`` for an entry whose ``S`` has parts (``size_of=PARTS``)."""
+    if isinstance(size_bytes, Mapping):
+        if not part:
+            raise ValueError(f"a movement of an entry sized by parts {sorted(size_bytes)} must name its part")
+        return float(size_bytes[part])
+    return float(size_bytes)
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,32 @@ TABLE: Mapping[str, Transition] = _entries(
                # the bucket's flat buffer stays between steps (as DDP's); filling it from
                # autograd's gradients holds them twice for a moment
                step=1.0, transient=1.0),
+    # Compressed buckets (graphpass.compression; S in parts from compression.bucket_parts):
+    # "bucket" the gradients' bytes, "p" / "q" PowerSGD's two rounds (P factors with the tensors
+    # sent whole, then Q factors), "wire" one int8 hop (a byte an element and a scale a block),
+    # "padded" the float32 bucket padded to whole blocks of every rank's shard. Besides the
+    # bucket's buffer, each keeps its error between steps (and PowerSGD its Q).
+    Transition("dp gradient bucket powersgd", "all_reduce_grads_powersgd", "dp", "Partial()", "Replicate()",
+               "the bucket's gradients and PowerSGD's factors",
+               (Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC, part="p"),
+                Movement(_B, "all_reduce", per=_STEP, blocking=_ASYNC, part="q")),
+               # the bucket filled and scaled (as a plain bucket's), the approximations written
+               # back; P factors and whole tensors packed; Q factors packed, and kept (warm start)
+               copies=(Copy(_B, full=3.0, per=_STEP, part="bucket"), Copy(_B, full=1.0, per=_STEP, part="p"),
+                       Copy(_B, full=2.0, per=_STEP, part="q")),
+               step=2.0, transient=1.0, size_of=PARTS),
+    Transition("dp gradient bucket int8", "all_reduce_grads_int8", "dp", "Partial()", "Replicate()",
+               "the bucket's gradients and their int8 blocks",
+               (Movement(_B, "all_to_all", per=_STEP, blocking=_ASYNC, part="wire"),
+                Movement(_B, "all_gather", per=_STEP, blocking=_ASYNC, part="wire")),
+               # the bucket filled, scaled, copied into the padded float32 buffer and back; the
+               # padded buffer divided by its scales, rounded to int8, dequantised (worker), the
+               # arrivals unpacked and dequantised, the gathered blocks too (full), the shard's
+               # sum divided, rounded and dequantised (a shard); each hop's send packed
+               copies=(Copy(_B, full=4.0, per=_STEP, part="bucket"),
+                       Copy(_B, full=4.75 + 3 / 512, shard=2.25 + 1 / 512, per=_STEP, part="padded"),
+                       Copy(_B, full=1.0, shard=1.0, per=_STEP, part="wire")),
+               step=2.0, transient=1.0, size_of=PARTS),
     Transition("dp reported loss", "all_reduce", "dp", "Partial(avg)", "Replicate()",
                "the loss (detached)", (Movement(_F, "all_reduce", blocking=_ASYNC),)),
     Transition("dp step", "grad_sync_begin", "dp", "-", "-", "nothing (waits for the buckets)", ()),

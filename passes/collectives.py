@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from graphpass import meta
+from graphpass.compression import GradCompression
 from graphpass.runtime import collectives as ops
 from graphpass.layout import placement_to_str
 from graphpass.transitions import TABLE, Transition, redistribution, transition
@@ -148,11 +149,13 @@ def emit_grad_all_reduce(
     created_by: str,
     scale: float | None = None,
     stage_of: Callable[[fx.Node], int] | None = None,
+    compression: GradCompression | None = None,
 ) -> list[fx.Node]:
     """Make the gradients of ``params`` (Partial on ``axis``) Replicate by bucketed all-reduce.
 
     ``axis`` may join several mesh axes (``"dp,tp"``); ``scale`` multiplies the gradients before
-    the sum (default: average over ``axis``).
+    the sum (default: average over ``axis``); ``compression``: the buckets go compressed
+    ("dp gradient bucket powersgd" / "int8", :mod:`graphpass.compression`).
 
     Uses the graph's ``grad_sync_begin(axis)`` and inserts one ``all_reduce_grads`` node per
     bucket, right before the first use of any parameter in the bucket; every use of a parameter
@@ -162,10 +165,13 @@ def emit_grad_all_reduce(
         return []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     begin = ensure_grad_sync(gm, axis, created_by)
+    entry = TABLE["dp gradient bucket" + ("" if compression is None else f" {compression.kind}")]
+    options = {} if compression is None or compression.kind != "powersgd" else {
+        "rank": compression.rank, "warm_start": compression.warm_start}
     return [
         _insert_group(
-            gm, TABLE["dp gradient bucket"], bucket, (begin,),
-            {"bucket": index} if scale is None else {"bucket": index, "scale": scale},
+            gm, entry, bucket, (begin,),
+            {"bucket": index, **options} if scale is None else {"bucket": index, "scale": scale, **options},
             axis, "Replicate()", created_by,
         )
         for index, bucket in enumerate(bucket_params(params, bucket_cap_bytes, order, stage_of))

@@ -81,10 +81,16 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
         return gm
     # Pipeline stages: each stage's parameters are bucketed on their own (the cut follows).
     stage_of = stage_index(gm, plan.stages) if len(plan.stages) > 1 else None
+    compression = plan.grad_compression
+    if compression is not None and set(by_axes) - {batch}:
+        raise NotImplementedError(
+            f"{NAME}: Plan.grad_compression ({compression}) compresses the gradient buckets of the batch axis "
+            f"{batch!r} alone, but some gradients also sum over {sorted(set(by_axes) - {batch})} (tensor or expert "
+            "parallel partial sums); drop grad_compression or those axes")
     for axis, params in by_axes.items():
         # Average over the batch axis (the loss is a per-rank mean), sum over tp (partial sums).
         buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME, scale=1.0 / dp,
-                                                   stage_of=stage_of)
+                                                   stage_of=stage_of, compression=compression)
         log.info("%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis)
     if batch is not None:
         output = gm.graph.find_nodes(op="output")[0]

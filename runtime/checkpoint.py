@@ -816,6 +816,10 @@ def save(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, p
         ValueError: ``optimizer`` holds tensors that are not ``dmodel``'s parameters.
     """
     dmodel.flush_cache()  # the tables' pending writes applied: the checkpoint holds every update
+    if dmodel.plan.grad_compression is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.warning("gp.save: the plan's compressed gradient buckets (%s) keep their error feedback (and PowerSGD "
+                    "its Q) on the ranks, not in the checkpoint: a run resumed from it starts them afresh, so it "
+                    "does not continue the uninterrupted run's trajectory exactly", dmodel.plan.grad_compression)
     entries, unplaced, _ = dmodel.checkpoint_state()
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "mesh": dict(dmodel.plan.mesh)}
     with torch.no_grad():

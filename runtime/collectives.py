@@ -30,6 +30,7 @@ from graphpass.runtime.fake import is_fake
 from graphpass.runtime.expert_parallel import EP_OPS, ep_combine, ep_counts, ep_dispatch
 from graphpass.runtime.embeddings import TABLE_OPS, table_combine, table_counts, table_dispatch, table_replicated
 from graphpass.runtime.row_cache import table_cached
+from graphpass.runtime.compressed_sync import all_reduce_grads_int8, all_reduce_grads_powersgd
 from graphpass.runtime.grad_sync import all_reduce_grads, grad_sync_begin
 from graphpass.runtime.tensor_parallel import (
     TP_OPS,
@@ -70,7 +71,8 @@ def all_reduce(tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor
 
 
 #: Every op the emitter may insert; a test checks that no other function creates collective nodes.
-COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce, all_gather_params, *TP_OPS, *EP_OPS,
+COLLECTIVE_OPS: Sequence[Any] = (grad_sync_begin, all_reduce_grads, all_reduce_grads_int8, all_reduce_grads_powersgd,
+                                 all_reduce, all_gather_params, *TP_OPS, *EP_OPS,
                                  *TABLE_OPS, table_cached)
 
 __all__ = [
@@ -78,6 +80,8 @@ __all__ = [
     "all_gather_params",
     "all_reduce",
     "all_reduce_grads",
+    "all_reduce_grads_int8",
+    "all_reduce_grads_powersgd",
     "ep_combine",
     "ep_counts",
     "ep_dispatch",

@@ -225,10 +225,12 @@ def _remember_buffer(key: torch.Tensor, buffer: torch.Tensor) -> None:
 
 class _AllReduceGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token: torch.Tensor, sync: GradSync, scale: float | None, bucket: int, *params: torch.Tensor):
+    def forward(ctx, token: torch.Tensor, sync: GradSync, scale: float | None, bucket: int, reducer: Any,
+                *params: torch.Tensor):
         ctx.sync = sync
         ctx.scale = scale
         ctx.bucket = bucket
+        ctx.reducer = reducer
         # Held directly, not via save_for_backward: under saved-tensor hooks (ZeRO-3 re-gather)
         # autograd would hand back new tensor objects, and .grad must land on the real leaves.
         ctx.params = params
@@ -239,7 +241,7 @@ class _AllReduceGrads(torch.autograd.Function):
         params = ctx.params
         sync: GradSync = ctx.sync
         pieces = [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
-        done = (torch.zeros((), dtype=torch.float32), None, None, None) + (None,) * len(params)
+        done = (torch.zeros((), dtype=torch.float32), None, None, None, None) + (None,) * len(params)
         accumulation = sync.accumulation
         flat = accumulation.held(params[0])
         if flat is None:  # the step's first backward for this bucket: into the bucket's buffer
@@ -271,7 +273,9 @@ class _AllReduceGrads(torch.autograd.Function):
             flat.mul_(factor)
         if group is not None:
             rank_progress.enter("all_reduce_grads bucket", ctx.bucket)
-            work = dist.all_reduce(flat, group=group, async_op=True)
+            # a compressed bucket's reducer (graphpass.runtime.compressed_sync) runs its own rounds
+            work = (dist.all_reduce(flat, group=group, async_op=True) if ctx.reducer is None
+                    else ctx.reducer.start(flat, params, group))
         sync.add(work, flat, params)
         return done
 
@@ -288,6 +292,13 @@ def all_reduce_grads(
         bucket: the bucket's index (for dumps and logs; buckets are numbered in launch order).
         scale: factor applied before the sum (default ``1 / size of sync.axis``: an average).
     """
+    return bucket_grads(sync, params, bucket, scale, None)
+
+
+def bucket_grads(sync: GradSync, params: tuple[torch.Tensor, ...], bucket: int, scale: float | None,
+                 reducer: Any) -> tuple[torch.Tensor, ...]:
+    """A gradient bucket whose reduction ``reducer.start(flat, params, group)`` begins (a work
+    object: ``wait()``, optionally ``advance()``); None: a plain all-reduce."""
     if any(is_fake(p) for p in params) or not torch.is_grad_enabled():
         return tuple(p.view_as(p) for p in params)
-    return _AllReduceGrads.apply(sync.token, sync, scale, bucket, *params)
+    return _AllReduceGrads.apply(sync.token, sync, scale, bucket, reducer, *params)

@@ -39,6 +39,8 @@ def _cases():
                 lambda t, s: ((t((8, 5)), torch.tensor([0, 1, 9, 3, 4, 5, 6, 7]), "tp", 2, 5 * dist.get_rank()), {})))
     out.append((ops.all_reduce, lambda t, s: ((t((3,)), "tp"), {"op": "avg"})))
     out.append((ops.all_reduce_grads, lambda t, s: ((s, t((4, 3)), t((3,))), {"bucket": 0})))
+    out.append((ops.all_reduce_grads_int8, lambda t, s: ((s, t((4, 3)), t((3,))), {"bucket": 0})))
+    out.append((ops.all_reduce_grads_powersgd, lambda t, s: ((s, t((8, 6)), t((3,))), {"bucket": 0, "rank": 2})))
     out.append((ops.all_gather_params,
                 lambda t, s: ((s, t((3, 4)), t((2,))), {"axis": "tp", "shapes": ((5, 4), (3,)), "stage": 3})))
     out.append((ops.all_gather_params,

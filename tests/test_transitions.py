@@ -23,9 +23,11 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphpass import meta
+from graphpass.compression import GradCompression, bucket_parts
 from graphpass.layout import TensorLayout
 from graphpass.passes import collectives as emit
 from graphpass.runtime import collectives as ops
+from graphpass.runtime import compressed_sync as compressed_runtime
 from graphpass.runtime import embeddings as table_runtime
 from graphpass.runtime import expert_parallel as ep_runtime
 from graphpass.runtime import mesh as mesh_lib
@@ -178,15 +180,19 @@ def _counting(log: list, phase: list, copies: _Copies):
     """Record (phase, kind, bytes of S, blocking) of every collective the runtime launches."""
     saved = (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
              tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all,
-             table_runtime._all_to_all, table_runtime._all_gather)
+             table_runtime._all_to_all, table_runtime._all_gather, compressed_runtime._all_to_all,
+             compressed_runtime._all_gather_flat)
     real = {"all_reduce": dist.all_reduce, "all_gather": zero_runtime._all_gather_flat,
             "reduce_scatter": zero_runtime._reduce_scatter_flat, "all_to_all": ep_runtime._all_to_all,
-            "table all_to_all": table_runtime._all_to_all, "table all_gather": table_runtime._all_gather}
+            "table all_to_all": table_runtime._all_to_all, "table all_gather": table_runtime._all_gather,
+            "compressed all_to_all": compressed_runtime._all_to_all,
+            "compressed all_gather": compressed_runtime._all_gather_flat}
 
     def counted(kind: str, operand: int):
         def call(*args, **kwargs):
             tensor = args[operand]
-            log.append((phase[0], kind.removeprefix("table "), tensor.numel() * tensor.element_size(),
+            log.append((phase[0], kind.removeprefix("table ").removeprefix("compressed "),
+                        tensor.numel() * tensor.element_size(),
                         not kwargs.get("async_op")))
             with copies.backend():
                 work = real[kind](*args, **kwargs)
@@ -198,6 +204,8 @@ def _counting(log: list, phase: list, copies: _Copies):
     ep_runtime._all_to_all = counted("all_to_all", 1)
     table_runtime._all_to_all = counted("table all_to_all", 1)
     table_runtime._all_gather = counted("table all_gather", 1)
+    compressed_runtime._all_to_all = counted("compressed all_to_all", 1)
+    compressed_runtime._all_gather_flat = counted("compressed all_gather", 0)
     zero_runtime._all_gather_flat = tp_runtime._all_gather_flat = counted("all_gather", 0)
     zero_runtime._reduce_scatter_flat = tp_runtime._reduce_scatter_flat = counted("reduce_scatter", 1)
     try:
@@ -205,7 +213,8 @@ def _counting(log: list, phase: list, copies: _Copies):
     finally:
         (dist.all_reduce, zero_runtime._all_gather_flat, zero_runtime._reduce_scatter_flat,
          tp_runtime._all_gather_flat, tp_runtime._reduce_scatter_flat, ep_runtime._all_to_all,
-         table_runtime._all_to_all, table_runtime._all_gather) = saved
+         table_runtime._all_to_all, table_runtime._all_gather, compressed_runtime._all_to_all,
+         compressed_runtime._all_gather_flat) = saved
 
 
 def _graph(n: int, local: tuple[int, ...]) -> tuple[fx.GraphModule, fx.Node, fx.Node, fx.Node]:
@@ -239,6 +248,10 @@ def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Nod
     if name == "dp gradient bucket":
         emit.emit_grad_all_reduce(gm, params, axis, 2**30, "test")
         return local_bytes
+    if name.startswith("dp gradient bucket "):  # compressed: S in the entry's parts
+        compression = GradCompression(name.split()[-1], rank=2)
+        emit.emit_grad_all_reduce(gm, params, axis, 2**30, "test", compression=compression)
+        return bucket_parts(compression, [tuple(p.shape) for p in gm.parameters()], n)
     if name == "dp reported loss":
         node = emit.emit_all_reduce(gm, loss, axis, "avg", "test")
         out = gm.graph.find_nodes(op="output")[0]

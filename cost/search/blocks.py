@@ -85,6 +85,9 @@ class BlockCost:
             per MoE layer).
         ops: the block's dense (non-expert) trainable parameters by the operator that reads
             them first, largest first: what a per-operator choice (``Choice.large_ops``) divides.
+        param_shapes: the shapes of the block's dense trainable parameters (whole, before
+            tensor parallelism): what a compressed gradient bucket sends follows them
+            (:func:`graphpass.compression.bucket_parts`).
     """
 
     name: str
@@ -111,3 +114,4 @@ class BlockCost:
     expert_times: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     exchanges: tuple[tuple[str, float], ...] = ()
     ops: tuple[OpParams, ...] = ()
+    param_shapes: tuple[tuple[int, ...], ...] = ()

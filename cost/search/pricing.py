@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from graphpass.cluster import Cluster
+from graphpass.compression import GradCompression, bucket_parts
 from graphpass.layout import Tiers
 from graphpass.plan import Choice
 from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
@@ -75,6 +76,8 @@ class Costing:
             ILP takes exactly one point beside the blocks' choices, its seconds in the step and
             its bytes in every memory row (one solve for the dense part and the tables). Empty:
             no sharded tables. Only on meshes of one stage (sharded tables run on dp alone).
+        grad_compression: plain data parallelism's gradient buckets go compressed
+            (:mod:`graphpass.compression`): priced by their entries' movements and copies.
     """
 
     cluster: Cluster
@@ -93,6 +96,7 @@ class Costing:
     offload: bool = True
     offload_overlap: float = 1.0
     tables: tuple[tuple[float, float], ...] = ()
+    grad_compression: GradCompression | None = None
 
 
 @dataclass(frozen=True)
@@ -336,13 +340,20 @@ class _Params:
 
 def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int, axis: str, layout: Parallelism,
                  costing: Costing, comms: _Collectives, split: tuple[float, int, int] = (0.0, 0, 1),
-                 divisor: int | None = None, tiers: Tiers = Tiers()) -> _Params:
+                 divisor: int | None = None, tiers: Tiers = Tiers(), shapes: Sequence[tuple[int, ...]] = ()) -> _Params:
     """``params`` elements (``p_bytes``, ``tensors`` tensors) synchronised over ``n`` ranks of
-    ``axis`` at ZeRO stage ``zero``; ``split``: (bytes, linears, parts) of OSDP slices."""
+    ``axis`` at ZeRO stage ``zero``; ``split``: (bytes, linears, parts) of OSDP slices;
+    ``shapes``: the parameters' shapes, which a compressed bucket's bytes follow
+    (``costing.grad_compression``; without them, priced as one vector: sent whole)."""
     m = layout.microbatches
     g_bytes = params * costing.grad_bytes_per_param
     o_bytes = params * costing.optimizer_bytes_per_param
-    entry = transition("all_reduce_grads") if zero == 0 else transition("all_gather_params", stage=zero)
+    compression = costing.grad_compression if zero == 0 and axis == "dp" and n > 1 else None
+    entry = (transition("all_reduce_grads") if zero == 0 and compression is None
+             else TABLE[f"dp gradient bucket {compression.kind}"] if zero == 0
+             else transition("all_gather_params", stage=zero))
+    parts = (bucket_parts(compression, shapes or [(max(1, round(params)),)], n, round(costing.grad_bytes_per_param))
+             if compression is not None else None)
     out = _Params()
     # State kept all step: the weights (ZeRO: this rank's shard), gradients (full-size below
     # stage 2), optimizer state, and what the table keeps alive through the step: ZeRO-1/2's
@@ -359,7 +370,10 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     out.held = max(entry.step * out.grads if bucketed else 0.0, out.grads if m > 1 else 0.0)
     # A bucket is filled from autograd's gradients, which live until it is: once more its size.
     out.bucket = entry.transient * out.grads if bucketed else 0.0
-    if zero == 0:
+    if parts is not None:  # a compressed bucket: its movements on the parts of its S
+        out.dp_comm = max(0.0, sum(comms.time(axis, move.kind, size, move.blocking) for move, size in
+                                   entry.movements(parts, n)) - comms.latency(axis, "all_reduce"))
+    elif zero == 0:
         # Gradients travel in shared buckets: the latency is charged per bucket in compose().
         out.dp_comm = max(0.0, _moved_s(entry, p_bytes, g_bytes, m, comms, axis) - comms.latency(axis, "all_reduce"))
     elif zero < 3:
@@ -386,7 +400,10 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
         out.optimizer_s = share * params * costing.optimizer_s_per_param + tensors * costing.optimizer_s_per_tensor
     else:
         out.optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
-    out.copied = _copied_bytes(entry, p_bytes, g_bytes, n, m) if synced else 0.0
+    if parts is not None:
+        out.copied = sum(2 * nbytes * (m if per == PER_MICROBATCH else 1) for _, nbytes, per in entry.copied(parts, n))
+    else:
+        out.copied = _copied_bytes(entry, p_bytes, g_bytes, n, m) if synced else 0.0
     if tiers.offloaded:
         _offload_terms(out, tiers, p_bytes / n if zero else p_bytes, o_bytes / n if zero >= 1 else o_bytes,
                        share * g_bytes, zero, m, costing)
@@ -520,7 +537,7 @@ def price(block: BlockCost, choice: Choice, layout: Parallelism, costing: Costin
     mesh = layout.mesh
     # ZeRO shards over its axis (all of dp, or HSDP's dp_shard); plain data parallelism over dp
     groups = [_param_terms(params, p_bytes, tensors, part_zero, mesh.size(axis), axis, layout, costing, comms, split,
-                           tiers=choice.tiers)
+                           tiers=choice.tiers, shapes=() if choice.mixed else block.param_shapes)
               for params, p_bytes, tensors, part_zero, split in parts
               for axis in [mesh.zero_axis() if part_zero else "dp"]]
     if expert:

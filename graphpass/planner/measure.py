@@ -551,11 +551,14 @@ class GraphProfile:
                 saved += sum(v for k, v in self.saved.items() if k not in self.work)
             params = param_bytes = split_bytes = expert_params = expert_bytes = 0.0
             split_count = tensors = 0
+            shapes = []
             for p in block.params:
                 tensor = self.tensors[p.name]
                 if not tensor.requires_grad or p.name in self.sparse_tables:
                     continue
                 tensors += 1
+                if p.name not in self.expert_weights:
+                    shapes.append(tuple(int(s) for s in tensor.shape))
                 params += tensor.numel() / tp_share(p)
                 param_bytes += tensor.numel() * tensor.element_size() / tp_share(p)
                 if p.name in self.expert_weights:
@@ -605,7 +608,7 @@ class GraphProfile:
                 backward_bytes=working, tensors=tensors, backward_starts_here=block is self.blocks[-1],
                 weight_grad_bytes=weight_grad, expert_params=expert_params, expert_param_bytes=expert_bytes,
                 num_experts=min((r.num_experts for r in regions), default=0), expert_times=expert_times,
-                exchanges=exchanges, ops=ops,
+                exchanges=exchanges, ops=ops, param_shapes=tuple(shapes),
             ))
         return out
 

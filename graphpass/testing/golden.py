@@ -103,8 +103,9 @@ def plan_lines(plan: Plan) -> list[str]:
         entries = {node: t[key] for node, t in tensors.items() if key in t}
         if entries:
             parts[part] = entries
-    if data.get("embedding_optimizer") is None:
-        data.pop("embedding_optimizer", None)
+    for optional in ("embedding_optimizer", "grad_compression"):  # only where a plan has them
+        if data.get(optional) is None:
+            data.pop(optional, None)
     order = ("mesh", "placements", "stages", "strategy", "zero", "recompute", "split", "sequence_parallel",
              "bucket_cap_bytes", "microbatches", "schedule", "tp_parts")
     data = {**{name: {**data, **parts}[name] for name in order}, **data,
