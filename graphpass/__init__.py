@@ -22,6 +22,7 @@ from graphpass.plan import Plan, Strategy
 from graphpass.plan_report import PlanReport
 from graphpass.tables import SparseOptimizer, TableSharding
 from graphpass.compression import GradCompression
+from graphpass.diloco import DiLoCo
 
 
 def plan(*args: Any, **kwargs: Any):
@@ -70,6 +71,7 @@ __all__ = [
     "CheckpointError",
     "Cluster",
     "DeviceSpec",
+    "DiLoCo",
     "DistributedModule",
     "GradCompression",
     "ExpertPlacement",

@@ -130,6 +130,15 @@ def bucket_parts(compression: GradCompression, shapes: Sequence[Sequence[int]], 
     return parts
 
 
+def beyond_plain_data_parallel(strategy: Any, also: Sequence[str] = ()) -> list[str]:
+    """The fields of ``strategy`` (``name=value``) that go beyond plain data parallelism (ZeRO,
+    tp, ep, HSDP, sharded tables, and ``also``), which the inexact synchronisations do not
+    combine with yet."""
+    plain = {"zero": 0, "tp": 1, "ep": 1, "dp_shard": None, "embeddings": None, "grad_compression": None}
+    return [f"{name}={getattr(strategy, name)}" for name in ("zero", "tp", "ep", "dp_shard", "embeddings", *also)
+            if getattr(strategy, name) != plain[name]]
+
+
 def check_strategy(strategy: Any) -> None:
     """A Strategy's ``grad_compression``: a :class:`GradCompression` on plain data parallelism."""
     compression = strategy.grad_compression
@@ -137,14 +146,12 @@ def check_strategy(strategy: Any) -> None:
         return
     if not isinstance(compression, GradCompression):
         raise ValueError(f"Strategy.grad_compression must be a graphpass.GradCompression or None, got {compression!r}")
-    unsupported = [f"{name}={getattr(strategy, name)}" for name, plain in
-                   (("zero", 0), ("tp", 1), ("ep", 1), ("dp_shard", None), ("embeddings", None))
-                   if getattr(strategy, name) != plain]
+    unsupported = beyond_plain_data_parallel(strategy)
     if unsupported:
         raise NotImplementedError(
             f"Strategy.grad_compression={compression!r} compresses plain data parallelism's gradient buckets; "
             f"with {', '.join(unsupported)} it is not built yet (drop those, or grad_compression)")
 
 
-__all__ = ["GradCompression", "INT8_BLOCK", "KINDS", "bucket_parts", "check_strategy", "int8_bytes", "int8_padded", "matrix_of",
+__all__ = ["GradCompression", "INT8_BLOCK", "KINDS", "beyond_plain_data_parallel", "bucket_parts", "check_strategy", "int8_bytes", "int8_padded", "matrix_of",
            "powersgd_parts"]

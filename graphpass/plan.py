@@ -37,6 +37,8 @@ from graphpass.plan_report import PlanReport
 from graphpass import tables as tables_lib
 from graphpass import compression as compression_lib
 from graphpass.compression import GradCompression
+from graphpass import diloco as diloco_lib
+from graphpass.diloco import DiLoCo
 from graphpass.tables import SparseOptimizer, TableSharding
 
 #: What ``Strategy.offload`` may name, in the order it prints them.
@@ -154,6 +156,9 @@ class Strategy:
             :mod:`graphpass.compression`): fewer bytes a step, no longer one process's training.
             Plain data parallelism only (zero 0, no tp, ep, dp_shard or sharded tables). None:
             exact all-reduces.
+        diloco: each data-parallel rank a DiLoCo worker (a :class:`graphpass.DiLoCo`): no
+            gradient sync in the step, an outer step every ``inner_steps`` optimizer steps
+            (:mod:`graphpass.diloco`); not one process's training. Plain data parallelism only.
     """
 
     dp: int = 1
@@ -176,6 +181,7 @@ class Strategy:
     embedding_cache: float = 0.0
     staleness: int = 0
     grad_compression: GradCompression | None = None
+    diloco: DiLoCo | None = None
 
     def __post_init__(self) -> None:
         self._check_embeddings()
@@ -202,6 +208,9 @@ class Strategy:
         if isinstance(self.grad_compression, Mapping):  # from a plan's JSON
             object.__setattr__(self, "grad_compression", GradCompression.from_json(self.grad_compression))
         compression_lib.check_strategy(self)
+        if isinstance(self.diloco, Mapping):  # from a plan's JSON
+            object.__setattr__(self, "diloco", DiLoCo.from_json(self.diloco))
+        diloco_lib.check_strategy(self)
         if self.split > 1 and self.zero != 3:
             # The slices' only gain is that ZeRO-3 gathers each right before its linear and frees it
             # after (split_operators' contract); at stages 0-2 every weight is whole during the step,
@@ -215,7 +224,8 @@ class Strategy:
         # dp_shard and offload only when set: a Strategy without them reads as before (users' golden files)
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
         unset = {"dp_shard": None, "offload": (), "offload_to": "host", "offload_window": None, "embeddings": None,
-                 "embedding_optimizer": None, "embedding_cache": 0.0, "staleness": 0, "grad_compression": None}
+                 "embedding_optimizer": None, "embedding_cache": 0.0, "staleness": 0, "grad_compression": None,
+                 "diloco": None}
         return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k in unset and v == unset[k])) + ")"
 
     def _check_embeddings(self) -> None:
@@ -556,6 +566,8 @@ class Plan:
             :attr:`TensorPlan.table`), applied to the rows each step touches.
         grad_compression: the data-parallel gradient buckets go compressed with error feedback
             (:class:`graphpass.GradCompression`; inexact); None: exact all-reduces.
+        diloco: the data-parallel ranks are DiLoCo workers (:class:`graphpass.DiLoCo`; inexact):
+            no gradient buckets, an outer step every ``inner_steps`` optimizer steps.
         report: the planner's predictions and reasons (:class:`~graphpass.plan_report.PlanReport`;
             empty for a plan it did not price).
     """
@@ -574,6 +586,7 @@ class Plan:
     offload_window: int = 1
     embedding_optimizer: SparseOptimizer | None = None
     grad_compression: GradCompression | None = None
+    diloco: DiLoCo | None = None
     report: PlanReport = field(default_factory=PlanReport)
 
     def __post_init__(self) -> None:
@@ -767,6 +780,7 @@ class Plan:
         data["report"] = self.report.to_dict()
         data["embedding_optimizer"] = None if self.embedding_optimizer is None else self.embedding_optimizer.to_json()
         data["grad_compression"] = None if self.grad_compression is None else self.grad_compression.to_json()
+        data["diloco"] = None if self.diloco is None else self.diloco.to_json()
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -814,6 +828,8 @@ class Plan:
             kwargs["embedding_optimizer"] = SparseOptimizer.from_json(kwargs["embedding_optimizer"])
         if kwargs.get("grad_compression") is not None:
             kwargs["grad_compression"] = GradCompression.from_json(kwargs["grad_compression"])
+        if kwargs.get("diloco") is not None:
+            kwargs["diloco"] = DiLoCo.from_json(kwargs["diloco"])
         for name in ("stages", "recompute"):
             if name in kwargs:
                 if not isinstance(kwargs[name], (list, tuple)):
@@ -924,6 +940,9 @@ class Plan:
         lines.append(f"gradient bucket cap: {self.bucket_cap_bytes / 2**20:.1f} MiB")
         if self.grad_compression is not None:
             lines.append(f"gradient buckets compressed: {self.grad_compression} (error feedback; INEXACT: does not "
+                         "train as one process does)")
+        if self.diloco is not None:
+            lines.append(f"{self.diloco}: each dp rank a worker, no gradient sync in the step (INEXACT: does not "
                          "train as one process does)")
         lines.extend(self.report.lines())
         return "\n".join(lines)

@@ -143,6 +143,7 @@ def plan_from_choices(gm: fx.GraphModule, mesh: Mesh, choices: Choice | Mapping[
         offload_window=offload_window,
         embedding_optimizer=optimizer if sharded_tables else None,
         grad_compression=strategy.grad_compression if strategy is not None else None,
+        diloco=strategy.diloco if strategy is not None else None,
         sequence_parallel=sequence_parallel,
         microbatches=microbatches,
         report=PlanReport(reasons=tuple(reasons)),

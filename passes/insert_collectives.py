@@ -81,6 +81,13 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
         return gm
     # Pipeline stages: each stage's parameters are bucketed on their own (the cut follows).
     stage_of = stage_index(gm, plan.stages) if len(plan.stages) > 1 else None
+    if plan.diloco is not None and batch is not None:  # DiLoCo's workers keep their gradients (runtime/diloco.py)
+        log.info("%s: DiLoCo: no gradient buckets over %r (an outer step every %d inner steps instead)", NAME, batch,
+                 plan.diloco.inner_steps)
+        by_axes.pop(batch, None)
+        if by_axes:
+            raise NotImplementedError(f"{NAME}: Plan.diloco with gradients also summed over {sorted(by_axes)} "
+                                      "(tensor or expert parallel partial sums) is not built yet")
     compression = plan.grad_compression
     if compression is not None and set(by_axes) - {batch}:
         raise NotImplementedError(

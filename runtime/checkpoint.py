@@ -820,6 +820,16 @@ def save(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, p
         log.warning("gp.save: the plan's compressed gradient buckets (%s) keep their error feedback (and PowerSGD "
                     "its Q) on the ranks, not in the checkpoint: a run resumed from it starts them afresh, so it "
                     "does not continue the uninterrupted run's trajectory exactly", dmodel.plan.grad_compression)
+    outer = getattr(dmodel, "outer_sync", None)
+    if outer is not None:
+        if outer.pending:
+            raise CheckpointError(
+                f"gp.save under DiLoCo after {outer.pending} inner steps of {outer.diloco.inner_steps}: the workers' "
+                "parameters differ until the next outer step; save right after one (every "
+                f"{outer.diloco.inner_steps} optimizer steps)")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("gp.save: DiLoCo's outer momentum is not in the checkpoint: a run resumed from it starts "
+                        "the outer optimizer afresh")
     entries, unplaced, _ = dmodel.checkpoint_state()
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1, "mesh": dict(dmodel.plan.mesh)}
     with torch.no_grad():

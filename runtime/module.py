@@ -33,6 +33,7 @@ from graphpass.runtime.layout import HeldPieces, gather_full, layout_of
 from graphpass.runtime.loss_count import LossCounts
 from graphpass.runtime import disk
 from graphpass.runtime.disk import DiskStore, check_offload_dir
+from graphpass.runtime.diloco import OuterSync
 from graphpass.runtime.offload import OffloadedParams
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime import row_cache
@@ -159,6 +160,9 @@ class DistributedModule(nn.Module):
         self._cached = [self._tables[target] for target in sorted(cached)]
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
+        # DiLoCo: every inner_steps steps of the user's optimizer, the workers' outer step
+        self.outer_sync = (OuterSync([p for _, p in self.named_parameters()], plan.diloco, process_mesh.group("dp"))
+                           if plan.diloco is not None else None)
 
     # ------------------------------------------------------------------ parameters
 

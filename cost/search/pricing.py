@@ -22,6 +22,7 @@ from typing import Sequence
 
 from graphpass.cluster import Cluster
 from graphpass.compression import GradCompression, bucket_parts
+from graphpass.diloco import DiLoCo
 from graphpass.layout import Tiers
 from graphpass.plan import Choice
 from graphpass.transitions import FORWARD, PER_MICROBATCH, TABLE, Transition, transition
@@ -78,6 +79,10 @@ class Costing:
             no sharded tables. Only on meshes of one stage (sharded tables run on dp alone).
         grad_compression: plain data parallelism's gradient buckets go compressed
             (:mod:`graphpass.compression`): priced by their entries' movements and copies.
+        diloco: the data-parallel ranks are DiLoCo workers (:mod:`graphpass.diloco`): no
+            gradient buckets; the outer step's all-reduce of the parameters' deltas (the bucket
+            entry's movement on the parameters' bytes) once every ``inner_steps`` steps, and the
+            shared start and its momentum held beside the parameters.
     """
 
     cluster: Cluster
@@ -97,6 +102,7 @@ class Costing:
     offload_overlap: float = 1.0
     tables: tuple[tuple[float, float], ...] = ()
     grad_compression: GradCompression | None = None
+    diloco: DiLoCo | None = None
 
 
 @dataclass(frozen=True)
@@ -370,7 +376,12 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     out.held = max(entry.step * out.grads if bucketed else 0.0, out.grads if m > 1 else 0.0)
     # A bucket is filled from autograd's gradients, which live until it is: once more its size.
     out.bucket = entry.transient * out.grads if bucketed else 0.0
-    if parts is not None:  # a compressed bucket: its movements on the parts of its S
+    if zero == 0 and costing.diloco is not None and axis == "dp" and n > 1:
+        out.bucket = 0.0  # no buckets: each worker keeps its own gradients (accumulated over microbatches)
+        out.held = out.grads if m > 1 else 0.0
+        out.state += 2 * p_bytes  # the outer step's shared start and its momentum
+        out.dp_comm = _moved_s(entry, p_bytes, p_bytes, 1, comms, axis) / costing.diloco.inner_steps
+    elif parts is not None:  # a compressed bucket: its movements on the parts of its S
         out.dp_comm = max(0.0, sum(comms.time(axis, move.kind, size, move.blocking) for move, size in
                                    entry.movements(parts, n)) - comms.latency(axis, "all_reduce"))
     elif zero == 0:

@@ -302,7 +302,7 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
         indices = [i for s in held for i in stages[s]]
         # The end of backward waits for every asynchronous data-parallel collective at once.
         comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
-            blocks, indices, choices, layout, costing, comms) + comms.sync("dp")
+            blocks, indices, choices, layout, costing, comms) + (comms.sync("dp") if costing.diloco is None else 0.0)
         # Offload's copies to and from host memory, on their own link, hide behind the compute.
         host = max(0.0, sum(priced[i].host_link_s - priced[i].host_window_s for i in indices))
         tails.append(max(0.0, comm) + host + sum(priced[i].optimizer_s for i in indices))
@@ -368,7 +368,7 @@ def _bucket_latency(blocks: Sequence[BlockCost], indices: Sequence[int], choices
     stages reduce per parameter group: their latency is in each block's price)."""
     grads = sum(params * costing.grad_bytes_per_param for i in indices
                 for params, _, _, zero, _ in _dense_parts(blocks[i], choices[i], False) if zero == 0)
-    if grads <= 0 or layout.mesh.dp == 1:
+    if grads <= 0 or layout.mesh.dp == 1 or costing.diloco is not None:  # DiLoCo: no buckets
         return 0.0
     return math.ceil(grads / costing.bucket_cap_bytes) * comms.latency("dp", "all_reduce")
 

@@ -447,8 +447,9 @@ class Planner:
         elif len(choices) != len(blocks) or not all(isinstance(c, Choice) for c in choices):
             raise ValueError(f"choices must be one graphpass.plan.Choice per block ({len(blocks)}: "
                              f"{', '.join(b.name for b in blocks)}), got {len(choices)} entries")
-        if strategy.grad_compression is not None:  # priced as it runs; the search never offers it
-            costing = replace(costing, grad_compression=strategy.grad_compression)
+        if strategy.grad_compression is not None or strategy.diloco is not None:  # priced as they run; the
+            # search never offers them (inexact)
+            costing = replace(costing, grad_compression=strategy.grad_compression, diloco=strategy.diloco)
         tables = None
         if self.tables and strategy.embeddings:
             tables = self._strategy_tables(strategy)

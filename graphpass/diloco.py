@@ -1,0 +1,83 @@
+"""DiLoCo (Douillard et al. 2023): data-parallel workers that synchronise every ``H`` steps.
+
+Each data-parallel rank is a worker: its gradients stay its own (no all-reduce in the step), and
+the user's optimizer steps its copy of the parameters on its share of the batch. After every
+``H``-th step of that optimizer (the *inner* steps), the workers average how far they moved and
+take one *outer* step from where they all started::
+
+    Delta <- theta_0 - mean_workers(theta_w)                  (the outer gradient: one all-reduce)
+    theta_0 <- Nesterov SGD step of theta_0 with gradient Delta  (outer lr ~0.7, momentum 0.9)
+    theta_w <- theta_0 on every worker
+
+so a step moves ``1 / H`` of the bytes of synchronous data parallelism. It is not one process's
+training (the workers drift apart between outer steps): the planner never picks it unless told
+it may, and ``explain()`` says so. The runtime is :mod:`graphpass.runtime.diloco`; the outer
+step is torch's own ``SGD(nesterov=True)`` on the shared copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from graphpass.compression import beyond_plain_data_parallel
+
+
+@dataclass(frozen=True)
+class DiLoCo:
+    """A plan's DiLoCo synchronisation (module docstring).
+
+    Attributes:
+        inner_steps: ``H``, the user's optimizer steps between two outer steps.
+        outer_lr: the outer step's learning rate (DiLoCo's 0.7).
+        outer_momentum: its Nesterov momentum (DiLoCo's 0.9).
+    """
+
+    inner_steps: int
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
+            raise ValueError(f"DiLoCo.inner_steps must be a positive int, got {self.inner_steps!r}")
+        for name in ("outer_lr", "outer_momentum"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"DiLoCo.{name} must be a number >= 0, got {value!r}")
+        if self.outer_momentum >= 1:
+            raise ValueError(f"DiLoCo.outer_momentum must be below 1, got {self.outer_momentum!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"inner_steps": self.inner_steps, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
+
+    @classmethod
+    def from_json(cls, data: Any) -> DiLoCo:
+        if not isinstance(data, Mapping) or "inner_steps" not in data or set(data) - {
+                "inner_steps", "outer_lr", "outer_momentum"}:
+            raise ValueError(f"Plan.diloco must be an object with inner_steps (and outer_lr, outer_momentum), got {data!r}")
+        return cls(**data)
+
+    def __str__(self) -> str:
+        return (f"DiLoCo: an outer Nesterov step (lr {self.outer_lr:g}, momentum {self.outer_momentum:g}) every "
+                f"{self.inner_steps} inner steps")
+
+
+def check_strategy(strategy: Any) -> None:
+    """A Strategy's ``diloco``: a :class:`DiLoCo` on plain data parallelism."""
+    diloco = strategy.diloco
+    if diloco is None:
+        return
+    if not isinstance(diloco, DiLoCo):
+        raise ValueError(f"Strategy.diloco must be a graphpass.DiLoCo or None, got {diloco!r}")
+    if strategy.pp > 1:
+        raise ValueError(f"Strategy.diloco with pp={strategy.pp}: DiLoCo's workers each train a whole model between "
+                         "outer steps, and a pipeline's stages are one model split over ranks (across a slow link "
+                         "every microbatch would cross it); put the pipeline inside a site, or drop diloco")
+    unsupported = beyond_plain_data_parallel(strategy, also=("grad_compression",))
+    if unsupported:
+        raise NotImplementedError(
+            f"Strategy.diloco={diloco!r} runs each data-parallel rank as a worker; with {', '.join(unsupported)} it "
+            "is not built yet (drop those, or diloco)")
+
+
+__all__ = ["DiLoCo", "check_strategy"]
