@@ -59,6 +59,18 @@ def _process_group_size() -> tuple[int, int]:
     return 0, 1
 
 
+def _link_emulator(cluster: Cluster):
+    """The emulated wide-area link of a cluster of sites on one machine
+    (``Cluster.local().split(sites, link)``), priced by the cost model's flat collectives; None
+    for a real cluster."""
+    if not cluster.emulated:
+        return None
+    from graphpass.cost.collectives import collective_time
+    from graphpass.runtime.link_emulator import LinkEmulator
+
+    return LinkEmulator(cluster, lambda kind, size, ranks: collective_time(kind, size, ranks, cluster, algorithm="ring"))
+
+
 def resolve_strategy(strategy: StrategyLike, world_size: int) -> tuple[Strategy | None, Plan | None, list[str]]:
     """Turn the user's ``strategy=`` into a checked Strategy, or a given Plan, plus reasons.
 
@@ -280,10 +292,11 @@ def compile(  # noqa: A001 - the public name the contract uses
             verifier.check_across_ranks(recorder, verifier.local_problems(gm, plan, rank, cluster.device.memory_bytes))
 
     ownership.adopt_replaced(gm, originals)
+    emulator = _link_emulator(cluster)
     if plan.mesh.pp == 1:
         return DistributedModule(gm, plan, process_mesh, records, [t.shape for t in local_inputs], model,
                                  captured.route, input_keys=batch.keys, offload_dir=offload_dir,
-                                 delayed_disk_update=delayed_disk_update, id_check=id_check)
+                                 delayed_disk_update=delayed_disk_update, id_check=id_check, link_emulator=emulator)
     output = gm.graph.find_nodes(op="output")[0]
     with phase(f"building the pipeline stages of {named}"):
         mine, program = _pipeline_stages(gm, plan, process_mesh, torch.device(device_type), timeout_s)
@@ -301,7 +314,7 @@ def compile(  # noqa: A001 - the public name the contract uses
                              input_names=[n.name for n in gm.graph.nodes if n.op == "placeholder"],
                              roles=meta.get(output, meta.ROLE), graph_keys=state_keys_read(gm),
                              input_keys=batch.keys, offload_dir=offload_dir,
-                             delayed_disk_update=delayed_disk_update, id_check=id_check)
+                             delayed_disk_update=delayed_disk_update, id_check=id_check, link_emulator=emulator)
 
 
 def verify(

@@ -568,6 +568,9 @@ class Cluster:
             the fields above are the slowest site's (:mod:`graphpass.sites`).
         wan: The wide-area link between the sites (its bandwidth shared by every group that
             crosses it); None for one site.
+        emulated: The sites are ranks of this machine (:meth:`split`), and the runtime emulates
+            the link (``graphpass.runtime.link_emulator``): every collective that crosses it
+            takes at least the link's time.
     """
 
     device: DeviceSpec
@@ -580,6 +583,7 @@ class Cluster:
     host: HostSpec | None = None
     sites: tuple[Cluster, ...] = ()
     wan: LinkSpec | None = None
+    emulated: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, DeviceSpec):
@@ -599,6 +603,9 @@ class Cluster:
         if bool(self.sites) != (self.wan is not None) or len(self.sites) == 1:
             raise ValueError("Cluster.sites and Cluster.wan go together (two or more sites and their link); build "
                              "joined clusters with Cluster.join(site, site, link=...)")
+        if not isinstance(self.emulated, bool) or (self.emulated and not self.sites):
+            raise ValueError(f"Cluster.emulated must be a bool, and True only for sites (Cluster.split), got "
+                             f"{self.emulated!r}")
         if self.wan is not None and not isinstance(self.wan, LinkSpec):
             raise ValueError(f"Cluster.wan must be a LinkSpec, got {type(self.wan).__name__}")
         if self.sites and (sum(s.world_size for s in self.sites) != self.world_size
@@ -667,6 +674,29 @@ class Cluster:
             sites=tuple(sites),
             wan=link,
         )
+
+    def split(self, sites: int, link: LinkSpec) -> Cluster:
+        """This cluster's ranks as ``sites`` equal sites behind ``link``, which the runtime
+        emulates (``emulated=True``): slow links measured on one machine, e.g.
+        ``gp.Cluster.local().split(2, gp.Link("1 Gbit/s", "20 ms"))`` for 2 sites x 2 on 4 ranks.
+
+        Raises:
+            ValueError: ``sites`` below 2 or not dividing the nodes (or one node's devices).
+        """
+        if self.sites:
+            raise ValueError("Cluster.split: this cluster is already sites; split a cluster of one site")
+        _check_positive_int("Cluster.split", "sites", sites)
+        if sites < 2:
+            raise ValueError(f"Cluster.split: sites must be at least 2, got {sites}")
+        if self.num_nodes % sites == 0:
+            site = replace(self, num_nodes=self.num_nodes // sites)
+        elif self.num_nodes == 1 and self.devices_per_node % sites == 0:
+            site = replace(self, devices_per_node=self.devices_per_node // sites)
+        else:
+            raise ValueError(f"Cluster.split: {sites} sites do not divide {self.num_nodes} nodes of "
+                             f"{self.devices_per_node} devices")
+        return replace(Cluster.join(*[replace(site, name=f"{self.name or 'site'} {i}") for i in range(sites)],
+                                    link=link), emulated=True)
 
     def site_of(self, rank: int) -> int:
         """The site ``rank`` is in (0 for a cluster of one site)."""
@@ -741,6 +771,7 @@ class Cluster:
             "backend": self.backend,
             **({"host": self.host.to_dict()} if self.host is not None else {}),
             **({"sites": [s.to_dict() for s in self.sites], "wan": self.wan.to_dict()} if self.sites else {}),
+            **({"emulated": True} if self.emulated else {}),
         }
 
     @classmethod
@@ -786,7 +817,8 @@ class Cluster:
         if self.sites:
             wan = self.wan
             text = (" + ".join(f"[{site.explain()}]" for site in self.sites)
-                    + f", joined by {wan.name or 'wan'} {wan.bandwidth_gbps * 8:g} Gbit/s, {wan.latency_s * 1e3:g} ms")
+                    + f", joined by {wan.name or 'wan'} {wan.bandwidth_gbps * 8:g} Gbit/s, {wan.latency_s * 1e3:g} ms"
+                    + (" (emulated)" if self.emulated else ""))
         return text
 
     def __str__(self) -> str:

@@ -18,12 +18,15 @@ Before/after (dp=2)::
 
 from __future__ import annotations
 
+import math
+
 import logging
 
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from graphpass import meta
+from graphpass.compression import matrix_of
 from graphpass.mesh import EDP, EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
@@ -89,6 +92,15 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
             raise NotImplementedError(f"{NAME}: Plan.diloco with gradients also summed over {sorted(by_axes)} "
                                       "(tensor or expert parallel partial sums) is not built yet")
     compression = plan.grad_compression
+    if compression is not None and compression.kind == "powersgd" and batch in by_axes:
+        shapes = [tuple(meta.get(n, meta.VAL).shape) for n in by_axes[batch]]
+        if not any(matrix_of(shape, compression.rank) for shape in shapes):
+            largest = max((s for s in shapes if len(s) > 1), key=lambda s: min(s[0], math.prod(s[1:])), default=None)
+            raise ValueError(
+                f"{NAME}: GradCompression(kind='powersgd', rank={compression.rank}) compresses no gradient of this "
+                "model: " + (f"its widest matrix is {largest[0]} x {math.prod(largest[1:])}, whose rank-"
+                             f"{compression.rank} factors are no smaller than it" if largest else "it has no matrices")
+                + "; choose a smaller rank, or int8")
     if compression is not None and set(by_axes) - {batch}:
         raise NotImplementedError(
             f"{NAME}: Plan.grad_compression ({compression}) compresses the gradient buckets of the batch axis "

@@ -10,6 +10,7 @@ stepping the shared start with it as gradient, and the start copied back into ev
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Sequence
 
@@ -24,9 +25,9 @@ class OuterSync:
     """One compiled program's DiLoCo state: the shared start of its parameters, the outer
     optimizer on it, and the inner steps taken since the last outer step."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], diloco: DiLoCo, group: Any):
+    def __init__(self, params: Sequence[torch.nn.Parameter], diloco: DiLoCo, group: Any, link_emulator: Any = None):
         self.params = [p for p in params if p.requires_grad]
-        self.diloco, self.group = diloco, group
+        self.diloco, self.group, self.link_emulator = diloco, group, link_emulator
         with torch.no_grad():
             self.start = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.outer = torch.optim.SGD(self.start, lr=diloco.outer_lr, momentum=diloco.outer_momentum,
@@ -51,7 +52,8 @@ class OuterSync:
         deltas = torch.cat([(s - p).reshape(-1) for s, p in zip(self.start, self.params)])
         if self.group is not None:
             rank_progress.enter("DiLoCo outer all_reduce", self.outer_steps)
-            dist.all_reduce(deltas, group=self.group)
+            with self.link_emulator.active() if self.link_emulator is not None else contextlib.nullcontext():
+                dist.all_reduce(deltas, group=self.group)
             deltas /= dist.get_world_size(self.group)
         offset = 0
         for s in self.start:

@@ -10,6 +10,7 @@ gradients synchronised once) and returns the global-batch loss; any torch optimi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -34,6 +35,7 @@ from graphpass.runtime.loss_count import LossCounts
 from graphpass.runtime import disk
 from graphpass.runtime.disk import DiskStore, check_offload_dir
 from graphpass.runtime.diloco import OuterSync
+from graphpass.runtime.link_emulator import LinkEmulator
 from graphpass.runtime.offload import OffloadedParams
 from graphpass.runtime.pipeline import PipelineProgram
 from graphpass.runtime import row_cache
@@ -92,8 +94,11 @@ class DistributedModule(nn.Module):
         offload_dir: str | os.PathLike | None = None,
         delayed_disk_update: bool = False,
         id_check: IdCheck | None = None,
+        link_emulator: LinkEmulator | None = None,
     ):
         super().__init__()
+        #: the emulated wide-area link of sites on one machine (runtime/link_emulator.py), or None
+        self.link_emulator = link_emulator
         self._id_check = id_check
         self.graph_module = graph_module
         self.plan = plan
@@ -161,8 +166,8 @@ class DistributedModule(nn.Module):
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
         # DiLoCo: every inner_steps steps of the user's optimizer, the workers' outer step
-        self.outer_sync = (OuterSync([p for _, p in self.named_parameters()], plan.diloco, process_mesh.group("dp"))
-                           if plan.diloco is not None else None)
+        self.outer_sync = (OuterSync([p for _, p in self.named_parameters()], plan.diloco, process_mesh.group("dp"),
+                                     link_emulator) if plan.diloco is not None else None)
 
     # ------------------------------------------------------------------ parameters
 
@@ -331,7 +336,10 @@ class DistributedModule(nn.Module):
         accumulated and synchronised once. Embedding tables the plan shards are updated here, by
         the plan's sparse optimizer, once the step's last backward is done.
         """
-        global_batch = order_call(self._input_keys, global_batch, keyword_batch, self._input_names)
+        with self.link_emulator.active() if self.link_emulator is not None else contextlib.nullcontext():
+            return self._train_step(order_call(self._input_keys, global_batch, keyword_batch, self._input_names))
+
+    def _train_step(self, global_batch: Sequence[torch.Tensor]) -> torch.Tensor:
         count = functools.partial(self._loss_counts.fill, self.microbatches(*global_batch)) if self._loss_counts else None
         self._offload.upload()  # masters changed since (a load, a step without the hook): up they go
         self._offload.start_delayed()  # the disk tier's delayed step, while this one computes

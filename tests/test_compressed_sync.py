@@ -203,3 +203,20 @@ def test_compressed_training_of_a_small_lm_ends_within_a_margin_of_exact_trainin
         losses = pool.run(train_lm, {"grad_compression": gp.GradCompression(kind, rank=4)}, "sgd", timeout_s=300)[0]
         gap = sum(losses[-10:]) / 10 - sum(exact[-10:]) / 10
         assert abs(gap) < 0.02, (kind, gap, losses[::25], exact[::25])
+
+
+def _compile_error(rank: int) -> str:
+    import zoo
+
+    try:
+        zoo.compile(zoo.build("gpt"), zoo.batches("gpt", 1)[0],
+                    gp.Strategy(dp=dist.get_world_size(), grad_compression=gp.GradCompression("powersgd", rank=rank)))
+    except gp.PassError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_powersgd_rank_that_compresses_nothing_is_refused_on_every_rank(rank_pool):
+    for message in rank_pool(2).run(_compile_error, 64, timeout_s=120):
+        assert "GradCompression(kind='powersgd', rank=64) compresses no gradient of this model: its widest matrix " \
+               "is" in message and "whose rank-64 factors are no smaller than it" in message, message

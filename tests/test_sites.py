@@ -125,3 +125,63 @@ def test_a_joined_cluster_larger_than_the_job_is_refused():
     with pytest.raises(ValueError, match=r"cluster describes 8 devices but this process group has 1"):
         gp.compile(zoo.build("gpt"), resolve_cluster("h100-80g:1x4+h100-80g:1x4@wan-10g"),
                    example_inputs=zoo.batches("gpt", 1, batch=8)[0], strategy=gp.Strategy(dp=8))
+
+
+# ------------------------------------------------------------------ two emulated sites of two ranks
+
+#: an emulated link fast enough to cost the suite nothing, slow enough to delay what crosses it
+_FAST_WAN = "100 Gbit/s"
+
+
+def _train_on_emulated_sites(strategy: dict) -> tuple:
+    import torch.distributed as dist
+
+    import zoo
+
+    cluster = gp.Cluster.local().split(2, gp.Link(_FAST_WAN, "0.2 ms"))
+    data = zoo.batches("gpt", 3, batch=8)
+    with gp.reusing_captures(zoo.CAPTURES):
+        dmodel = gp.compile(zoo.build("gpt"), cluster, example_inputs=data[0],
+                            strategy=gp.Strategy(dp=dist.get_world_size(), **strategy))
+    emulator = dmodel.link_emulator
+    seen = []  # (group ranks, emulated seconds) of every collective the step ran
+    real = emulator.emulated_s
+
+    def recorded(kind, size, group):
+        delay = real(kind, size, group)
+        seen.append((emulator._group_ranks(group), delay))
+        return delay
+    emulator.emulated_s = recorded
+    losses = zoo.train_compiled(dmodel, data)
+    return losses, dmodel.full_state_dict(), emulator.crossings, emulator.delayed_s, seen
+
+
+@pytest.mark.timeout(600)
+def test_hierarchical_data_parallelism_across_two_emulated_sites_trains_as_one_process(rank_pool):
+    """4 ranks as 2 sites x 2 behind an emulated link: ZeRO-3 sharded inside each site, replicas
+    across (HSDP, the site-local sharding of hierarchical dp), and plain dp; both match one
+    process (tolerances as tests/test_hsdp.py's), and only collectives over groups that span
+    the sites are delayed, each by the cost model's time for it on the link."""
+    pool = rank_pool(4)
+    ref_losses, ref_state, _ = zoo_reference()
+    for strategy in ({"zero": 3, "dp_shard": 2}, {}):
+        for rank, (losses, state, crossings, delayed_s, seen) in enumerate(
+                pool.run(_train_on_emulated_sites, strategy, timeout_s=300)):
+            import zoo
+
+            zoo.assert_matches_reference(f"{strategy} rank {rank}", losses, state, ref_losses, ref_state,
+                                         rtol=1e-5, atol=1e-6)
+            crossing = [(ranks, delay) for ranks, delay in seen if {r // 2 for r in ranks} == {0, 1}]
+            inside = [(ranks, delay) for ranks, delay in seen if len({r // 2 for r in ranks}) == 1]
+            assert crossing and all(delay > 0 for _, delay in crossing), (strategy, crossing)
+            assert all(delay == 0 for _, delay in inside), inside
+            assert crossings == len(crossing) and delayed_s == pytest.approx(sum(d for _, d in crossing))
+            if strategy:  # HSDP: ZeRO's gathers inside each site, the replicas' all-reduces across
+                # (the reported loss is averaged over all four)
+                assert inside and any(len(ranks) == 2 for ranks, _ in crossing), seen
+
+
+def zoo_reference():
+    import zoo
+
+    return zoo.train_reference("gpt", steps=3, batch=8)
