@@ -348,7 +348,7 @@ def collective_time(
             (all-reduce only), ``"hierarchical"`` (all-reduce and all-to-all over whole nodes),
             or ``"auto"``: for an all-reduce, the cheapest of the flat ring, the tree (NCCL
             clusters only, as NCCL's tuner chooses) and, over ``k > 1`` ranks on each of several
-            nodes, the hierarchical form; for an all-to-all, the cheaper of the flat exchange and
+            nodes, the hierarchical form (NCCL clusters only: gloo's all-reduce is flat); for an all-to-all, the cheaper of the flat exchange and
             (there too) the hierarchical one; otherwise the flat ring.
         concurrent_groups: How many groups like this one run the collective at once (they share
             a wide-area link between sites); default ``world_size / len(group_ranks)``.
@@ -392,7 +392,10 @@ def collective_time(
                 f"hierarchical {kind} needs the same number (> 1) of ranks on each of several "
                 f"nodes; group_ranks {list(group_ranks)} has ranks per node {dict(sorted(nodes.items()))}"
             )
-    elif not applies:
+    elif not applies or (kind == "all_reduce" and cluster.backend == "gloo"):
+        # gloo's all-reduce knows no topology (a ring over the group, or bcube): on a gloo
+        # cluster the two-level form is what graphpass would have to run itself, so "auto"
+        # prices the flat one the runtime calls (emulated sites run on gloo)
         return flat
     two_levels = hierarchical_all_reduce_time if kind == "all_reduce" else hierarchical_all_to_all_time
     per_node = num_ranks // len(nodes)

@@ -9,7 +9,9 @@ take one *outer* step from where they all started::
     theta_0 <- Nesterov SGD step of theta_0 with gradient Delta  (outer lr ~0.7, momentum 0.9)
     theta_w <- theta_0 on every worker
 
-so a step moves ``1 / H`` of the bytes of synchronous data parallelism. It is not one process's
+so a step moves ``1 / H`` of the bytes of synchronous data parallelism, and nothing in the other
+steps: ``train_step`` then returns the worker's own loss (on its share), not the global batch's
+mean, which would cost a collective a step. It is not one process's
 training (the workers drift apart between outer steps): the planner never picks it unless told
 it may, and ``explain()`` says so. The runtime is :mod:`graphpass.runtime.diloco`; the outer
 step is torch's own ``SGD(nesterov=True)`` on the shared copy.

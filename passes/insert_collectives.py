@@ -111,7 +111,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
         buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME, scale=1.0 / dp,
                                                    stage_of=stage_of, compression=compression)
         log.info("%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis)
-    if batch is not None:
+    if batch is not None and plan.diloco is None:  # a DiLoCo worker reports its own loss: no collective a step
         output = gm.graph.find_nodes(op="output")[0]
         roles = dict(meta.get(output, meta.ROLE))
         values = list(output.args[0])

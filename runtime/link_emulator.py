@@ -60,6 +60,7 @@ class LinkEmulator:
         delayed_s: the emulated seconds requested so far (the link's time of every crossing
             collective), for the benchmarks' figures and the tests.
         crossings: how many collectives crossed the link.
+        crossed_bytes: the bytes this rank handed to them (each collective's S).
     """
 
     def __init__(self, cluster: Any, time_of: Callable[[str, float, list[int]], float],
@@ -72,6 +73,7 @@ class LinkEmulator:
         self.sleep = sleep
         self.delayed_s = 0.0
         self.crossings = 0
+        self.crossed_bytes = 0
         self._ranks: dict[Any, tuple[int, ...]] = {}
         self._depth = 0
 
@@ -107,6 +109,7 @@ class LinkEmulator:
                 return work
             self.delayed_s += delay
             self.crossings += 1
+            self.crossed_bytes += size
             if work is None:  # blocking: returns once the link would have carried it
                 self.sleep_until(start + delay)
                 return None

@@ -51,7 +51,7 @@ def _simulated(n: int):
             opt.step()
             opt.zero_grad()
             step_losses.append(float(loss.detach()))
-        losses.append(sum(step_losses) / n)  # train_step reports the global batch's mean
+        losses.append(step_losses)  # under DiLoCo, train_step reports its worker's own loss
         if (step + 1) % H == 0:  # outer step: Delta = start - mean(theta_w), Nesterov SGD on start
             with torch.no_grad():
                 for name, p in start.named_parameters():
@@ -76,7 +76,8 @@ def test_diloco_trains_as_a_simulation_of_its_workers_and_outer_steps(rank_pool,
     for rank, (got_losses, got_outer, got_last) in enumerate(results):
         # the same ops in the same order per worker (no gradient all-reduce): rounding level;
         # the outer step's mean of deltas is summed by gloo in its own order
-        torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(got_losses), torch.tensor([step[rank] for step in losses]),
+                                   rtol=1e-5, atol=1e-6)
         for name, want in after_outer.items():
             torch.testing.assert_close(got_outer[name], want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
         for name, want in dict(workers[rank].named_parameters()).items():  # one inner step later: its own

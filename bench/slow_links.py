@@ -1,0 +1,203 @@
+"""Training across a slow link, EMULATED: 2 sites x 2 gloo ranks behind a 1 Gbit/s (and 10 Gbit/s)
+link of 20 ms, in one run: torch DDP, graphpass dp, hierarchical dp, PowerSGD, int8 and DiLoCo.
+
+What is measured: 4 ranks of this machine as ``gp.Cluster.local().split(2, gp.Link(rate, "20
+ms"))``. The link is emulated (``runtime/link_emulator.py``): every collective whose group spans
+the two sites completes no sooner than the cost model's flat time for it on that link, so every
+step time below is an emulation of such a link on this CPU, not a measurement of one. Each row
+trains ``examples/gpt.py``'s GPT (``--n-layer`` x ``--n-embd``) on the same ``--steps`` global
+batches of a learnable sequence (an affine recurrence of token ids: exact training drives its
+loss far down) from the same weights:
+
+* ``torch DDP``: the model under ``DistributedDataParallel`` with a comm hook that all-reduces
+  each bucket through the same emulated link (DDP's reducer is C++: the hook is how its buckets
+  reach the emulator), each rank on its share of the batch;
+* ``gp dp``: ``Strategy(dp=4)``, buckets all-reduced over all four ranks (flat, across the link);
+* ``gp hierarchical``: ``Strategy(dp=4, zero=2, dp_shard=2)``: gradients reduce-scattered inside
+  each site, the half shards all-reduced across the link (HSDP);
+* ``gp PowerSGD r=4`` / ``gp int8``: ``Strategy(dp=4, grad_compression=...)``, error feedback;
+* ``gp DiLoCo H=8``: ``Strategy(dp=4, diloco=gp.DiLoCo(8))``, AdamW inside as every row (its
+  ``train_step`` reports its worker's loss: no collective in the step; the loss column is rank 0's).
+
+Columns: median step time (after ``--warmup`` steps), its ratio to DDP's; the bytes a rank hands
+to collectives that cross the link per step (the emulator's count; DDP's buckets alike); the
+mean loss of the last 5 steps (the same tokens for every row; exact rows agree to rounding,
+the inexact ones drift); and the planner's predicted step time for that strategy on the same
+cluster (``Planner.price``; the cluster's sites are this machine's profile if one was written,
+``graphpass profile --world-size 4``, else default figures), with its ratio to the measured one.
+
+    python bench/slow_links.py                  # about 3 minutes here
+    python bench/slow_links.py --rates "1 Gbit/s" --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import graphpass as gp  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+ROWS = ("torch DDP", "gp dp", "gp hierarchical", "gp PowerSGD r=4", "gp int8", "gp DiLoCo H=8")
+STRATEGIES = {
+    "gp dp": {},
+    "gp hierarchical": {"zero": 2, "dp_shard": 2},
+    "gp PowerSGD r=4": {"grad_compression": gp.GradCompression("powersgd", rank=4)},
+    "gp int8": {"grad_compression": gp.GradCompression("int8")},
+    "gp DiLoCo H=8": {"diloco": gp.DiLoCo(8)},
+}
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", nargs="+", default=["1 Gbit/s", "10 Gbit/s"])
+    p.add_argument("--latency", default="20 ms")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def _config(args) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer, n_head=4,
+                     n_embd=args.n_embd)
+
+
+def _batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(args.steps):
+        seq = torch.empty(args.batch, args.block_size + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g)
+        for i in range(args.block_size):
+            seq[:, i + 1] = (5 * seq[:, i] + 3) % args.vocab
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def _cluster(rate: str, latency: str) -> gp.Cluster:
+    return gp.Cluster.local().split(2, gp.Link(rate, latency))
+
+
+def _emulated_ddp(model: nn.Module, emulator) -> nn.Module:
+    """DDP whose buckets are all-reduced through ``emulator`` (a comm hook: DDP's reducer is C++)."""
+    ddp = nn.parallel.DistributedDataParallel(model)
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        delay = emulator.emulated_s("all_reduce", buffer.numel() * buffer.element_size(), None)
+        emulator.delayed_s += delay
+        emulator.crossings += delay > 0
+        emulator.crossed_bytes += buffer.numel() * buffer.element_size()
+        start = time.perf_counter()
+        future = dist.all_reduce(buffer.div_(dist.get_world_size()), async_op=True).get_future()
+
+        def done(fut):
+            emulator.sleep_until(start + delay)
+            return fut.value()[0]
+        return future.then(done)
+    ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def _run_rank(args, row: str, rate: str) -> dict:
+    torch.set_num_threads(args.threads)
+    from graphpass.runtime.link_emulator import LinkEmulator
+    from graphpass.cost.collectives import collective_time
+
+    cluster = _cluster(rate, args.latency)
+    torch.manual_seed(0)
+    model = GPT(_config(args))
+    data = _batches(args)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if row == "torch DDP":
+        emulator = LinkEmulator(cluster, lambda kind, size, ranks: collective_time(kind, size, ranks, cluster,
+                                                                                algorithm="ring"))
+        ddp = _emulated_ddp(model, emulator)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+        share = args.batch // world
+
+        def step(batch):
+            loss = ddp(*(t[rank * share:(rank + 1) * share] for t in batch))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            reported = loss.detach().clone()
+            with emulator.active():  # the global mean, as train_step reports it, across the link too
+                dist.all_reduce(reported)
+            return float(reported) / world
+    else:
+        dmodel = gp.compile(model, cluster, example_inputs=data[0], strategy=gp.Strategy(dp=world, **STRATEGIES[row]))
+        emulator = dmodel.link_emulator
+        opt = torch.optim.AdamW(dmodel.parameters(), lr=3e-3)
+
+        def step(batch):
+            loss = float(dmodel.train_step(*batch))
+            opt.step()  # DiLoCo's outer step runs in this step's post-hook, through the emulator
+            opt.zero_grad()
+            return loss
+    times, losses = [], []
+    for i, batch in enumerate(data):
+        if i == args.warmup:
+            emulator.crossed_bytes = 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step(batch))
+        times.append(time.perf_counter() - t0)
+    return {"times": times[args.warmup:], "losses": losses,
+            "crossed": emulator.crossed_bytes / (args.steps - args.warmup)}
+
+
+def _predicted(args, row: str, rate: str) -> float | None:
+    """The planner's step time for the row's strategy on the same (emulated) cluster."""
+    import graphpass.planner
+
+    if row == "torch DDP":
+        row = "gp dp"
+    torch.manual_seed(0)
+    data = _batches(args)
+    cluster = gp.Cluster.local(4).split(2, gp.Link(rate, args.latency))
+    planner = graphpass.planner.Planner(GPT(_config(args)), cluster, data[0])
+    return planner.price(gp.Strategy(dp=4, **STRATEGIES[row])).report.predicted_step_time_s
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
+    t0 = time.perf_counter()
+    params = sum(p.numel() for p in GPT(_config(args)).parameters())
+    print(f"EMULATED link (runtime/link_emulator.py), 2 sites x 2 gloo ranks on this CPU; GPT {args.n_layer} x "
+          f"{args.n_embd} ({params / 1e6:.2f}M parameters), global batch {args.batch} x {args.block_size}, "
+          f"{args.steps} steps (median after {args.warmup}), AdamW 3e-3, {args.threads} thread(s) a rank")
+    for rate in args.rates:
+        print(f"\nlink {rate}, {args.latency} (emulated)")
+        print(f"  {'strategy':<18} {'step ms':>9} {'/ DDP':>7} {'link MiB/step':>14} {'loss (last 5)':>14} "
+              f"{'predicted ms':>13} {'pred / meas':>12}")
+        reference = None
+        for row in ROWS:
+            results = gp.launch(_run_rank, 4, args=(args, row, rate), timeout_s=1800)
+            steps = [max(r["times"][i] for r in results) for i in range(len(results[0]["times"]))]
+            step = statistics.median(steps)
+            reference = reference or step
+            loss = statistics.mean(results[0]["losses"][-5:])
+            predicted = _predicted(args, row, rate)
+            print(f"  {row:<18} {step * 1e3:9.1f} {step / reference:7.3f} {results[0]['crossed'] / 2**20:14.3f} "
+                  f"{loss:14.4f} {predicted * 1e3:13.1f} {predicted / step:12.2f}")
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
