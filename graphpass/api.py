@@ -8,6 +8,7 @@ batch shape, runs the pass pipeline (dumping each graph when asked), and wraps t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -421,14 +422,22 @@ def _capture_and_plan(model: nn.Module, cluster: Cluster | None, inputs: tuple[t
         apply_capacity_factor(model, given_plan.capacity_factor)
     # Capture at one microbatch of this rank's share: shapes are specialised in the graph.
     names = list(keys) if keys else _input_names_guess(len(inputs))
-    batching.check_divisible(inputs, batches, names, dp, "dp")
-    _check_microbatches(inputs, batches, names, dp, k, "Plan" if given_plan is not None else "Strategy")
-    local_inputs = batching.cut(inputs, batches, dp * k, 0, names)
+    counts = _share_counts(source, inputs, batches, names)
+    if counts is None:
+        batching.check_divisible(inputs, batches, names, dp, "dp")
+        _check_microbatches(inputs, batches, names, dp, k, "Plan" if given_plan is not None else "Strategy")
+        local_inputs = batching.cut(inputs, batches, dp * k, 0, names)
+    else:  # uneven shares: this rank's own (its graph is specialised to it), then its first microbatch
+        share = batching.cut(inputs, batches, dp, source.mesh.coordinate(rank, "dp"), names, counts)
+        _check_microbatches(share, batches, names, 1, k, "Plan" if given_plan is not None else "Strategy")
+        local_inputs = batching.cut(share, batches, k, 0, names)
     with phase(f"capturing {name}"):
         captured = capture(model, local_inputs)
     batching.annotate(captured.gm, batches)
     plan = given_plan if given_plan is not None else plan_from_strategy(  # type: ignore[arg-type]
         captured.gm, chosen, reasons, node_size=cluster.devices_per_node if cluster is not None else None)
+    if counts is not None and plan.dp_shares is None:  # the Strategy's weights, as the batch's samples
+        plan = dataclasses.replace(plan, dp_shares=counts)
     plan.check_graph(captured.gm)  # the plan's placements against this model's graph
     input_names = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
     check_divisible(inputs, input_names, plan)
@@ -507,6 +516,25 @@ def _portable(exc: BaseException) -> BaseException:
     if type(copy) is type(exc) and str(copy) == str(exc):
         return copy
     return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _share_counts(source: Any, inputs: Sequence[torch.Tensor], batches: Sequence[batching.InputBatch],
+                  names: Sequence[str]) -> tuple[int, ...] | None:
+    """The samples each dp rank takes under uneven shares (a Plan's counts, or a Strategy's
+    weights applied to this batch); None for equal shares."""
+    shares = source.dp_shares
+    if shares is None:
+        return None
+    totals = {batching.num_samples(v, b) for v, b in zip(inputs, batches)} - {None}
+    if len(totals) != 1:
+        raise ValueError(f"uneven data-parallel shares need one sample count across the split inputs {list(names)}, "
+                         f"got {sorted(totals)}")
+    total = totals.pop()
+    if isinstance(source, Plan):
+        if sum(shares) != total:
+            raise ValueError(f"Plan.dp_shares={shares} cut {sum(shares)} samples, but the batch has {total}")
+        return tuple(shares)
+    return batching.share_counts(total, shares)
 
 
 def _check_microbatches(inputs: Sequence[torch.Tensor], batches: Sequence[batching.InputBatch], names: Sequence[str],

@@ -123,31 +123,57 @@ def check_offsets(inputs: Sequence[torch.Tensor], batches: Sequence[InputBatch],
                                  f"never decrease and stay within the ids")
 
 
-def cut(inputs: Sequence[torch.Tensor], batches: Sequence[InputBatch], ways: int, index: int,
-        names: Sequence[str] | None = None) -> tuple[torch.Tensor, ...]:
-    """Share ``index`` of ``ways`` equal shares of the samples of ``inputs`` (a global batch, a
-    rank's share or a microbatch): plain inputs narrowed along their batch dim, jagged ones cut
-    at their offsets, offsets rebased to 0, inputs that are not split whole.
+def share_counts(total: int, weights: Sequence[float]) -> tuple[int, ...]:
+    """``total`` samples cut into shares in proportion to ``weights`` (largest remainders: the
+    counts sum to ``total``, each within one of its exact share).
 
     Raises:
-        ValueError: samples that do not divide, offsets that do not fit their ids, or a
-            table-major jagged input whose rows' shares differ in length (naming the input).
+        ValueError: a share that would get no sample.
+    """
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[:total - sum(counts)]:
+        counts[i] += 1
+    if min(counts) < 1:
+        raise ValueError(f"the batch's {total} samples in shares of {tuple(weights)} leave a share empty "
+                         f"({tuple(counts)}); use a larger global batch or less uneven shares")
+    return tuple(counts)
+
+
+def cut(inputs: Sequence[torch.Tensor], batches: Sequence[InputBatch], ways: int, index: int,
+        names: Sequence[str] | None = None, counts: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """Share ``index`` of ``ways`` equal shares of the samples of ``inputs`` (a global batch, a
+    rank's share or a microbatch), or of shares of ``counts`` samples each (uneven shares:
+    ``Plan.dp_shares``): plain inputs narrowed along their batch dim, jagged ones cut at their
+    offsets, offsets rebased to 0, inputs that are not split whole.
+
+    Raises:
+        ValueError: samples that do not divide (or do not add up to ``counts``), offsets that
+            do not fit their ids, or a table-major jagged input whose rows' shares differ in
+            length (naming the input).
     """
     if ways == 1:
         return tuple(inputs)
     names = list(names) if names is not None else [f"input {i}" for i in range(len(inputs))]
-    check_divisible(inputs, batches, names, ways, "the shares")
+    if counts is None:
+        check_divisible(inputs, batches, names, ways, "the shares")
+    else:
+        for value, batch, name in zip(inputs, batches, names):
+            count = num_samples(value, batch)
+            if count is not None and count != sum(counts):
+                raise ValueError(f"input {name!r} has {count} samples, but Plan.dp_shares={tuple(counts)} cuts "
+                                 f"{sum(counts)}; give the batch the plan was made for")
     out = list(inputs)
     for i, (value, batch) in enumerate(zip(inputs, batches)):
         if batch.dim is None:
             continue
         if batch.offsets is not None:
             offsets = inputs[batch.offsets]
-            out[i] = _cut_jagged(value, offsets, batches[batch.offsets], ways, index, names[i], names[batch.offsets])
+            out[i] = _cut_jagged(value, offsets, batches[batch.offsets], ways, index, names[i], names[batch.offsets],
+                                 counts)
             continue
         count = num_samples(value, batch)
-        size = count // ways
-        lo = index * size
+        lo, size = _span(count, ways, index, counts)
         if batch.is_offsets:
             share = value.narrow(batch.dim, lo, size + (1 if batch.include_last_offset else 0))
             out[i] = share - share.narrow(batch.dim, 0, 1)
@@ -156,13 +182,19 @@ def cut(inputs: Sequence[torch.Tensor], batches: Sequence[InputBatch], ways: int
     return tuple(out)
 
 
+def _span(count: int, ways: int, index: int, counts: Sequence[int] | None) -> tuple[int, int]:
+    """``(first sample, samples)`` of share ``index``: equal shares, or ``counts``'."""
+    if counts is None:
+        return index * (count // ways), count // ways
+    return sum(counts[:index]), counts[index]
+
+
 def _cut_jagged(values: torch.Tensor, offsets: torch.Tensor, batch: InputBatch, ways: int, index: int,
-                name: str, offsets_name: str) -> torch.Tensor:
+                name: str, offsets_name: str, counts: Sequence[int] | None = None) -> torch.Tensor:
     """The ids of samples ``[lo, hi)`` of share ``index``: per row of ``values`` (its leading
     dims, matched by the offsets'), ``[offsets[lo], offsets[hi])``."""
-    count = num_samples(offsets, batch)
-    size = count // ways
-    lo, hi = index * size, (index + 1) * size
+    lo, size = _span(num_samples(offsets, batch), ways, index, counts)
+    hi = lo + size
     if offsets.shape[:-1] != values.shape[:-1]:
         raise ValueError(f"input {name!r} (shape {tuple(values.shape)}) is jagged by {offsets_name!r} (shape "
                          f"{tuple(offsets.shape)}): their leading dims must match, one row of offsets per row of ids")

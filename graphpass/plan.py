@@ -159,6 +159,10 @@ class Strategy:
         diloco: each data-parallel rank a DiLoCo worker (a :class:`graphpass.DiLoCo`): no
             gradient sync in the step, an outer step every ``inner_steps`` optimizer steps
             (:mod:`graphpass.diloco`); not one process's training. Plain data parallelism only.
+        dp_shares: uneven data-parallel shares for unlike devices: one positive weight per dp
+            rank (``(3, 3, 1, 1)``: the first two ranks take 3/8 of the batch each); the samples
+            are cut in proportion and the loss weighted so training stays one process's (exact).
+            None: equal shares. Not with pp, ep or sharded tables.
     """
 
     dp: int = 1
@@ -182,6 +186,7 @@ class Strategy:
     staleness: int = 0
     grad_compression: GradCompression | None = None
     diloco: DiLoCo | None = None
+    dp_shares: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_embeddings()
@@ -211,6 +216,7 @@ class Strategy:
         if isinstance(self.diloco, Mapping):  # from a plan's JSON
             object.__setattr__(self, "diloco", DiLoCo.from_json(self.diloco))
         diloco_lib.check_strategy(self)
+        self._check_dp_shares()
         if self.split > 1 and self.zero != 3:
             # The slices' only gain is that ZeRO-3 gathers each right before its linear and frees it
             # after (split_operators' contract); at stages 0-2 every weight is whole during the step,
@@ -225,13 +231,29 @@ class Strategy:
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
         unset = {"dp_shard": None, "offload": (), "offload_to": "host", "offload_window": None, "embeddings": None,
                  "embedding_optimizer": None, "embedding_cache": 0.0, "staleness": 0, "grad_compression": None,
-                 "diloco": None}
+                 "diloco": None, "dp_shares": None}
         return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in fields if not (k in unset and v == unset[k])) + ")"
 
     def _check_embeddings(self) -> None:
         if isinstance(self.embedding_optimizer, Mapping):  # from a plan's JSON
             object.__setattr__(self, "embedding_optimizer", SparseOptimizer.from_json(self.embedding_optimizer))
         tables_lib.check_strategy(self)
+
+    def _check_dp_shares(self) -> None:
+        shares = self.dp_shares
+        if shares is None:
+            return
+        if isinstance(shares, list):
+            object.__setattr__(self, "dp_shares", shares := tuple(shares))
+        if not isinstance(shares, tuple) or len(shares) != self.dp or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in shares):
+            raise ValueError(f"Strategy.dp_shares must be {self.dp} positive weights, one per dp rank (e.g. the "
+                             f"devices' speeds), got {shares!r}")
+        unsupported = [f"{name}={getattr(self, name)}" for name, plain in (("pp", 1), ("ep", 1), ("embeddings", None))
+                       if getattr(self, name) != plain]
+        if unsupported:
+            raise NotImplementedError(f"Strategy.dp_shares (uneven shares) with {', '.join(unsupported)} is not built "
+                                      "yet; drop those, or the shares")
 
     def _check_offload(self) -> None:
         offload = self.offload
@@ -568,6 +590,9 @@ class Plan:
             (:class:`graphpass.GradCompression`; inexact); None: exact all-reduces.
         diloco: the data-parallel ranks are DiLoCo workers (:class:`graphpass.DiLoCo`; inexact):
             no gradient buckets, an outer step every ``inner_steps`` optimizer steps.
+        dp_shares: uneven data-parallel shares: how many of the global batch's samples each dp
+            rank takes (summing to the batch; ``compile`` turns ``Strategy.dp_shares``' weights
+            into these); None: equal shares.
         report: the planner's predictions and reasons (:class:`~graphpass.plan_report.PlanReport`;
             empty for a plan it did not price).
     """
@@ -587,6 +612,7 @@ class Plan:
     embedding_optimizer: SparseOptimizer | None = None
     grad_compression: GradCompression | None = None
     diloco: DiLoCo | None = None
+    dp_shares: tuple[int, ...] | None = None
     report: PlanReport = field(default_factory=PlanReport)
 
     def __post_init__(self) -> None:
@@ -621,6 +647,13 @@ class Plan:
             raise ValueError(f"Plan.microbatches must be a positive int, got {self.microbatches!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if isinstance(self.dp_shares, list):
+            object.__setattr__(self, "dp_shares", tuple(self.dp_shares))
+        if self.dp_shares is not None and (
+                not isinstance(self.dp_shares, tuple) or len(self.dp_shares) != self.mesh.dp
+                or not all(_is_int(c) and c > 0 for c in self.dp_shares) or self.mesh.pp > 1 or self.mesh.ep > 1):
+            raise ValueError(f"Plan.dp_shares must be {self.mesh.dp} positive sample counts, one per dp rank, on a "
+                             f"mesh without pp or ep; got {self.dp_shares!r} on {dict(self.mesh)}")
         if self.ep_all_to_all not in ("flat", "hierarchical"):
             raise ValueError(f"Plan.ep_all_to_all must be 'flat' or 'hierarchical', got {self.ep_all_to_all!r}")
         if self.ep_all_to_all == "hierarchical" and self.mesh.ep == 1:
@@ -781,6 +814,7 @@ class Plan:
         data["embedding_optimizer"] = None if self.embedding_optimizer is None else self.embedding_optimizer.to_json()
         data["grad_compression"] = None if self.grad_compression is None else self.grad_compression.to_json()
         data["diloco"] = None if self.diloco is None else self.diloco.to_json()
+        data["dp_shares"] = None if self.dp_shares is None else list(self.dp_shares)
         return data
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -941,6 +975,9 @@ class Plan:
         if self.grad_compression is not None:
             lines.append(f"gradient buckets compressed: {self.grad_compression} (error feedback; INEXACT: does not "
                          "train as one process does)")
+        if self.dp_shares is not None:
+            lines.append(f"uneven data-parallel shares: {'/'.join(map(str, self.dp_shares))} samples of "
+                         f"{sum(self.dp_shares)} (the loss weighted by share: exact)")
         if self.diloco is not None:
             lines.append(f"{self.diloco}: each dp rank a worker, no gradient sync in the step (INEXACT: does not "
                          "train as one process does)")

@@ -227,7 +227,7 @@ def _count_buffer(gm: fx.GraphModule, node: fx.Node, index: int, count: LossCoun
     return total
 
 
-def _scaled(gm: fx.GraphModule, value: fx.Node, pieces: int, like: fx.Node) -> fx.Node:
+def _scaled(gm: fx.GraphModule, value: fx.Node, pieces: float, like: fx.Node) -> fx.Node:
     """``value * pieces``, inserted after ``value`` (metadata from ``like``)."""
     with gm.graph.inserting_after(value):
         scaled = gm.graph.call_function(aten.mul.Tensor, (value, float(pieces)))
@@ -236,7 +236,7 @@ def _scaled(gm: fx.GraphModule, value: fx.Node, pieces: int, like: fx.Node) -> f
     return scaled
 
 
-def _divide_by_count(gm: fx.GraphModule, loss: fx.Node, total: fx.Node, pieces: int) -> None:
+def _divide_by_count(gm: fx.GraphModule, loss: fx.Node, total: fx.Node, pieces: float) -> None:
     """Make ``loss`` (a sum over this piece) ``loss * pieces / total`` in every other use."""
     scaled = _scaled(gm, loss, pieces, loss)
     with gm.graph.inserting_after(scaled):
@@ -259,6 +259,12 @@ def global_loss_mean(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
     if pieces == 1:
         log.info("%s: the batch is not split; nothing to do", NAME)
         return gm
+    # Uneven data-parallel shares (Plan.dp_shares): this rank's loss, a mean over its b of the B
+    # samples, weighs b/B of the global mean, not 1/dp: the output loss is scaled by dp b / B
+    # (exact for a mean over the batch, the contract), and each counted mean rewritten with
+    # pieces / that, so that it stays the global one.
+    share = _share_scale(plan, ctx.rank)
+    pieces = pieces / share
     counted = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in COUNTED_LOSSES:
@@ -269,7 +275,7 @@ def global_loss_mean(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
             if weight is not None:
                 raise NotImplementedError(
                     f"{NAME}: {node.name!r} is a class-weighted mean loss, whose mean divides by the targets' "
-                    f"summed weights; with the batch split into {pieces} pieces (dp={plan.mesh.dp}, microbatches="
+                    f"summed weights; with the batch split into {plan.mesh.dp * plan.microbatches} pieces (dp={plan.mesh.dp}, microbatches="
                     f"{plan.microbatches}) graphpass cannot make it one process's yet: weight the loss yourself "
                     "with reduction='none', or train without class weights")
             source = _from_state(_ancestors(target))
@@ -296,6 +302,25 @@ def global_loss_mean(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         else:
             continue
         counted += 1
-    log.info("%s: %d mean losses divided by their global count (%d pieces)", NAME, counted, pieces)
+    if share != 1.0:
+        _scale_output_loss(gm, share)
+    log.info("%s: %d mean losses divided by their global count (%g pieces)", NAME, counted, pieces)
     gm.recompile()
     return gm
+
+
+def _share_scale(plan: Plan, rank: int) -> float:
+    """``dp b / B`` for this rank's uneven share of ``b`` of the ``B`` samples; 1 for even shares."""
+    if plan.dp_shares is None:
+        return 1.0
+    counts = plan.dp_shares
+    return plan.mesh.dp * counts[plan.mesh.coordinate(rank, "dp")] / sum(counts)
+
+
+def _scale_output_loss(gm: fx.GraphModule, scale: float) -> None:
+    output = gm.graph.find_nodes(op="output")[0]
+    roles = meta.get(output, meta.ROLE)
+    values = list(output.args[0])
+    loss = values[roles["loss"]]
+    values[roles["loss"]] = _scaled(gm, loss, scale, loss)
+    output.args = (tuple(values),)

@@ -58,9 +58,9 @@ def check_divisible(inputs: Sequence[torch.Tensor], input_names: Sequence[str], 
     Raises:
         ValueError: naming the input, its sample count and the mesh axes.
     """
-    axes = batch_axes(plan, input_names)
+    axes = [a for a in batch_axes(plan, input_names) if not (a == "dp" and plan.dp_shares is not None)]
     batching.check_divisible(inputs, batching.of_plan(plan, input_names), input_names,
-                             math.prod(plan.mesh[a] for a in axes), " x ".join(axes))
+                             math.prod(plan.mesh[a] for a in axes), " x ".join(axes))  # uneven shares: cut checks
 
 
 class DistributedModule(nn.Module):
@@ -288,7 +288,7 @@ class DistributedModule(nn.Module):
         local = tuple(global_batch)
         for axis in self._batch_axes:
             local = batching.cut(local, self._batches, self.plan.mesh[axis], self._mesh.axis_rank(axis),
-                                 self._input_names)
+                                 self._input_names, counts=self.plan.dp_shares if axis == "dp" else None)
         k = self.num_microbatches
         for value, name, batch, shape in zip(local, self._input_names, self._batches, self._local_shapes):
             cut = batch.dim is not None and k > 1

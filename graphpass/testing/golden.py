@@ -103,7 +103,7 @@ def plan_lines(plan: Plan) -> list[str]:
         entries = {node: t[key] for node, t in tensors.items() if key in t}
         if entries:
             parts[part] = entries
-    for optional in ("embedding_optimizer", "grad_compression", "diloco"):  # only where a plan has them
+    for optional in ("embedding_optimizer", "grad_compression", "diloco", "dp_shares"):  # only where a plan has them
         if data.get(optional) is None:
             data.pop(optional, None)
     order = ("mesh", "placements", "stages", "strategy", "zero", "recompute", "split", "sequence_parallel",
