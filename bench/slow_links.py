@@ -99,15 +99,12 @@ def _emulated_ddp(model: nn.Module, emulator) -> nn.Module:
 
     def hook(state, bucket):
         buffer = bucket.buffer()
-        delay = emulator.emulated_s("all_reduce", buffer.numel() * buffer.element_size(), None)
-        emulator.delayed_s += delay
-        emulator.crossings += delay > 0
-        emulator.crossed_bytes += buffer.numel() * buffer.element_size()
-        start = time.perf_counter()
+        size = buffer.numel() * buffer.element_size()
+        due = emulator.charge(emulator.emulated_s("all_reduce", size, None), size, time.perf_counter())
         future = dist.all_reduce(buffer.div_(dist.get_world_size()), async_op=True).get_future()
 
         def done(fut):
-            emulator.sleep_until(start + delay)
+            emulator.sleep_until(due)
             return fut.value()[0]
         return future.then(done)
     ddp.register_comm_hook(None, hook)

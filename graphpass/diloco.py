@@ -2,8 +2,8 @@
 
 Each data-parallel rank is a worker: its gradients stay its own (no all-reduce in the step), and
 the user's optimizer steps its copy of the parameters on its share of the batch. After every
-``H``-th step of that optimizer (the *inner* steps), the workers average how far they moved and
-take one *outer* step from where they all started::
+``H`` train steps (the *inner* steps; one optimizer step each), the workers average how far they
+moved and take one *outer* step from where they all started::
 
     Delta <- theta_0 - mean_workers(theta_w)                  (the outer gradient: one all-reduce)
     theta_0 <- Nesterov SGD step of theta_0 with gradient Delta  (outer lr ~0.7, momentum 0.9)
@@ -30,7 +30,8 @@ class DiLoCo:
     """A plan's DiLoCo synchronisation (module docstring).
 
     Attributes:
-        inner_steps: ``H``, the user's optimizer steps between two outer steps.
+        inner_steps: ``H``, the train steps (each followed by the user's optimizer step) between
+            two outer steps.
         outer_lr: the outer step's learning rate (DiLoCo's 0.7).
         outer_momentum: its Nesterov momentum (DiLoCo's 0.9).
     """
@@ -73,8 +74,7 @@ def check_strategy(strategy: Any) -> None:
         raise ValueError(f"Strategy.diloco must be a graphpass.DiLoCo or None, got {diloco!r}")
     if strategy.pp > 1:
         raise ValueError(f"Strategy.diloco with pp={strategy.pp}: DiLoCo's workers each train a whole model between "
-                         "outer steps, and a pipeline's stages are one model split over ranks (across a slow link "
-                         "every microbatch would cross it); put the pipeline inside a site, or drop diloco")
+                         "outer steps, and a pipeline's stages are one model split over ranks; use pp=1 with diloco")
     unsupported = beyond_plain_data_parallel(strategy, also=("grad_compression",))
     if unsupported:
         raise NotImplementedError(

@@ -249,8 +249,8 @@ class Strategy:
                 isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in shares):
             raise ValueError(f"Strategy.dp_shares must be {self.dp} positive weights, one per dp rank (e.g. the "
                              f"devices' speeds), got {shares!r}")
-        unsupported = [f"{name}={getattr(self, name)}" for name, plain in (("pp", 1), ("ep", 1), ("embeddings", None))
-                       if getattr(self, name) != plain]
+        unsupported = [f"{name}={getattr(self, name)}" for name, plain in
+                       (("pp", 1), ("ep", 1), ("embeddings", None), ("diloco", None)) if getattr(self, name) != plain]
         if unsupported:
             raise NotImplementedError(f"Strategy.dp_shares (uneven shares) with {', '.join(unsupported)} is not built "
                                       "yet; drop those, or the shares")
@@ -627,6 +627,7 @@ class Plan:
                              "'pp' (pipeline), 'dp' (data), 'ep' (experts, inside dp) and 'tp' (tensor)")
         self._check_tensors()
         self._check_stages()
+        self._check_sync()
         if self.strategy is not None:
             if not isinstance(self.strategy, Strategy):
                 raise ValueError(f"Plan.strategy must be a graphpass.Strategy or None, got {self.strategy!r}")
@@ -682,6 +683,29 @@ class Plan:
         if not isinstance(self.report, PlanReport):
             raise ValueError(f"Plan.report must be a graphpass PlanReport, got {self.report!r}")
         tables_lib.check_plan(self)
+
+    def _check_sync(self) -> None:
+        """The inexact synchronisations and uneven shares on what they are built for (a Plan
+        written by hand, not only from a Strategy)."""
+        for name, kind in (("grad_compression", GradCompression), ("diloco", DiLoCo)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"Plan.{name} must be a graphpass.{kind.__name__} or None, got {value!r}")
+        tables = any(t.table is not None for t in self.tensors.values())
+        if self.dp_shares is not None and tables:
+            raise NotImplementedError("Plan.dp_shares (uneven shares) with sharded embedding tables is not built yet")
+        used = [name for name in ("grad_compression", "diloco") if getattr(self, name) is not None]
+        if not used:
+            return
+        beyond = [f"{axis}={self.mesh[axis]}" for axis in ("pp", "tp", "ep", "dp_shard")
+                  if axis in self.mesh and self.mesh[axis] > 1 and not (axis == "dp_shard" and self.mesh[axis] == self.mesh.dp)]
+        beyond += [f"ZeRO-{stage} parameters" for stage in sorted({t.zero for t in self.tensors.values() if t.zero})]
+        beyond += ["sharded embedding tables"] if tables else []
+        beyond += ["both grad_compression and diloco"] if len(used) > 1 else []
+        beyond += ["uneven dp_shares"] if self.diloco is not None and self.dp_shares is not None else []
+        if beyond:
+            raise NotImplementedError(f"Plan.{used[0]} runs on plain data parallelism only; this plan has "
+                                      f"{', '.join(beyond)}: not built yet")
 
     def _check_tensors(self) -> None:
         if not isinstance(self.tensors, Mapping):

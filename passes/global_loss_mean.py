@@ -255,7 +255,8 @@ def _divide_by_count(gm: fx.GraphModule, loss: fx.Node, total: fx.Node, pieces: 
 @graph_pass(NAME, requires=(), provides=("global_loss_mean",))
 def global_loss_mean(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.GraphModule:
     """Make each mean loss a mean over the global batch (see the module docstring)."""
-    pieces = plan.mesh.dp * plan.microbatches
+    # DiLoCo's workers train on their own shares: the mean over a worker's microbatches only
+    pieces = (1 if plan.diloco is not None else plan.mesh.dp) * plan.microbatches
     if pieces == 1:
         log.info("%s: the batch is not split; nothing to do", NAME)
         return gm

@@ -822,11 +822,12 @@ def save(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, p
                     "does not continue the uninterrupted run's trajectory exactly", dmodel.plan.grad_compression)
     outer = getattr(dmodel, "outer_sync", None)
     if outer is not None:
+        outer.flush()  # an outer step due after the last train step runs now
         if outer.pending:
             raise CheckpointError(
                 f"gp.save under DiLoCo after {outer.pending} inner steps of {outer.diloco.inner_steps}: the workers' "
-                "parameters differ until the next outer step; save right after one (every "
-                f"{outer.diloco.inner_steps} optimizer steps)")
+                "parameters differ until the next outer step; save after a multiple of "
+                f"{outer.diloco.inner_steps} train steps")
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.warning("gp.save: DiLoCo's outer momentum is not in the checkpoint: a run resumed from it starts "
                         "the outer optimizer afresh")
@@ -864,6 +865,11 @@ def load(dmodel: "DistributedModule", optimizer: torch.optim.Optimizer | None, p
         extra = load_state(entries, unplaced, expected, optimizer, path, sparse)
     if sparse is not None:
         dmodel.sparse_optimizer.loaded()
+    if getattr(dmodel, "outer_sync", None) is not None:  # DiLoCo starts from the loaded weights
+        dmodel.outer_sync.reset()
+    if dmodel.plan.grad_compression is not None:  # error feedback and Q start afresh, as gp.save warned
+        from graphpass.runtime.compressed_sync import forget
+        forget(dmodel.parameters())
     return extra
 
 

@@ -44,6 +44,12 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8).view(-1), scales
 
 
+def _finite_or_zero(error: torch.Tensor) -> torch.Tensor:
+    """An error to feed back, or zeros where the step's gradients were not finite (an overflow a
+    gradient scaler skips): an inf or NaN kept would poison every later step."""
+    return error if bool(torch.isfinite(error).all()) else torch.zeros_like(error)
+
+
 def _dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (values.view(-1, INT8_BLOCK).to(torch.float32) * scales[:, None]).view(-1)
 
@@ -83,12 +89,12 @@ class _Int8Work:
         self.state, self.flat, self.group = state, flat, group
         n = self.n = dist.get_world_size(group)
         padded = int8_padded(flat.numel(), n)
-        x = torch.zeros(padded, dtype=torch.float32)
+        x = torch.zeros(padded, dtype=torch.float32, device=flat.device)  # float32 whatever the bucket's dtype
         x[: flat.numel()].copy_(flat)
         if state.worker is not None:
             x += state.worker
         values, scales = _quantize(x)
-        state.worker = x - _dequantize(values, scales)
+        state.worker = _finite_or_zero(x - _dequantize(values, scales))
         self.shard = padded // n
         send = _pack(values, scales, n)
         self.recv = torch.empty_like(send)
@@ -107,9 +113,9 @@ class _Int8Work:
         if state.server is not None:
             total += state.server
         values, scales = _quantize(total)
-        state.server = total - _dequantize(values, scales)
+        state.server = _finite_or_zero(total - _dequantize(values, scales))
         send = _pack(values, scales, 1)
-        self.gathered = torch.empty(self.n * send.numel(), dtype=torch.uint8)
+        self.gathered = torch.empty(self.n * send.numel(), dtype=torch.uint8, device=send.device)
         rank_progress.enter("all_gather of an int8 gradient bucket", 0)
         self.gather = _all_gather_flat(self.gathered, send, group=self.group, async_op=True)
 
@@ -163,7 +169,8 @@ class _PowerSGDWork:
 
     def __init__(self, state: _PowerSGD, flat: torch.Tensor, params: tuple[torch.Tensor, ...], group: Any):
         self.state, self.flat, self.group = state, flat, group
-        self.matrices: list[tuple[int, torch.Tensor]] = []  # (index, M: a view of flat)
+        self.matrices: list[tuple[int, torch.Tensor]] = []  # (index, M: float32, the error added)
+        self.views: list[torch.Tensor] = []  # where each matrix's approximation is written back
         self.whole: list[torch.Tensor] = []  # views of flat sent uncompressed
         offset = 0
         for index, p in enumerate(params):
@@ -174,12 +181,14 @@ class _PowerSGDWork:
                 self.whole.append(view)
                 continue
             m = view.view(shape)
+            self.views.append(m)
+            m = m.float()  # computed in float32 whatever the bucket's dtype (a copy only if it is not)
             error = state.errors.get(index)
             if error is not None:
-                m.add_(error)
+                m = m + error
             self.matrices.append((index, m))
-        self.ps = [m @ state.first_q(index, m.shape[1]) for index, m in self.matrices]
-        self.first = torch.cat([p.reshape(-1) for p in self.ps] + self.whole) if self.ps or self.whole else None
+        self.ps = [m @ state.first_q(index, m.shape[1]).to(m.device) for index, m in self.matrices]
+        self.first = torch.cat([p.reshape(-1) for p in self.ps] + [w.float() for w in self.whole])
         self.round1 = dist.all_reduce(self.first, group=group, async_op=True)
         self.round2 = self.second = None
 
@@ -198,7 +207,7 @@ class _PowerSGDWork:
         qs = [m.T @ p for (_, m), p in zip(self.matrices, self.ps)]
         for (index, m), p, q in zip(self.matrices, self.ps, qs):
             # error feedback: what this rank's own factors (P^, its Q) leave out of its M
-            self.state.errors[index] = m - p @ q.T
+            self.state.errors[index] = _finite_or_zero(m - p @ q.T)
         self.second = torch.cat([q.reshape(-1) for q in qs])
         rank_progress.enter("all_reduce of a PowerSGD bucket's Q factors", 0)
         self.round2 = dist.all_reduce(self.second, group=self.group, async_op=True)
@@ -210,14 +219,15 @@ class _PowerSGDWork:
             self.round2.wait()
             self.round2 = None
         offset = 0
-        for (index, m), p in zip(self.matrices, self.ps):
+        for (index, m), p, view in zip(self.matrices, self.ps, self.views):
             q = self.second[offset : offset + m.shape[1] * state.rank].view(m.shape[1], state.rank)
             offset += q.numel()
-            state.qs[index] = q.clone()  # kept either way: first_q reads it only with warm_start
-            m.copy_(p @ q.T)
+            # kept either way (first_q reads it only with warm_start); a non-finite one starts afresh
+            state.qs[index] = q.clone() if bool(torch.isfinite(q).all()) else None
+            view.copy_(p @ q.T)
         offset = 0
         for view in self.whole:
-            view.copy_(self.whole_sum[offset : offset + view.numel()])
+            view.copy_(self.whole_sum[offset : offset + view.numel()])  # (cast back to the bucket's dtype)
             offset += view.numel()
         state.steps += 1
         self.first = self.second = self.ps = None
@@ -226,24 +236,35 @@ class _PowerSGDWork:
 # ------------------------------------------------------------------------------- the ops
 
 
+def _state(params: tuple[torch.Tensor, ...], config: tuple, make) -> Any:
+    """The bucket's compressor: kept while the bucket (its parameters, in order) and the
+    configuration stay the same, made anew otherwise (a recompile with another plan)."""
+    key = (config, tuple(id(p) for p in params))
+    entry = _STATES.get(params[0]) if params else None
+    if entry is None or entry[0] != key:
+        entry = _STATES[params[0]] = (key, make())
+    return entry[1]
+
+
+def forget(params: Any) -> None:
+    """Drop the compressors of buckets led by any of ``params`` (``gp.load``: they start afresh)."""
+    for p in params:
+        _STATES.pop(p, None)
+
+
 def all_reduce_grads_int8(sync: GradSync, *params: torch.Tensor, bucket: int = 0,
                           scale: float | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`~graphpass.runtime.grad_sync.all_reduce_grads` with the bucket sent as int8 blocks
     with error feedback (:mod:`graphpass.compression`)."""
-    state = _STATES.get(params[0]) if params else None
-    if params and not isinstance(state, _Int8):
-        state = _STATES[params[0]] = _Int8()
-    return bucket_grads(sync, params, bucket, scale, state)
+    return bucket_grads(sync, params, bucket, scale, _state(params, ("int8",), _Int8) if params else None)
 
 
 def all_reduce_grads_powersgd(sync: GradSync, *params: torch.Tensor, bucket: int = 0, scale: float | None = None,
                               rank: int = 4, warm_start: bool = True) -> tuple[torch.Tensor, ...]:
     """:func:`~graphpass.runtime.grad_sync.all_reduce_grads` with each matrix sent as PowerSGD's
     rank-``rank`` factors with error feedback (:mod:`graphpass.compression`)."""
-    state = _STATES.get(params[0]) if params else None
-    if params and not isinstance(state, _PowerSGD):
-        state = _STATES[params[0]] = _PowerSGD(rank, warm_start, bucket)
+    state = _state(params, ("powersgd", rank, warm_start), lambda: _PowerSGD(rank, warm_start, bucket)) if params else None
     return bucket_grads(sync, params, bucket, scale, state)
 
 
-__all__ = ["all_reduce_grads_int8", "all_reduce_grads_powersgd", "orthogonalize"]
+__all__ = ["all_reduce_grads_int8", "all_reduce_grads_powersgd", "forget", "orthogonalize"]

@@ -76,6 +76,16 @@ class LinkEmulator:
         self.crossed_bytes = 0
         self._ranks: dict[Any, tuple[int, ...]] = {}
         self._depth = 0
+        self._free_at = 0.0  # when the link is done with what this rank has sent over it
+
+    def charge(self, delay: float, size: float, start: float) -> float:
+        """Book a collective of ``size`` bytes started at ``start`` that the link carries in
+        ``delay`` seconds, after what it carries already; returns when it is done."""
+        due = self._free_at = max(start, self._free_at) + delay
+        self.delayed_s += delay
+        self.crossings += 1
+        self.crossed_bytes += size
+        return due
 
     def sleep_until(self, due: float) -> None:
         left = due - time.perf_counter()
@@ -107,13 +117,12 @@ class LinkEmulator:
             work = real(*args, **kwargs)
             if delay <= 0:
                 return work
-            self.delayed_s += delay
-            self.crossings += 1
-            self.crossed_bytes += size
+            # one link: collectives in flight at once (two buckets, PowerSGD's rounds) queue on it
+            due = self.charge(delay, size, start)
             if work is None:  # blocking: returns once the link would have carried it
-                self.sleep_until(start + delay)
+                self.sleep_until(due)
                 return None
-            return _Delayed(work, start + delay, self)
+            return _Delayed(work, due, self)
         emulated.__wrapped__ = real  # type: ignore[attr-defined]
         return emulated
 

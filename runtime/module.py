@@ -122,7 +122,9 @@ class DistributedModule(nn.Module):
         self._program = StepProgram(
             [graph_module], self._roles["loss"], self._report, accumulation_schedule(self.num_microbatches)
         ) if pipeline is None else None
-        self._loss_counts = LossCounts(graph_module, self._batch_axes, process_mesh)
+        # the loss's global count sums over the ranks holding the other shares (a DiLoCo worker's, its own)
+        self._loss_counts = LossCounts(graph_module, [a for a in self._batch_axes
+                                                      if not (a == "dp" and plan.diloco is not None)], process_mesh)
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
         self._extra_state = {
@@ -283,8 +285,7 @@ class DistributedModule(nn.Module):
         batching.check_offsets(global_batch, self._batches, self._input_names)
         if self._id_check:  # on every rank, on the whole batch: no rank starts a step others refuse
             ways = math.prod(self.plan.mesh[a] for a in self._batch_axes) * self.num_microbatches
-            self._id_check.check(global_batch, lambda: [batching.cut(global_batch, self._batches, ways, i)
-                                                        for i in range(ways)])
+            self._id_check.check(global_batch, lambda: self._pieces(global_batch, ways))
         local = tuple(global_batch)
         for axis in self._batch_axes:
             local = batching.cut(local, self._batches, self.plan.mesh[axis], self._mesh.axis_rank(axis),
@@ -317,6 +318,14 @@ class DistributedModule(nn.Module):
                 )
         return local
 
+    def _pieces(self, global_batch: Sequence[torch.Tensor], ways: int) -> list[tuple[torch.Tensor, ...]]:
+        """Every rank's microbatches of the global batch, in order (the ids check reads them all)."""
+        if self.plan.dp_shares is None:
+            return [batching.cut(global_batch, self._batches, ways, i) for i in range(ways)]
+        dp, k = self.plan.mesh.dp, self.num_microbatches
+        shares = [batching.cut(global_batch, self._batches, dp, i, counts=self.plan.dp_shares) for i in range(dp)]
+        return [batching.cut(share, self._batches, k, j) for share in shares for j in range(k)]
+
     def microbatches(self, *global_batch: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """This rank's share cut into the plan's microbatches (inputs not split along the batch,
         such as a shared mask, go whole to every microbatch)."""
@@ -336,8 +345,13 @@ class DistributedModule(nn.Module):
         accumulated and synchronised once. Embedding tables the plan shards are updated here, by
         the plan's sparse optimizer, once the step's last backward is done.
         """
+        if self.outer_sync is not None:  # DiLoCo: the outer step, if due
+            self.outer_sync.before_step()
         with self.link_emulator.active() if self.link_emulator is not None else contextlib.nullcontext():
-            return self._train_step(order_call(self._input_keys, global_batch, keyword_batch, self._input_names))
+            loss = self._train_step(order_call(self._input_keys, global_batch, keyword_batch, self._input_names))
+        if self.outer_sync is not None:
+            self.outer_sync.after_step()
+        return loss
 
     def _train_step(self, global_batch: Sequence[torch.Tensor]) -> torch.Tensor:
         count = functools.partial(self._loss_counts.fill, self.microbatches(*global_batch)) if self._loss_counts else None

@@ -29,7 +29,8 @@ def _train_on_ranks() -> tuple[list[float], dict[str, torch.Tensor], dict[str, t
         losses.append(float(dmodel.train_step(*batch)))
         opt.step()
         opt.zero_grad()
-        if step == 2 * H - 1:  # right after the second outer step: every worker holds the shared start
+        if step == 2 * H - 1:  # the second outer step, due now (train_step would run it next): the shared start
+            dmodel.outer_sync.flush()
             after_outer = {n: p.detach().clone() for n, p in dmodel.named_parameters()}
     return losses, after_outer, {n: p.detach().clone() for n, p in dmodel.named_parameters()}
 
@@ -134,3 +135,33 @@ def test_the_planner_prices_diloco_and_compression_as_they_run_across_a_slow_lin
     extra = every_8.predicted_peak_memory_bytes - exact.predicted_peak_memory_bytes
     assert 0.9 * params < extra < 1.1 * params  # start + momentum, less the bucket DiLoCo does without
     assert "INEXACT" in planner.price(gp.Strategy(dp=16, diloco=gp.DiLoCo(8))).explain()
+
+
+def test_a_hand_written_plan_is_held_to_what_diloco_and_compression_are_built_for():
+    with pytest.raises(NotImplementedError, match=r"Plan.diloco runs on plain data parallelism only; this plan has tp=2"):
+        gp.Plan(mesh={"dp": 2, "tp": 2}, diloco=gp.DiLoCo(4))
+    with pytest.raises(NotImplementedError, match=r"this plan has both grad_compression and diloco"):
+        gp.Plan(mesh={"dp": 2}, diloco=gp.DiLoCo(4), grad_compression=gp.GradCompression("int8"))
+    with pytest.raises(ValueError, match=r"Plan.grad_compression must be a graphpass.GradCompression or None"):
+        gp.Plan(mesh={"dp": 2}, grad_compression="int8")
+    with pytest.raises(NotImplementedError, match=r"Strategy.dp_shares \(uneven shares\) with diloco="):
+        gp.Strategy(dp=2, dp_shares=(2, 1), diloco=gp.DiLoCo(4))
+
+
+def test_the_outer_sync_restarts_from_the_weights_it_is_given():
+    """After ``gp.load`` the shared start is the loaded weights, not the compile-time ones (else
+    the first outer step would pull the run back toward its initialisation)."""
+    from graphpass.runtime.diloco import OuterSync
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    sync = OuterSync([p], gp.DiLoCo(2, outer_lr=1.0, outer_momentum=0.0), None)
+    for value in (1.0, 2.0):  # two inner steps move the worker to 2
+        with torch.no_grad():
+            p.fill_(value)
+        sync.after_step()
+    sync.flush()  # one worker, lr 1, no momentum: the start moves all the way to the worker
+    assert torch.equal(p.detach(), torch.full((3,), 2.0)) and sync.outer_steps == 1 and sync.pending == 0
+    with torch.no_grad():
+        p.fill_(5.0)  # a load
+    sync.reset()
+    assert torch.equal(sync.start[0].detach(), torch.full((3,), 5.0)) and sync.inner_steps == 0

@@ -376,11 +376,14 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     out.held = max(entry.step * out.grads if bucketed else 0.0, out.grads if m > 1 else 0.0)
     # A bucket is filled from autograd's gradients, which live until it is: once more its size.
     out.bucket = entry.transient * out.grads if bucketed else 0.0
+    outer_s = 0.0
     if zero == 0 and costing.diloco is not None and axis == "dp" and n > 1:
         out.bucket = 0.0  # no buckets: each worker keeps its own gradients (accumulated over microbatches)
         out.held = out.grads if m > 1 else 0.0
         out.state += 2 * p_bytes  # the outer step's shared start and its momentum
-        out.dp_comm = _moved_s(entry, p_bytes, p_bytes, 1, comms, axis) / costing.diloco.inner_steps
+        # the outer all-reduce, blocking between two steps (no backward to hide behind): in the
+        # tail with the optimizer, once every inner_steps steps
+        outer_s = _moved_s(entry, p_bytes, p_bytes, 1, comms, axis) / costing.diloco.inner_steps
     elif parts is not None:  # a compressed bucket: its movements on the parts of its S
         out.dp_comm = max(0.0, sum(comms.time(axis, move.kind, size, move.blocking) for move, size in
                                    entry.movements(parts, n)) - comms.latency(axis, "all_reduce"))
@@ -411,6 +414,7 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
         out.optimizer_s = share * params * costing.optimizer_s_per_param + tensors * costing.optimizer_s_per_tensor
     else:
         out.optimizer_s = share * (2 * p_bytes + g_bytes + 2 * o_bytes) / bandwidth
+    out.optimizer_s += outer_s
     if parts is not None:
         out.copied = sum(2 * nbytes * (m if per == PER_MICROBATCH else 1) for _, nbytes, per in entry.copied(parts, n))
     else:
