@@ -19,7 +19,8 @@ loss far down) from the same weights:
 * ``gp DiLoCo H=8``: ``Strategy(dp=4, diloco=gp.DiLoCo(8))``, AdamW inside as every row (its
   ``train_step`` reports its worker's loss: no collective in the step; the loss column is rank 0's).
 
-Columns: median step time (after ``--warmup`` steps), its ratio to DDP's; the bytes a rank hands
+Columns: the mean step time (after ``--warmup`` steps; a mean, not a median, so that DiLoCo's
+outer step every 8th step counts), its ratio to DDP's; the bytes a rank hands
 to collectives that cross the link per step (the emulator's count; DDP's buckets alike); the
 mean loss of the last 5 steps (the same tokens for every row; exact rows agree to rounding,
 the inexact ones drift); and the planner's predicted step time for that strategy on the same
@@ -178,20 +179,20 @@ def main(argv=None) -> None:
     params = sum(p.numel() for p in GPT(_config(args)).parameters())
     print(f"EMULATED link (runtime/link_emulator.py), 2 sites x 2 gloo ranks on this CPU; GPT {args.n_layer} x "
           f"{args.n_embd} ({params / 1e6:.2f}M parameters), global batch {args.batch} x {args.block_size}, "
-          f"{args.steps} steps (median after {args.warmup}), AdamW 3e-3, {args.threads} thread(s) a rank")
+          f"{args.steps} steps (mean after {args.warmup}), AdamW 3e-3, {args.threads} thread(s) a rank")
     for rate in args.rates:
         print(f"\nlink {rate}, {args.latency} (emulated)")
-        print(f"  {'strategy':<18} {'step ms':>9} {'/ DDP':>7} {'link MiB/step':>14} {'loss (last 5)':>14} "
+        print(f"  {'strategy':<18} {'mean step ms':>12} {'/ DDP':>7} {'link MiB/step':>14} {'loss (last 5)':>14} "
               f"{'predicted ms':>13} {'pred / meas':>12}")
         reference = None
         for row in ROWS:
             results = gp.launch(_run_rank, 4, args=(args, row, rate), timeout_s=1800)
             steps = [max(r["times"][i] for r in results) for i in range(len(results[0]["times"]))]
-            step = statistics.median(steps)
+            step = statistics.mean(steps)  # the mean: DiLoCo's outer step comes every 8th step
             reference = reference or step
             loss = statistics.mean(results[0]["losses"][-5:])
             predicted = _predicted(args, row, rate)
-            print(f"  {row:<18} {step * 1e3:9.1f} {step / reference:7.3f} {results[0]['crossed'] / 2**20:14.3f} "
+            print(f"  {row:<18} {step * 1e3:12.1f} {step / reference:7.3f} {results[0]['crossed'] / 2**20:14.3f} "
                   f"{loss:14.4f} {predicted * 1e3:13.1f} {predicted / step:12.2f}")
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
 
