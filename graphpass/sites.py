@@ -109,9 +109,10 @@ def parse(text: str, preset) -> Cluster:
     return Cluster.join(*(preset(part) for part in sites_text.split("+")), link=link)
 
 
-def describe(cluster: Cluster, mesh) -> str | None:
+def describe(cluster: Cluster, mesh, uneven: bool = False) -> str | None:
     """The plan's line about its sites: the link, which mesh axes cross it, and what is priced
-    for the slowest site; None for a cluster of one site."""
+    for the slowest site (``uneven``: the plan's dp shares follow the devices' speeds); None for
+    a cluster of one site."""
     if not cluster.sites:
         return None
     crossing = [axis for axis in mesh if mesh[axis] > 1 and cluster.crosses_sites(mesh, axis)]
@@ -120,8 +121,9 @@ def describe(cluster: Cluster, mesh) -> str | None:
     devices = {s.device.name for s in cluster.sites}
     return (f"sites: {sites}, joined by {wan.name or 'a wide-area link'} ({wan.bandwidth_gbps * 8:g} Gbit/s shared, "
             f"{wan.latency_s * 1e3:g} ms); axes crossing it: {', '.join(crossing) or 'none'}"
-            + (f"; priced for the slowest site's device ({cluster.device.name}): per-site work for unlike devices "
-               "is not planned yet" if len(devices) > 1 else ""))
+            + ("; dp shares follow the devices' speeds" if uneven else
+               f"; priced for the slowest site's device ({cluster.device.name}) on every rank" if len(devices) > 1
+               else ""))
 
 
 __all__ = ["Link", "WAN_PRESETS", "describe", "parse"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 import graphpass as gp
 from graphpass.cost.collectives import collective_time, link_for_group
@@ -185,3 +186,23 @@ def zoo_reference():
     import zoo
 
     return zoo.train_reference("gpt", steps=3, batch=8)
+
+
+def test_the_planner_gives_unlike_sites_data_parallel_shares_by_speed():
+    """A 124M GPT on 8 H100s + 8 A100s over 100 Gbit/s: the planner cuts the batch 3:1 between
+    them (their peaks, 593 and 187 TFLOP/s, round to it at 256 samples), predicts a shorter step
+    than any even plan (priced on the slowest device) and says why; two H100 sites get none."""
+    from gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304))
+    idx = torch.randint(0, 50304, (256, 1024), device="meta")
+    plan = gp.plan(model, "h100-80g:1x8+a100-80g:1x8@wan-100g", (idx, idx))
+    assert plan.mesh.pp == 1 and plan.dp_shares is not None and sum(plan.dp_shares) == 256
+    fast, slow = plan.dp_shares[0], plan.dp_shares[-1]
+    assert fast / slow == pytest.approx(593.4 / 187.2, rel=0.1), plan.dp_shares
+    line = next(line for line in plan.explain().splitlines() if "per-site work" in line)
+    even = float(line.split(" ms for the best plan with even shares")[0].split("against ")[-1])
+    assert plan.report.predicted_step_time_s * 1e3 < even
+    assert "dp shares follow the devices' speeds" in plan.explain()
+    assert gp.plan(model, "h100-80g:1x8+h100-80g:1x8@wan-100g", (idx, idx)).dp_shares is None

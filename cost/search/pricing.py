@@ -79,6 +79,11 @@ class Costing:
             no sharded tables. Only on meshes of one stage (sharded tables run on dp alone).
         grad_compression: plain data parallelism's gradient buckets go compressed
             (:mod:`graphpass.compression`): priced by their entries' movements and copies.
+        share_compute, share_activations: uneven data-parallel shares in proportion to unlike
+            devices' speeds (``Plan.dp_shares``): every rank computes as long as the slowest
+            device would on ``share_compute`` times its even share (``world s_min / sum s``),
+            and the fastest holds ``share_activations`` times an even share's activations
+            (``world s_max / sum s``, priced on every rank against the smallest memory); 1: even.
         diloco: the data-parallel ranks are DiLoCo workers (:mod:`graphpass.diloco`): no
             gradient buckets; the outer step's all-reduce of the parameters' deltas (the bucket
             entry's movement on the parameters' bytes) once every ``inner_steps`` steps, and the
@@ -103,6 +108,8 @@ class Costing:
     tables: tuple[tuple[float, float], ...] = ()
     grad_compression: GradCompression | None = None
     diloco: DiLoCo | None = None
+    share_compute: float = 1.0
+    share_activations: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -509,8 +516,8 @@ def ep_all_to_all(blocks: Sequence[BlockCost], layout: Parallelism, costing: Cos
 def price(block: BlockCost, choice: Choice, layout: Parallelism, costing: Costing, comms: _Collectives) -> Priced:
     """The ILP terms of ``block`` taking ``choice`` on ``mesh`` (:mod:`graphpass.cost.search.stages`)."""
     b = local_batch(layout, costing.batch)
-    scale = b / costing.batch
-    forward_s, backward_s = block.times[b]
+    scale = b / costing.batch * costing.share_activations  # what the largest share keeps and sends
+    forward_s, backward_s = (t * costing.share_compute for t in block.times[b])
     ep, m = layout.mesh.ep, layout.microbatches
 
     bandwidth = costing.cluster.device.memory_bandwidth_gbps * 1e9 * costing.cluster.device.memory_efficiency

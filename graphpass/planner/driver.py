@@ -575,14 +575,14 @@ class Planner:
         usable = [m for m in mesh_list if m.key in layouts]
         _, costing = self._with_budget(memory_budget)
 
-        def search(costing: S.Costing):
+        def search(costing: S.Costing, meshes=usable):
             try:
-                return (*S.search(layouts, usable, costing, time_limit_s, per_operator), costing, [])
+                return (*S.search(layouts, meshes, costing, time_limit_s, per_operator), costing, [])
             except S.NoPlanError:
                 if not self._offload_when_needed:
                     raise
                 costing = replace(costing, offload=True)
-                return (*S.search(layouts, usable, costing, time_limit_s, per_operator), costing,
+                return (*S.search(layouts, meshes, costing, time_limit_s, per_operator), costing,
                         ["no plan fits on the devices alone: offload searched (Planner(offload=True) searches it "
                          "always, in the same solve)"])
 
@@ -591,6 +591,27 @@ class Planner:
             points = _spread(self._table_frontier(costing), _TABLE_POINTS)
             costing = replace(costing, tables=tuple((p.time_s, p.bytes) for p in points))
         best, found, infeasible, pruned, costing, searched = search(costing)
+        shares = None
+        speeds = self._site_speeds()
+        flat = [m for m in usable if m.mesh.pp == 1 and m.mesh.ep == 1]
+        if speeds is not None and flat and not self.tables:
+            # unlike sites: dp shares in proportion to the devices' speeds, searched on the meshes
+            # without pipeline stages (the shares' meshes), beside the even plan
+            total = sum(speeds)
+            uneven = replace(costing, share_compute=len(speeds) * min(speeds) / total,
+                             share_activations=len(speeds) * max(speeds) / total)
+            try:
+                alt = search(uneven, flat)
+            except S.NoPlanError:
+                alt = None
+            shares = self._speed_shares(alt[0].layout, speeds) if alt is not None else None
+            if shares is not None and alt[0].step_time_s < best.step_time_s:
+                even_s = best.step_time_s
+                best, found, infeasible, pruned, costing, searched = alt
+                searched = searched + [
+                    f"per-site work: data-parallel shares in proportion to the devices' speeds ({_speeds_text(self.cluster)}"
+                    f"), {'/'.join(map(str, shares))} samples a dp rank; {best.step_time_s * 1e3:.1f} ms a step against "
+                    f"{even_s * 1e3:.1f} ms for the best plan with even shares (priced on the slowest device)"]
         if best.tables is not None:
             tables = points[best.tables]
             searched = searched + [
@@ -600,9 +621,38 @@ class Planner:
         alternatives = _alternatives(best, found, infeasible)
         reasons = searched + _reasons(best, found, alternatives, len(infeasible), self._rejected, costing, len(usable),
                                       self.measure_s, pruned)
-        return _to_plan(self.profile, layouts[best.layout.key], best, costing,
-                        None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
-                        alternatives, tables=self._table_plan(tables))
+        out = _to_plan(self.profile, layouts[best.layout.key], best, costing,
+                       None, reasons, start - self.measure_s, (self.capacity_factor, self._capacity_reason),
+                       alternatives, tables=self._table_plan(tables))
+        return replace(out, dp_shares=shares) if shares is not None else out
+
+    def _site_speeds(self) -> list[float] | None:
+        """Each rank's device speed (its site's peak), where the cluster joins sites of unlike
+        devices; None otherwise."""
+        sites = self.cluster.sites
+        if not sites or len({s.device for s in sites}) == 1:
+            return None
+        speed = [max(s.device.peak_tflops.values()) * s.device.compute_efficiency for s in sites]
+        return [speed[self.cluster.site_of(r)] for r in range(self.cluster.world_size)]
+
+    def _speed_shares(self, layout: S.Parallelism, speeds: Sequence[float]) -> tuple[int, ...] | None:
+        """The samples each dp rank of ``layout``'s mesh takes: the global batch in proportion to
+        its ranks' speed (a dp rank's tp group lies in one node, so in one site); None where a
+        share would be empty or not split into the layout's microbatches."""
+        mesh = layout.mesh
+        weights = [0.0] * mesh.dp
+        for rank in range(mesh.world_size):
+            weights[mesh.coordinate(rank, "dp")] = speeds[rank]
+        try:
+            counts = batching.share_counts(self.batch, weights)
+        except ValueError:
+            return None
+        return counts if all(c % layout.microbatches == 0 for c in counts) else None
+
+
+def _speeds_text(cluster: Cluster) -> str:
+    return ", ".join(f"{s.device.name} {max(s.device.peak_tflops.values()) * s.device.compute_efficiency:g} TFLOP/s"
+                     for s in cluster.sites)
 
 
 def plan(

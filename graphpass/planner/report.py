@@ -152,7 +152,7 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                        f"the fullest rank, {priced.time_s * 1e3:.2f} ms a step of exchanges (in the step and peak "
                        "predicted)")
         reasons += [f"  {line}" for line in priced.reasons]
-    site_line = sites.describe(costing.cluster, mesh)
+    site_line = sites.describe(costing.cluster, mesh, uneven=costing.share_compute != 1.0)
     if site_line:
         reasons.append(site_line)
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
