@@ -165,3 +165,28 @@ def test_the_outer_sync_restarts_from_the_weights_it_is_given():
         p.fill_(5.0)  # a load
     sync.reset()
     assert torch.equal(sync.start[0].detach(), torch.full((3,), 5.0)) and sync.inner_steps == 0
+
+
+def test_the_planner_takes_an_inexact_sync_only_when_allowed_and_says_so():
+    """Two sites of 8 H100s over 1 Gbit/s: the exact plan (a pipeline across the link) is
+    seconds a step; with allow_inexact_sync=True the planner prices PowerSGD, int8 and DiLoCo on
+    plain dp, takes the fastest (DiLoCo) and says it is inexact; without it, never; on one
+    cluster's fast links the exact plan stays."""
+    from gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304))
+    idx = torch.randint(0, 50304, (64, 1024), device="meta")
+    wan = "h100-80g:1x8+h100-80g:1x8@wan-1g"
+    exact = gp.plan(model, wan, (idx, idx))
+    assert exact.diloco is None and exact.grad_compression is None
+    chosen = gp.plan(model, wan, (idx, idx), allow_inexact_sync=True)
+    assert chosen.diloco is not None or chosen.grad_compression is not None
+    assert chosen.report.predicted_step_time_s < exact.report.predicted_step_time_s / 2
+    text = chosen.explain()
+    assert "allow_inexact_sync:" in text and "does NOT train as one process does" in text and "INEXACT" in text
+    local = gp.plan(model, "h100-80g:2x8", (idx, idx), allow_inexact_sync=True)
+    assert local.diloco is None and local.grad_compression is None
+    assert "no inexact synchronisation beats the exact plan" in local.explain()
+    with pytest.raises(ValueError, match=r"plan\(allow_inexact_sync=True\) lets strategy='auto' choose"):
+        gp.plan(model, wan, (idx, idx), strategy=gp.Strategy(dp=16), allow_inexact_sync=True)

@@ -28,6 +28,8 @@ from graphpass.cost.collectives import collective_time
 from graphpass.cost.search import tables as T
 from graphpass.cost.search.tables import TableChoices
 from graphpass.passes.tensor_parallel import TensorParallelError
+from graphpass.compression import GradCompression
+from graphpass.diloco import DiLoCo
 from graphpass.plan import Choice, Plan, Strategy
 from graphpass.tables import SparseOptimizer, TableSharding, cached_rows
 from graphpass.plan_builder import uniform_stages
@@ -163,6 +165,15 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
                                                    else f"the running group has {running}")
             + "; call it on every rank under torchrun or graphpass.launch, or drop measure_together")
 
+
+#: the inexact synchronisations ``allow_inexact_sync`` prices, on plain data parallelism over
+#: every device: (label, Strategy fields)
+INEXACT_SYNCS = (
+    ("PowerSGD rank 4", {"grad_compression": GradCompression("powersgd", rank=4)}),
+    ("int8 with error feedback", {"grad_compression": GradCompression("int8")}),
+    ("DiLoCo every 8 steps", {"diloco": DiLoCo(8)}),
+    ("DiLoCo every 32 steps", {"diloco": DiLoCo(32)}),
+)
 
 #: at most this many of the tables' choices (from fastest to smallest, evenly spaced) are offered
 #: to the stage ILP, which takes one of them beside the dense part's choices
@@ -542,17 +553,49 @@ class Planner:
         return [list(range(bounds[s], bounds[s + 1])) for s in range(stages)]
 
     def auto(self, time_limit_s: float | None = None, memory_budget: int | float | str | None = None,
-             per_operator: bool = True) -> Plan:
+             per_operator: bool = True, allow_inexact_sync: bool = False) -> Plan:
         """Search every mesh and per-block choice; the fastest plan that fits ``memory_budget``
         (default: the Planner's). With ``per_operator`` (the default) a block may also shard its
         largest operators' parameters at a higher ZeRO stage than the rest (OSDP,
         :attr:`graphpass.plan.Choice.large_ops`), and tensor parallelism may shard the
         projections Megatron's pattern leaves replicated, as the op-level solver places them
         (:meth:`op_layouts`); ``False`` gives the per-block plan, a subset of the same options.
+        ``allow_inexact_sync``: the plain data-parallel plans that do not train as one process
+        does (:data:`INEXACT_SYNCS`: PowerSGD, int8, DiLoCo) are priced too, and the fastest
+        taken where it beats the exact plan; ``explain()`` says so (never without it).
 
         Raises:
             graphpass.cost.search.NoPlanError: nothing fits the budget.
         """
+        exact = self._auto(time_limit_s, memory_budget, per_operator)
+        return self._inexact(exact, memory_budget) if allow_inexact_sync else exact
+
+    def _inexact(self, exact: Plan, memory_budget: int | float | str | None) -> Plan:
+        """The fastest of ``exact`` and the inexact syncs on plain data parallelism that fit."""
+        budget, _ = self._with_budget(memory_budget)
+        world = self.cluster.world_size
+        priced = []
+        for label, fields in INEXACT_SYNCS:
+            try:
+                candidate = self.price(Strategy(dp=world, **fields), memory_budget)
+            except (ValueError, NotImplementedError) as exc:
+                log.info("allow_inexact_sync: %s not priced: %s", label, exc)
+                continue
+            if candidate.report.predicted_peak_memory_bytes <= budget:
+                priced.append((candidate.report.predicted_step_time_s, label, candidate))
+        exact_s = exact.report.predicted_step_time_s
+        tried = ", ".join(f"{label} {s * 1e3:.1f} ms" for s, label, _ in sorted(priced, key=lambda x: x[0]))
+        if not priced or min(priced, key=lambda x: x[0])[0] >= exact_s:
+            line = (f"allow_inexact_sync: no inexact synchronisation beats the exact plan's {exact_s * 1e3:.1f} ms "
+                    f"a step ({tried or 'none fits'})")
+            return replace(exact, report=replace(exact.report, reasons=exact.report.reasons + (line,)))
+        step_s, label, chosen = min(priced, key=lambda x: x[0])
+        line = (f"allow_inexact_sync: {label} taken, {step_s * 1e3:.1f} ms a step predicted against the exact plan's "
+                f"{exact_s * 1e3:.1f} ms ({dict(exact.mesh)}); it does NOT train as one process does (tried: {tried})")
+        return replace(chosen, report=replace(chosen.report, reasons=(line,) + chosen.report.reasons))
+
+    def _auto(self, time_limit_s: float | None, memory_budget: int | float | str | None,
+              per_operator: bool) -> Plan:
         if time_limit_s is not None and not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
             raise ValueError(f"time_limit_s must be a positive number of seconds or None, got {time_limit_s!r}")
         start = time.perf_counter()
@@ -673,6 +716,7 @@ def plan(
     embedding_optimizer: SparseOptimizer | None = None,
     staleness: int = 0,
     id_samples: Sequence[Any] | None = None,
+    allow_inexact_sync: bool = False,
 ) -> Plan:
     """Choose (``strategy="auto"``) or price (``strategy=Strategy(...)``) a parallel plan.
 
@@ -722,6 +766,10 @@ def plan(
         id_samples: batches (given as ``example_inputs`` is) whose ids make the tables' id
             profile; default the example batch. More batches see more of the rare ids, so the
             predicted hit shares come closer (one batch's profile gives an upper bound).
+        allow_inexact_sync: with ``strategy="auto"``, also price synchronisations that do not
+            train as one process does (PowerSGD, int8 with error feedback, DiLoCo; on plain data
+            parallelism over every device) and take the fastest where it beats the exact plan,
+            saying so in ``explain()``. Default False: only exact plans.
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a
@@ -742,4 +790,8 @@ def plan(
                       batch_dims=batch_dims, embedding_optimizer=embedding_optimizer or (
                           strategy.embedding_optimizer if isinstance(strategy, Strategy) else None),
                       staleness=staleness, id_samples=id_samples)
-    return planner.price(strategy) if isinstance(strategy, Strategy) else planner.auto(time_limit_s)
+    if allow_inexact_sync and isinstance(strategy, Strategy):
+        raise ValueError("plan(allow_inexact_sync=True) lets strategy='auto' choose an inexact synchronisation; a "
+                         "Strategy names its own (grad_compression=, diloco=)")
+    return (planner.price(strategy) if isinstance(strategy, Strategy)
+            else planner.auto(time_limit_s, allow_inexact_sync=allow_inexact_sync))
