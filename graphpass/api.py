@@ -532,11 +532,9 @@ def _share_counts(source: Any, inputs: Sequence[torch.Tensor], batches: Sequence
                   names: Sequence[str]) -> tuple[int, ...] | None:
     """The samples each dp rank takes under uneven shares (a Plan's counts, or a Strategy's
     weights applied to this batch); None for equal shares."""
+    if isinstance(source, Plan) and source.dp_shares is None and source.strategy is not None:
+        source = source.strategy  # a plan gp.plan made from a Strategy with weights: their counts now
     shares = source.dp_shares
-    if shares is None and isinstance(source, Plan) and source.strategy is not None:
-        shares = source.strategy.dp_shares  # a plan made from a Strategy with weights (gp.plan): its counts now
-        if shares is not None:
-            return _share_counts(source.strategy, inputs, batches, names)
     if shares is None:
         return None
     totals = {batching.num_samples(v, b) for v, b in zip(inputs, batches)} - {None}

@@ -87,10 +87,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
     if plan.diloco is not None and batch is not None:  # DiLoCo's workers keep their gradients (runtime/diloco.py)
         log.info("%s: DiLoCo: no gradient buckets over %r (an outer step every %d inner steps instead)", NAME, batch,
                  plan.diloco.inner_steps)
-        by_axes.pop(batch, None)
-        if by_axes:
-            raise NotImplementedError(f"{NAME}: Plan.diloco with gradients also summed over {sorted(by_axes)} "
-                                      "(tensor or expert parallel partial sums) is not built yet")
+        by_axes.pop(batch, None)  # (Plan refuses diloco beside tp or ep: no partial sums are left)
     compression = plan.grad_compression
     if compression is not None and compression.kind == "powersgd" and batch in by_axes:
         shapes = [tuple(meta.get(n, meta.VAL).shape) for n in by_axes[batch]]
@@ -101,15 +98,11 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
                 "model: " + (f"its widest matrix is {largest[0]} x {math.prod(largest[1:])}, whose rank-"
                              f"{compression.rank} factors are no smaller than it" if largest else "it has no matrices")
                 + "; choose a smaller rank, or int8")
-    if compression is not None and set(by_axes) - {batch}:
-        raise NotImplementedError(
-            f"{NAME}: Plan.grad_compression ({compression}) compresses the gradient buckets of the batch axis "
-            f"{batch!r} alone, but some gradients also sum over {sorted(set(by_axes) - {batch})} (tensor or expert "
-            "parallel partial sums); drop grad_compression or those axes")
     for axis, params in by_axes.items():
         # Average over the batch axis (the loss is a per-rank mean), sum over tp (partial sums).
         buckets = collectives.emit_grad_all_reduce(gm, params, axis, plan.bucket_cap_bytes, NAME, scale=1.0 / dp,
-                                                   stage_of=stage_of, compression=compression)
+                                                   stage_of=stage_of,
+                                                   compression=compression if axis == batch else None)
         log.info("%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis)
     if batch is not None and plan.diloco is None:  # a DiLoCo worker reports its own loss: no collective a step
         output = gm.graph.find_nodes(op="output")[0]

@@ -44,6 +44,14 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8).view(-1), scales
 
 
+def _done(work: Any, block: bool) -> bool:
+    """Whether ``work`` (None: none in flight) has finished, waiting for it when ``block``."""
+    if work is None or not (block or work.is_completed()):
+        return False
+    work.wait()
+    return True
+
+
 def _finite_or_zero(error: torch.Tensor) -> torch.Tensor:
     """An error to feed back, or zeros where the step's gradients were not finite (an overflow a
     gradient scaler skips): an inf or NaN kept would poison every later step."""
@@ -103,9 +111,8 @@ class _Int8Work:
         self.gather = self.gathered = None
 
     def advance(self, block: bool = False) -> None:
-        if self.scatter is None or not (block or self.scatter.is_completed()):
+        if not _done(self.scatter, block):
             return
-        self.scatter.wait()
         self.scatter = None
         values, scales = _unpack(self.recv, self.n, self.shard)
         total = _dequantize(values, scales.reshape(-1)).view(self.n, -1).sum(dim=0)
@@ -193,9 +200,8 @@ class _PowerSGDWork:
         self.round2 = self.second = None
 
     def advance(self, block: bool = False) -> None:
-        if self.round1 is None or not (block or self.round1.is_completed()):
+        if not _done(self.round1, block):
             return
-        self.round1.wait()
         self.round1 = None
         offset = 0
         for i, p in enumerate(self.ps):

@@ -167,7 +167,7 @@ class DistributedModule(nn.Module):
         self._cached = [self._tables[target] for target in sorted(cached)]
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
-        # DiLoCo: every inner_steps steps of the user's optimizer, the workers' outer step
+        # DiLoCo: after every inner_steps train steps, the workers' outer step
         self.outer_sync = (OuterSync([p for _, p in self.named_parameters()], plan.diloco, process_mesh.group("dp"),
                                      link_emulator) if plan.diloco is not None else None)
 

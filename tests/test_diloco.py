@@ -127,6 +127,7 @@ def test_the_planner_prices_diloco_and_compression_as_they_run_across_a_slow_lin
         model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304))
     idx = torch.randint(0, 50304, (64, 1024), device="meta")
     planner = graphpass.planner.Planner(model, "h100-80g:1x8+h100-80g:1x8@wan-10g", (idx, idx))
+    # cost-model predictions on preset figures (no measurement, no solver budget): deterministic
     exact, every_8, every_64 = (planner.price(gp.Strategy(dp=16, diloco=d)).report
                                 for d in (None, gp.DiLoCo(8), gp.DiLoCo(64)))
     assert exact.time_split_s["dp_comm_exposed"] > 0.5 * exact.predicted_step_time_s
@@ -182,6 +183,9 @@ def test_the_planner_takes_an_inexact_sync_only_when_allowed_and_says_so():
     assert exact.diloco is None and exact.grad_compression is None
     chosen = gp.plan(model, wan, (idx, idx), allow_inexact_sync=True)
     assert chosen.diloco is not None or chosen.grad_compression is not None
+    # predictions on preset figures, not timings: the chosen plan's is what the planner compared
+    # (and the exact search's per-operator refinement can only lower the exact one, by far less
+    # than the 15x between them here)
     assert chosen.report.predicted_step_time_s < exact.report.predicted_step_time_s / 2
     text = chosen.explain()
     assert "allow_inexact_sync:" in text and "does NOT train as one process does" in text and "INEXACT" in text

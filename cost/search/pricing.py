@@ -361,10 +361,14 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     m = layout.microbatches
     g_bytes = params * costing.grad_bytes_per_param
     o_bytes = params * costing.optimizer_bytes_per_param
-    compression = costing.grad_compression if zero == 0 and axis == "dp" and n > 1 else None
-    entry = (transition("all_reduce_grads") if zero == 0 and compression is None
-             else TABLE[f"dp gradient bucket {compression.kind}"] if zero == 0
-             else transition("all_gather_params", stage=zero))
+    plain_dp = zero == 0 and axis == "dp" and n > 1  # what compression and DiLoCo change
+    compression = costing.grad_compression if plain_dp else None
+    if zero:
+        entry = transition("all_gather_params", stage=zero)
+    elif compression is not None:
+        entry = TABLE[f"dp gradient bucket {compression.kind}"]
+    else:
+        entry = transition("all_reduce_grads")
     parts = (bucket_parts(compression, shapes or [(max(1, round(params)),)], n, round(costing.grad_bytes_per_param))
              if compression is not None else None)
     out = _Params()
@@ -384,7 +388,7 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     # A bucket is filled from autograd's gradients, which live until it is: once more its size.
     out.bucket = entry.transient * out.grads if bucketed else 0.0
     outer_s = 0.0
-    if zero == 0 and costing.diloco is not None and axis == "dp" and n > 1:
+    if plain_dp and costing.diloco is not None:
         out.bucket = 0.0  # no buckets: each worker keeps its own gradients (accumulated over microbatches)
         out.held = out.grads if m > 1 else 0.0
         out.state += 2 * p_bytes  # the outer step's shared start and its momentum
