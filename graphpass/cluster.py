@@ -198,6 +198,12 @@ class DeviceSpec:
                     raise ValueError(f"DeviceSpec.{name} must be >= 1 (a slowdown), got {value!r}")
                 object.__setattr__(self, name, value)
 
+    @property
+    def speed_tflops(self) -> float:
+        """The speed unlike devices are compared by (dp shares, stage sizes): the largest peak
+        times the efficiency the roofline applies."""
+        return max(self.peak_tflops.values()) * self.compute_efficiency
+
     def __hash__(self) -> int:  # the dict field would make the generated hash fail
         return hash(
             (self.name, self.kind, tuple(sorted(self.peak_tflops.items())), self.memory_bytes,
@@ -651,8 +657,7 @@ class Cluster:
         backends = {s.backend for s in sites}
         if len(backends) > 1:
             raise ValueError(f"Cluster.join: every site must run the same backend, got {sorted(backends)}")
-        slowest = min(sites, key=lambda s: (max(s.device.peak_tflops.values()) * s.device.compute_efficiency,
-                                            s.device.memory_bytes))
+        slowest = min(sites, key=lambda s: (s.device.speed_tflops, s.device.memory_bytes))
         hosts = [s.host for s in sites]
         host = None if any(h is None for h in hosts) else HostSpec(
             min(h.memory_bytes for h in hosts), min(h.link_gbps for h in hosts),
@@ -703,6 +708,15 @@ class Cluster:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank!r} is not in 0..{self.world_size - 1}")
         return bisect.bisect_right(self.site_starts(), rank) - 1
+
+    def device_of(self, rank: int) -> DeviceSpec:
+        """The device ``rank`` runs on: its site's (``device`` for a cluster of one site)."""
+        return self.sites[self.site_of(rank)].device if self.sites else self.device
+
+    def relative_speed(self, rank: int) -> float:
+        """How many times faster ``rank``'s device computes than ``device`` (the one a plan is
+        priced on: the slowest site's), by peak times efficiency; 1.0 on one site."""
+        return self.device_of(rank).speed_tflops / self.device.speed_tflops if self.sites else 1.0
 
     def site_starts(self) -> tuple[int, ...]:
         """Each site's first rank."""

@@ -13,10 +13,11 @@ share a site (:meth:`Cluster.site_of`) and which axes' groups cross the link
 Unlike a node's per-GPU links, a wide-area link's bandwidth is the sites' aggregate: every
 group that crosses it at once shares it (:mod:`graphpass.cost.collectives` divides it among
 them). Sites must have the same devices per node and backend; their devices and node counts may
-differ. What is priced per site: a group inside one site runs on that site's links. What is not
-yet: per-site work (data-parallel shares and pipeline stages sized to each device's speed); until
-then the joined cluster's ``device`` is the slowest site's (the smallest memory of any), so a plan
-is priced for the slowest site, and ``explain()`` says so. ``docs/sites.md`` has the design.
+differ. What is priced per site: a group inside one site runs on that site's links; the joined
+cluster's ``device`` is the slowest site's (the smallest memory of any), which blocks are priced
+on, and per-site work follows each rank's device (:meth:`Cluster.relative_speed`): the planner's
+data-parallel shares, and pipeline stages sized to their devices' speed and memory
+(``graphpass.cost.search.stages``). ``explain()`` says which. ``docs/sites.md`` has the design.
 """
 
 from __future__ import annotations
@@ -109,21 +110,34 @@ def parse(text: str, preset) -> Cluster:
     return Cluster.join(*(preset(part) for part in sites_text.split("+")), link=link)
 
 
-def describe(cluster: Cluster, mesh, uneven: bool = False) -> str | None:
+def describe(cluster: Cluster, mesh, uneven: bool = False, stage_speeds=(), stage_blocks=(),
+             stage_budgets=()) -> str | None:
     """The plan's line about its sites: the link, which mesh axes cross it, and what is priced
-    for the slowest site (``uneven``: the plan's dp shares follow the devices' speeds); None for
-    a cluster of one site."""
+    for the slowest site (``uneven``: the plan's dp shares follow the devices' speeds;
+    ``stage_speeds``: each pp rank's speed against the slowest device, where the pipeline
+    crosses unlike sites, with ``stage_blocks`` blocks in each stage and ``stage_budgets``
+    bytes each pp rank may hold); None for a cluster of one site."""
     if not cluster.sites:
         return None
     crossing = [axis for axis in mesh if mesh[axis] > 1 and cluster.crosses_sites(mesh, axis)]
     sites = ", ".join(f"{s.name or i} ({s.world_size} x {s.device.name})" for i, s in enumerate(cluster.sites))
     wan = cluster.wan
     devices = {s.device.name for s in cluster.sites}
+    if uneven:
+        work = "; dp shares follow the devices' speeds"
+    elif len(set(stage_speeds)) > 1:
+        work = ("; pipeline stages sized to their devices' speeds (" + ", ".join(
+            f"stage {s}: {n} block{'s' if n > 1 else ''} at {v:.2f}x" for s, (n, v) in enumerate(zip(stage_blocks, stage_speeds)))
+            + f" the {cluster.device.name}'s)")
+    elif len(devices) > 1:
+        work = f"; priced for the slowest site's device ({cluster.device.name}) on every rank"
+    else:
+        work = ""
+    if len(set(stage_budgets)) > 1:
+        work += ("; each pp rank's memory budget its own device's (" + ", ".join(f"{b / 2**30:.2f}" for b in stage_budgets)
+                 + " GiB)")
     return (f"sites: {sites}, joined by {wan.name or 'a wide-area link'} ({wan.bandwidth_gbps * 8:g} Gbit/s shared, "
-            f"{wan.latency_s * 1e3:g} ms); axes crossing it: {', '.join(crossing) or 'none'}"
-            + ("; dp shares follow the devices' speeds" if uneven else
-               f"; priced for the slowest site's device ({cluster.device.name}) on every rank" if len(devices) > 1
-               else ""))
+            f"{wan.latency_s * 1e3:g} ms); axes crossing it: {', '.join(crossing) or 'none'}" + work)
 
 
 __all__ = ["Link", "WAN_PRESETS", "describe", "parse"]

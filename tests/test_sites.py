@@ -176,6 +176,67 @@ def test_hierarchical_data_parallelism_across_two_emulated_sites_trains_as_one_p
                 assert inside and any(len(ranks) == 2 for ranks, _ in crossing), seen
 
 
+def test_the_planner_sizes_pipeline_stages_across_unlike_sites_to_their_devices_speeds():
+    """Over 1 Gbit/s the planner runs an 8-layer GPT as a pipeline across the link: the H100 stage
+    (3.17x the A100's peak times efficiency) takes more blocks than the A100 stage, where two
+    H100 sites split the same blocks about evenly; the stages' predicted times stay close, and
+    explain() says what each stage holds."""
+    from gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=512, vocab_size=8192))
+    idx = torch.randint(0, 8192, (32, 512), device="meta")
+
+    def stages(cluster):
+        plan = gp.plan(model, cluster, (idx, idx))
+        assert plan.mesh.pp == 2, plan.explain()
+        rows = plan.report.breakdown
+        return plan, [sum(1 for r in rows if r["stage"] == s) for s in (0, 1)], [
+            sum(r["time_s"] for r in rows if r["stage"] == s) for s in (0, 1)]
+
+    plan, (fast, slow), (fast_s, slow_s) = stages("h100-80g:1x4+a100-80g:1x4@wan-1g")
+    _, (even_0, even_1), _ = stages("h100-80g:1x4+h100-80g:1x4@wan-1g")
+    assert fast > slow and fast / (fast + slow) > even_0 / (even_0 + even_1) + 0.1, (fast, slow, even_0, even_1)
+    # predictions on preset figures (no timing): the stages' compute on their own devices, within
+    # one layer's worth of each other (the split is by whole blocks)
+    assert max(fast_s, slow_s) / min(fast_s, slow_s) < 2.0, (fast_s, slow_s)
+    line = next(line for line in plan.explain().splitlines() if "sites:" in line)
+    assert f"pipeline stages sized to their devices' speeds (stage 0: {fast} blocks at 3.17x" in line, line
+
+
+def test_a_pipeline_stage_on_devices_with_more_memory_may_hold_more_than_the_smallest_devices_budget():
+    """Sites of equal speed, one with a quarter of the other's memory: under a budget (the small
+    device's) that the larger stage's peak exceeds, the stage on the big devices keeps it (its
+    own budget is 4x), the small one stays within; on two small sites every stage must fit."""
+    import math
+    from dataclasses import replace
+
+    import graphpass.cost.search as S
+    from gpt import GPT, GPTConfig
+    from graphpass.planner import Planner
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_head=8, n_embd=512, block_size=512, vocab_size=8192))
+    idx = torch.randint(0, 8192, (32, 512), device="meta")
+    big = gp.Cluster.preset("h100-80g", 1, 4)
+    small = replace(big, device=replace(big.device, memory_bytes=big.device.memory_bytes // 4))
+    planner = Planner(model, gp.Cluster.join(big, small, link=gp.Link("wan-100g")), (idx, idx))
+    layout = S.Parallelism(Mesh.of(pp=2, dp=4), 4)
+    blocks = planner.blocks(layout)
+
+    def solve(costing, limit):
+        cand, _ = S.solve_mesh(blocks, layout, replace(costing, memory_limit_bytes=limit), math.inf, per_operator=False)
+        return cand
+
+    free = solve(planner.costing, math.inf)
+    limit = 0.6 * max(free.stage_peaks_bytes)
+    unlike = solve(planner.costing, limit)
+    assert unlike.stage_rooms == (4.0, 1.0) and unlike.fits(limit)
+    assert unlike.stage_peaks_bytes[0] > limit >= unlike.stage_peaks_bytes[1], unlike.stage_peaks_bytes
+    like = solve(replace(planner.costing, cluster=gp.Cluster.join(small, small, link=gp.Link("wan-100g"))), limit)
+    assert like.stage_rooms == (1.0, 1.0) and max(like.stage_peaks_bytes) <= limit, like.stage_peaks_bytes
+
+
 def test_the_planner_gives_unlike_sites_data_parallel_shares_by_speed():
     """A 124M GPT on 8 H100s + 8 A100s over 100 Gbit/s: the planner cuts the batch 3:1 between
     them (their peaks, 593 and 187 TFLOP/s, round to it at 256 samples), predicts a shorter step

@@ -15,7 +15,7 @@ One module per step, each importing only those before it:
 from graphpass.cost.search.blocks import LAYER, POST, PRE, BlockCost, OpParams
 from graphpass.cost.search.layouts import Parallelism, local_batch, meshes
 from graphpass.cost.search.pricing import Costing, choices_for, ep_all_to_all, price, transition_s
-from graphpass.cost.search.stages import Candidate, evaluate, solve_stage, uniform_choices
+from graphpass.cost.search.stages import Candidate, evaluate, solve_stage, stage_rooms, stage_speeds, uniform_choices
 from graphpass.cost.search.driver import NoPlanError, search, solve_mesh, step_floor
 
 __all__ = [
@@ -37,6 +37,8 @@ __all__ = [
     "search",
     "solve_mesh",
     "solve_stage",
+    "stage_rooms",
+    "stage_speeds",
     "step_floor",
     "transition_s",
     "uniform_choices",

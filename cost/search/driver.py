@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -38,6 +38,8 @@ from graphpass.cost.search.stages import (
     evaluate,
     partition,
     solve_stage,
+    stage_rooms,
+    stage_speeds,
     uniform_choices,
 )
 
@@ -103,14 +105,17 @@ def step_floor(layout: Parallelism, options: Sequence[Sequence[tuple[Choice, Pri
     fastest option, spread perfectly over the stages. With ``T`` the sum of those per-microbatch
     times over ``p`` stages, the 1F1B/GPipe path ``sum_s t_s + (m - 1) max_s t_s`` is at least
     ``T + (m - 1) T / p``; the slowest rank's tail (exposed dp communication and optimizer) is
-    at least the ranks' mean of the smallest of each; sharded tables add their fastest point."""
+    at least the ranks' mean of the smallest of each; sharded tables add their fastest point.
+    Stages on faster devices (:func:`stage_speeds`, speeds ``v_s``): ``T / max v + (m - 1) T /
+    sum v``, since ``sum_s t_s >= T / max v`` and ``max_s t_s >= T / sum v``."""
     if layout.virtual_stages != 1 or layout.schedule not in ("1f1b", "gpipe"):
         return 0.0
     p, m = layout.num_stages, layout.microbatches
+    speeds = stage_speeds(costing.cluster, layout.mesh)
     total = sum(min(pr.time_s for _, pr in opts) for opts in options)
     comm = sum(min(pr.dp_comm_s - pr.window_s for _, pr in opts) for opts in options)
     optimizer = sum(min(pr.optimizer_s for _, pr in opts) for opts in options)
-    path = total + (m - 1) * total / p
+    path = total / max(speeds) + (m - 1) * total / sum(speeds)
     return (_shared_host_step(path, layout.mesh.pp, m, costing.host_contention, costing.host_oversubscription)
             + (max(0.0, comm) + optimizer) / p + min((t for t, _ in costing.tables), default=0.0))
 
@@ -134,11 +139,13 @@ def solve_mesh(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costin
     # Stages with the same blocks (by signature) and the same microbatches in flight have the
     # same answer: solve once, reuse by position.
     cache: dict[tuple, tuple[list[int], bool, float, int | None] | None] = {}
+    speeds, rooms = stage_speeds(costing.cluster, layout.mesh), stage_rooms(costing.cluster, layout.mesh)
     for s, indices in enumerate(stages):
-        flight = _stage_flight(layout, s)
-        key = (tuple(blocks[i].signature + blocks[i].kind for i in indices), flight)
+        flight, speed, room = _stage_flight(layout, s), speeds[layout.rank_of(s)], rooms[layout.rank_of(s)]
+        key = (tuple(blocks[i].signature + blocks[i].kind for i in indices), flight, speed, room)
         if key not in cache:
-            solved = solve_stage(blocks, indices, options, layout, flight, costing, deadline)
+            own = costing if room == 1.0 else replace(costing, memory_limit_bytes=costing.memory_limit_bytes * room)
+            solved = solve_stage(blocks, indices, options, layout, flight, own, deadline, speed)
             cache[key] = None if solved is None else ([solved[0][i] for i in indices], *solved[1:])
         if cache[key] is None:
             return None, smallest
@@ -157,7 +164,7 @@ def solve_mesh(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costin
         if cand is None:
             continue
         uniform_prices.append((str(base), cand.step_time_s, cand.peak_memory_bytes))
-        if cand.peak_memory_bytes <= costing.memory_limit_bytes and cand.step_time_s < best.step_time_s:
+        if cand.fits(costing.memory_limit_bytes) and cand.step_time_s < best.step_time_s:
             cand.how = f"uniform {base}"
             best = cand
     best.uniform = uniform_prices

@@ -52,7 +52,11 @@ held all step), so the ILP weighs a table's faster kind against the dense part's
 of its stages' times): ``m max_r T_r + (p - 1) max_c t_c + max_r (E_r + u_r)`` (Narayanan et al.
 2021; it assumes the microbatches fill whole rounds of ``p``); zero-bubble (ZB1P) the same with
 the bubble term times ``ZERO_BUBBLE_SHARE`` (:func:`graphpass.cost.memory.zero_bubble_fraction`).
-Every stage but the last also pays the send of its output and the return of its gradient. A
+On joined sites of unlike devices (:mod:`graphpass.sites`) the blocks are priced on the slowest
+device, and a stage's compute runs :func:`stage_speeds` times faster on its pp rank's devices:
+the split and each stage's ILP weigh ``t / speed``, so a pipeline across an H100 site and an
+A100 site gives the H100 stages more layers; and a stage's memory rows hold against the budget
+times its devices' memory over the smallest's (:func:`stage_rooms`). Every stage but the last also pays the send of its output and the return of its gradient. A
 stage's microbatches in flight follow its schedule
 (:func:`graphpass.cost.memory.in_flight_microbatches`; zero-bubble also keeps output gradients
 for its deferred weight gradients, :func:`graphpass.cost.memory.deferred_weight_gradients`); the
@@ -62,11 +66,14 @@ Strategy.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from graphpass.cluster import Cluster
+from graphpass.mesh import Mesh
 from graphpass.plan import Choice
 from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
 from graphpass.cost.search.blocks import LAYER, POST, BlockCost
@@ -116,9 +123,45 @@ class Candidate:
     #: peaks); None without sharded tables.
     tables: int | None = None
 
+    #: per pp rank: its device's memory against the budget's device (:func:`stage_rooms`).
+    stage_rooms: tuple[float, ...] = ()
+
     @property
     def peak_memory_bytes(self) -> float:
         return max(self.stage_peaks_bytes)
+
+    def fits(self, limit_bytes: float) -> bool:
+        """Every pp rank's peak within ``limit_bytes`` (the smallest device's budget) times its
+        device's room."""
+        rooms = self.stage_rooms or (1.0,) * len(self.stage_peaks_bytes)
+        return all(peak <= limit_bytes * room for peak, room in zip(self.stage_peaks_bytes, rooms))
+
+
+@functools.lru_cache(maxsize=256)
+def _pp_rank_devices(cluster: Cluster, mesh: Mesh) -> tuple[tuple[float, float], ...]:
+    """Each pp rank's (speed, memory) against ``cluster.device``, the device blocks are priced
+    on (the slowest site's, the smallest memory of any): the least among the ranks at that
+    pipeline coordinate, since its dp and tp peers wait for one another and hold the same."""
+    if mesh.pp == 1 or not cluster.sites:
+        return ((1.0, 1.0),) * mesh.pp
+    speeds, rooms = [math.inf] * mesh.pp, [math.inf] * mesh.pp
+    for rank in range(mesh.world_size):
+        r = mesh.coordinate(rank, "pp")
+        speeds[r] = min(speeds[r], cluster.relative_speed(rank))
+        rooms[r] = min(rooms[r], cluster.device_of(rank).memory_bytes / cluster.device.memory_bytes)
+    return tuple(zip(speeds, rooms))
+
+
+def stage_speeds(cluster: Cluster, mesh: Mesh) -> tuple[float, ...]:
+    """How many times faster each pp rank computes than the device blocks are priced on: all
+    1.0 unless the pp axis crosses sites of unlike devices."""
+    return tuple(speed for speed, _ in _pp_rank_devices(cluster, mesh))
+
+
+def stage_rooms(cluster: Cluster, mesh: Mesh) -> tuple[float, ...]:
+    """How many times the priced device's memory each pp rank has: its share of the budget
+    (``Costing.memory_limit_bytes`` is the smallest device's); all 1.0 on like devices."""
+    return tuple(room for _, room in _pp_rank_devices(cluster, mesh))
 
 
 def _stage_flight(layout: Parallelism, stage: int) -> float:
@@ -138,13 +181,14 @@ def partition(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing
     prefix = [0.0]
     for t in fastest:
         prefix.append(prefix[-1] + t)
-    limit = costing.memory_limit_bytes
+    speeds, rooms = stage_speeds(costing.cluster, layout.mesh), stage_rooms(costing.cluster, layout.mesh)
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(p + 1)]
     cut = [[-1] * (n + 1) for _ in range(p + 1)]
     best[0][0] = 0.0
     for s in range(1, p + 1):
         flight = _stage_flight(layout, s - 1)
+        speed, limit = speeds[layout.rank_of(s - 1)], costing.memory_limit_bytes * rooms[layout.rank_of(s - 1)]
         start_floor = [min(pr.start_peak_bytes(flight) for _, pr in opts) for opts in options]
         end_floor = [min(pr.end_peak_bytes() for _, pr in opts) for opts in options]
         base_floor = [min(pr.state_bytes + flight * pr.act_bytes for _, pr in opts) for opts in options]
@@ -160,7 +204,7 @@ def partition(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing
                     break
                 if best[s - 1][i] == inf:
                     continue
-                value = max(best[s - 1][i], prefix[j] - prefix[i])
+                value = max(best[s - 1][i], (prefix[j] - prefix[i]) / speed)
                 if value < best[s][j]:
                     best[s][j], cut[s][j] = value, i
     if best[p][n] == inf:
@@ -174,10 +218,11 @@ def partition(blocks: Sequence[BlockCost], layout: Parallelism, costing: Costing
 
 
 def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Sequence[Sequence[tuple[Choice, Priced]]],
-                layout: Parallelism, flight: int, costing: Costing, deadline: float
+                layout: Parallelism, flight: int, costing: Costing, deadline: float, speed: float = 1.0
                 ) -> tuple[dict[int, int], bool, float, int | None] | None:
-    """The clustered stage ILP; returns block index -> option index, optimality, gap and the
-    point of ``costing.tables`` taken (None: no tables); None: infeasible."""
+    """The clustered stage ILP on devices ``speed`` times as fast as the blocks were priced on
+    (:func:`stage_speeds`); returns block index -> option index, optimality, gap and the point
+    of ``costing.tables`` taken (None: no tables); None: infeasible."""
     points = costing.tables
     assert not points or layout.num_stages == 1, "sharded tables are planned on meshes of one stage"
     clusters: dict[str, list[int]] = {}
@@ -187,7 +232,7 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
     spike = _bucket_spike(sum(max(pr.bucket_bytes for _, pr in options[i]) for i in indices), costing)
 
     def build(model: ilp.Model) -> dict:
-        m = layout.microbatches
+        m = layout.microbatches / speed  # each microbatch's compute, on this stage's devices
         mem_scale = 1.0 / max(costing.memory_limit_bytes, 1.0)
         exposed = model.num_var(0.0, math.inf, "exposed")
         counts, used = {}, {}
@@ -206,7 +251,7 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
         # Ties (communication fully hidden) go to the option that communicates least.
         model.minimize([exposed, *ns, *ys], [1.0] + [m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s)
                                                      for p in prs] + table_s)
-        model.add_linear([exposed, *ns], [-1.0] + [p.dp_comm_s - p.window_s for p in prs], -math.inf, 0.0)
+        model.add_linear([exposed, *ns], [-1.0] + [p.dp_comm_s - p.window_s / speed for p in prs], -math.inf, 0.0)
         host = costing.cluster.host
         if any(p.host_link_s or p.host_bytes or p.host_act_bytes or p.disk_bytes for p in prs):
             # Offload: the copies to and from host memory hide behind compute, on a link of their
@@ -214,7 +259,7 @@ def solve_stage(blocks: Sequence[BlockCost], indices: Sequence[int], options: Se
             exposed_host = model.num_var(0.0, math.inf, "exposed_host")
             model.minimize([exposed, exposed_host, *ns, *ys], [1.0, 1.0] + [
                 m * p.time_s + p.optimizer_s + _TIE_BREAK * (p.dp_comm_s + p.host_link_s) for p in prs] + table_s)
-            model.add_linear([exposed_host, *ns], [-1.0] + [p.host_link_s - p.host_window_s for p in prs], -math.inf, 0.0)
+            model.add_linear([exposed_host, *ns], [-1.0] + [p.host_link_s - p.host_window_s / speed for p in prs], -math.inf, 0.0)
             host_scale = 1.0 / host.memory_bytes
             model.add_linear(ns, [(p.host_bytes + flight * p.host_act_bytes) * host_scale for p in prs], -math.inf,
                              HOST_MEMORY_SHARE)
@@ -288,9 +333,10 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
     stage) where given."""
     b = local_batch(layout, costing.batch)
     scale = b / costing.batch
+    speeds = stage_speeds(costing.cluster, layout.mesh)
     chunk_times = []
     for s, indices in enumerate(stages):
-        t = sum(priced[i].time_s for i in indices)
+        t = sum(priced[i].time_s for i in indices) / speeds[layout.rank_of(s)]
         if s + 1 < len(stages):  # activation forward, its gradient back
             t += 2 * comms.time("pp", "send_recv", blocks[indices[-1]].output_bytes * scale)
         chunk_times.append(t)
@@ -298,13 +344,13 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
     ranks = [[s for s in range(len(stages)) if layout.rank_of(s) == r] for r in range(min(layout.mesh.pp, len(stages)))]
     stage_times, tails, peaks, exposed = [], [], [], []
     m = layout.microbatches
-    for held in ranks:
+    for r, held in enumerate(ranks):
         indices = [i for s in held for i in stages[s]]
         # The end of backward waits for every asynchronous data-parallel collective at once.
-        comm = sum(priced[i].dp_comm_s - priced[i].window_s for i in indices) + _bucket_latency(
+        comm = sum(priced[i].dp_comm_s - priced[i].window_s / speeds[r] for i in indices) + _bucket_latency(
             blocks, indices, choices, layout, costing, comms) + (comms.sync("dp") if costing.diloco is None else 0.0)
         # Offload's copies to and from host memory, on their own link, hide behind the compute.
-        host = max(0.0, sum(priced[i].host_link_s - priced[i].host_window_s for i in indices))
+        host = max(0.0, sum(priced[i].host_link_s - priced[i].host_window_s / speeds[r] for i in indices))
         tails.append(max(0.0, comm) + host + sum(priced[i].optimizer_s for i in indices))
         exposed.append(max(0.0, comm))
         stage_times.append(sum(chunk_times[s] for s in held))
@@ -334,7 +380,7 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
         step += table_s
         peaks = [p + table_bytes for p in peaks]
     return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how,
-                     tail_s=max(tails), tables=tables)
+                     tail_s=max(tails), tables=tables, stage_rooms=stage_rooms(costing.cluster, layout.mesh))
 
 
 def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float,

@@ -472,7 +472,7 @@ class Planner:
                 f"Strategy pp={strategy.pp} needs at least {strategy.pp} blocks; the model has {len(self.profile.blocks)}"
             )
         reasons = [f"{'per-block choices' if given else 'uniform strategy'} priced as given: {strategy}"]
-        if cand.peak_memory_bytes > budget:
+        if not cand.fits(budget):
             reasons.append(
                 f"does NOT fit: predicted peak {cand.peak_memory_bytes / 2**30:.2f} GiB > budget "
                 f"{budget / 2**30:.2f} GiB"
@@ -648,7 +648,9 @@ class Planner:
             except S.NoPlanError:
                 alt = None
             shares = self._speed_shares(alt[0].layout, speeds) if alt is not None else None
-            if shares is not None and alt[0].step_time_s < best.step_time_s:
+            if shares is None or alt[0].step_time_s >= best.step_time_s:
+                shares = None  # the even plan (its stages sized by speed where pp crosses) stays
+            else:
                 even_s = best.step_time_s
                 best, found, infeasible, pruned, costing, searched = alt
                 searched = searched + [
@@ -670,13 +672,12 @@ class Planner:
         return replace(out, dp_shares=shares) if shares is not None else out
 
     def _site_speeds(self) -> list[float] | None:
-        """Each rank's device speed (its site's peak), where the cluster joins sites of unlike
-        devices; None otherwise."""
+        """Each rank's device speed (relative to the slowest), where the cluster joins sites of
+        unlike devices; None otherwise."""
         sites = self.cluster.sites
         if not sites or len({s.device for s in sites}) == 1:
             return None
-        speed = [max(s.device.peak_tflops.values()) * s.device.compute_efficiency for s in sites]
-        return [speed[self.cluster.site_of(r)] for r in range(self.cluster.world_size)]
+        return [self.cluster.relative_speed(r) for r in range(self.cluster.world_size)]
 
     def _speed_shares(self, layout: S.Parallelism, speeds: Sequence[float]) -> tuple[int, ...] | None:
         """The samples each dp rank of ``layout``'s mesh takes: the global batch in proportion to
@@ -694,7 +695,7 @@ class Planner:
 
 
 def _speeds_text(cluster: Cluster) -> str:
-    return ", ".join(f"{s.device.name} {max(s.device.peak_tflops.values()) * s.device.compute_efficiency:g} TFLOP/s"
+    return ", ".join(f"{s.device.name} {s.device.speed_tflops:g} TFLOP/s"
                      for s in cluster.sites)
 
 

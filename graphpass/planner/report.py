@@ -132,12 +132,15 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     # Stage s starts at its first block's first op (the first stage at the graph's start).
     stages = ("*", *(profile.blocks[stage[0]].nodes[0].name for stage in cand.stages[1:]))
     breakdown = []
+    speeds = S.stage_speeds(costing.cluster, mesh)  # each pp rank's devices against the priced one
     for s, indices in enumerate(cand.stages):
+        speed = speeds[layout.rank_of(s)]
         for i in indices:
             pr, block = cand.priced[i], blocks[i]
             breakdown.append({
                 "block": block.name, "stage": s, "choice": str(cand.choices[i]),
-                "time_s": pr.time_s * layout.microbatches, "tp_comm_s": pr.tp_comm_s * layout.microbatches,
+                "time_s": pr.time_s * layout.microbatches / speed,
+                "tp_comm_s": pr.tp_comm_s * layout.microbatches / speed,
                 "dp_comm_s": pr.dp_comm_s, "state_bytes": pr.state_bytes, "activation_bytes": pr.act_bytes,
                 "transient_bytes": pr.transient_bytes, "grad_bytes": pr.grad_bytes, "held_bytes": pr.held_bytes,
                 "loss_backward_bytes": pr.start_bytes, "host_bytes": pr.host_bytes + pr.host_act_bytes,
@@ -152,7 +155,10 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
                        f"the fullest rank, {priced.time_s * 1e3:.2f} ms a step of exchanges (in the step and peak "
                        "predicted)")
         reasons += [f"  {line}" for line in priced.reasons]
-    site_line = sites.describe(costing.cluster, mesh, uneven=costing.share_compute != 1.0)
+    rooms = S.stage_rooms(costing.cluster, mesh)
+    site_line = sites.describe(costing.cluster, mesh, uneven=costing.share_compute != 1.0,
+                               stage_speeds=speeds, stage_blocks=[len(indices) for indices in cand.stages],
+                               stage_budgets=[costing.memory_limit_bytes * room for room in rooms])
     if site_line:
         reasons.append(site_line)
     reasons.append(f"planned in {time.perf_counter() - start:.1f} s")
@@ -161,7 +167,7 @@ def _to_plan(profile: GraphProfile, blocks: Sequence[S.BlockCost], cand: S.Candi
     m, slowest = layout.microbatches, max(range(len(cand.stage_times_s)), key=lambda r: cand.stage_times_s[r])
     work = m * cand.stage_times_s[slowest]
     tp = sum(cand.priced[i].tp_comm_s for s, indices in enumerate(cand.stages)
-             if layout.rank_of(s) == slowest for i in indices) * m
+             if layout.rank_of(s) == slowest for i in indices) * m / speeds[slowest]
     bubble = max(0.0, cand.step_time_s - table_s - work - cand.tail_s)
     tp = min(tp, work)
     time_split = {"compute": max(0.0, cand.step_time_s - table_s - tp - cand.tail_s - bubble), "tp_comm": tp,
