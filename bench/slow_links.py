@@ -17,7 +17,10 @@ loss far down) from the same weights:
   each site, the half shards all-reduced across the link (HSDP);
 * ``gp PowerSGD r=4`` / ``gp int8``: ``Strategy(dp=4, grad_compression=...)``, error feedback;
 * ``gp DiLoCo H=8``: ``Strategy(dp=4, diloco=gp.DiLoCo(8))``, AdamW inside as every row (its
-  ``train_step`` reports its worker's loss: no collective in the step; the loss column is rank 0's).
+  ``train_step`` reports its worker's loss: no collective in the step; the loss column is rank 0's);
+* ``planned exact`` / ``planned inexact``: the planner's own choice on the same emulated cluster,
+  ``gp.plan(model, cluster, batch)`` and ``gp.plan(..., allow_inexact_sync=True)``, trained as
+  planned (the plan made once, in the parent; its mesh or sync named under the table).
 
 Columns: the mean step time (after ``--warmup`` steps; a mean, not a median, so that DiLoCo's
 outer step every 8th step counts), its ratio to DDP's; the bytes a rank hands
@@ -27,7 +30,7 @@ the inexact ones drift); and the planner's predicted step time for that strategy
 cluster (``Planner.price``; the cluster's sites are this machine's profile if one was written,
 ``graphpass profile --world-size 4``, else default figures), with its ratio to the measured one.
 
-    python bench/slow_links.py                  # about 3 minutes here
+    python bench/slow_links.py                  # about 6 minutes here
     python bench/slow_links.py --rates "1 Gbit/s" --steps 20
 """
 
@@ -48,7 +51,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import graphpass as gp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-ROWS = ("torch DDP", "gp dp", "gp hierarchical", "gp PowerSGD r=4", "gp int8", "gp DiLoCo H=8")
+ROWS = ("torch DDP", "gp dp", "gp hierarchical", "gp PowerSGD r=4", "gp int8", "gp DiLoCo H=8", "planned exact",
+        "planned inexact")
+PLANNED = {"planned exact": False, "planned inexact": True}  # the row: gp.plan's allow_inexact_sync
 STRATEGIES = {
     "gp dp": {},
     "gp hierarchical": {"zero": 2, "dp_shard": 2},
@@ -62,7 +67,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", nargs="+", default=["1 Gbit/s", "10 Gbit/s"])
     p.add_argument("--latency", default="20 ms")
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=int, default=40)  # past step 32: the planner's DiLoCo every 32 syncs once
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--block-size", type=int, default=32)
@@ -112,7 +117,7 @@ def _emulated_ddp(model: nn.Module, emulator) -> nn.Module:
     return ddp
 
 
-def _run_rank(args, row: str, rate: str) -> dict:
+def _run_rank(args, row: str, rate: str, plan_json: str | None = None) -> dict:
     torch.set_num_threads(args.threads)
     from graphpass.runtime.link_emulator import LinkEmulator
     from graphpass.cost.collectives import collective_time
@@ -139,7 +144,8 @@ def _run_rank(args, row: str, rate: str) -> dict:
                 dist.all_reduce(reported)
             return float(reported) / world
     else:
-        dmodel = gp.compile(model, cluster, example_inputs=data[0], strategy=gp.Strategy(dp=world, **STRATEGIES[row]))
+        strategy = gp.Plan.from_json(plan_json) if plan_json else gp.Strategy(dp=world, **STRATEGIES[row])
+        dmodel = gp.compile(model, cluster, example_inputs=data[0], strategy=strategy)
         emulator = dmodel.link_emulator
         opt = torch.optim.AdamW(dmodel.parameters(), lr=3e-3)
 
@@ -160,17 +166,28 @@ def _run_rank(args, row: str, rate: str) -> dict:
             "crossed": emulator.crossed_bytes / (args.steps - args.warmup)}
 
 
-def _predicted(args, row: str, rate: str) -> float | None:
-    """The planner's step time for the row's strategy on the same (emulated) cluster."""
+def _planner(args, rate: str):
     import graphpass.planner
 
-    if row == "torch DDP":
-        row = "gp dp"
     torch.manual_seed(0)
     data = _batches(args)
     cluster = gp.Cluster.local(4).split(2, gp.Link(rate, args.latency))
-    planner = graphpass.planner.Planner(GPT(_config(args)), cluster, data[0])
-    return planner.price(gp.Strategy(dp=4, **STRATEGIES[row])).report.predicted_step_time_s
+    return graphpass.planner.Planner(GPT(_config(args)), cluster, data[0])
+
+
+def _predicted(args, row: str, rate: str) -> float:
+    """The planner's step time for the row's strategy on the same (emulated) cluster."""
+    return _planner(args, rate).price(gp.Strategy(dp=4, **STRATEGIES.get(row, {}))).report.predicted_step_time_s
+
+
+def _planned(args, rate: str, inexact: bool) -> gp.Plan:
+    """The planner's own choice on the same (emulated) cluster."""
+    return _planner(args, rate).auto(allow_inexact_sync=inexact)
+
+
+def _choice(plan: gp.Plan) -> str:
+    sync = plan.diloco or plan.grad_compression
+    return " x ".join(f"{axis} {size}" for axis, size in plan.mesh.items() if size > 1) + (f", {sync}" if sync else "")
 
 
 def main(argv=None) -> None:
@@ -184,16 +201,20 @@ def main(argv=None) -> None:
         print(f"\nlink {rate}, {args.latency} (emulated)")
         print(f"  {'strategy':<18} {'mean step ms':>12} {'/ DDP':>7} {'link MiB/step':>14} {'loss (last 5)':>14} "
               f"{'predicted ms':>13} {'pred / meas':>12}")
-        reference = None
+        reference, chosen = None, []
         for row in ROWS:
-            results = gp.launch(_run_rank, 4, args=(args, row, rate), timeout_s=1800)
+            plan = _planned(args, rate, PLANNED[row]) if row in PLANNED else None
+            if plan is not None:
+                chosen.append(f"  {row}: {_choice(plan)}")
+            results = gp.launch(_run_rank, 4, args=(args, row, rate, plan.to_json() if plan else None), timeout_s=1800)
             steps = [max(r["times"][i] for r in results) for i in range(len(results[0]["times"]))]
             step = statistics.mean(steps)  # the mean: DiLoCo's outer step comes every 8th step
             reference = reference or step
             loss = statistics.mean(results[0]["losses"][-5:])
-            predicted = _predicted(args, row, rate)
+            predicted = plan.report.predicted_step_time_s if plan is not None else _predicted(args, row, rate)
             print(f"  {row:<18} {step * 1e3:12.1f} {step / reference:7.3f} {results[0]['crossed'] / 2**20:14.3f} "
                   f"{loss:14.4f} {predicted * 1e3:13.1f} {predicted / step:12.2f}")
+        print("\n".join(["  the planner's choices:", *chosen]))
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")
 
 
