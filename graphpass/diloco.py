@@ -13,7 +13,14 @@ so a step moves ``1 / H`` of the bytes of synchronous data parallelism, and noth
 steps: ``train_step`` then returns the worker's own loss (on its share), not the global batch's
 mean, which would cost a collective a step. It is not one process's
 training (the workers drift apart between outer steps): the planner never picks it unless told
-it may, and ``explain()`` says so. The runtime is :mod:`graphpass.runtime.diloco`; the outer
+it may, and ``explain()`` says so.
+
+Under HSDP (``Strategy(dp=, dp_shard=, zero=1..3, diloco=)``) a worker is a shard group instead of
+a rank (:func:`worker_axis`), as INTELLECT-1 ran FSDP inside each site and DiLoCo across: inside
+it the gradients are reduce-scattered every step (ZeRO, exact, over the site's fast links), the
+hop across the replicas is dropped, and the outer step averages each rank's shard over
+``dp_replicate`` (:func:`outer_axis`), the axis that crosses the slow link; ``train_step``
+reports the worker's loss (its group's mean). The runtime is :mod:`graphpass.runtime.diloco`; the outer
 step is torch's own ``SGD(nesterov=True)`` on the shared copy.
 """
 
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from graphpass.compression import beyond_plain_data_parallel
+from graphpass.mesh import DP_REPLICATE, DP_SHARD
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,20 @@ class DiLoCo:
                 f"{self.inner_steps} inner steps")
 
 
+def worker_axis(mesh: Any) -> str | None:
+    """The mesh axis of one DiLoCo worker's ranks: HSDP's ``dp_shard`` (a worker is a shard
+    group, synchronous inside), or None where every dp rank is a worker."""
+    return DP_SHARD if DP_SHARD in mesh and mesh.size(DP_REPLICATE) > 1 else None
+
+
+def outer_axis(mesh: Any) -> str:
+    """The mesh axis DiLoCo's outer step averages over: across the workers."""
+    return DP_REPLICATE if worker_axis(mesh) else "dp"
+
+
 def check_strategy(strategy: Any) -> None:
-    """A Strategy's ``diloco``: a :class:`DiLoCo` on plain data parallelism."""
+    """A Strategy's ``diloco``: a :class:`DiLoCo` on plain data parallelism, or on HSDP (its
+    shard groups the workers)."""
     diloco = strategy.diloco
     if diloco is None:
         return
@@ -75,11 +95,15 @@ def check_strategy(strategy: Any) -> None:
     if strategy.pp > 1:
         raise ValueError(f"Strategy.diloco with pp={strategy.pp}: DiLoCo's workers each train a whole model between "
                          "outer steps, and a pipeline's stages are one model split over ranks; use pp=1 with diloco")
-    unsupported = beyond_plain_data_parallel(strategy, also=("grad_compression",))
+    hsdp = strategy.dp_shard is not None  # workers are shard groups (zero > 0 inside each)
+    unsupported = [field for field in beyond_plain_data_parallel(strategy, also=("grad_compression",))
+                   if not (hsdp and field.split("=")[0] in ("zero", "dp_shard"))]
     if unsupported:
         raise NotImplementedError(
-            f"Strategy.diloco={diloco!r} runs each data-parallel rank as a worker; with {', '.join(unsupported)} it "
-            "is not built yet (drop those, or diloco)")
+            f"Strategy.diloco={diloco!r} runs each data-parallel rank (or HSDP's shard group, with dp_shard=) as a "
+            f"worker; with {', '.join(unsupported)} it is not built yet"
+            + (" (ZeRO over all of dp leaves no worker a whole model: give dp_shard= too, each shard group a worker)"
+               if any(field.startswith("zero=") for field in unsupported) else " (drop those, or diloco)"))
 
 
-__all__ = ["DiLoCo", "check_strategy"]
+__all__ = ["DiLoCo", "check_strategy", "outer_axis", "worker_axis"]

@@ -158,7 +158,9 @@ class Strategy:
             exact all-reduces.
         diloco: each data-parallel rank a DiLoCo worker (a :class:`graphpass.DiLoCo`): no
             gradient sync in the step, an outer step every ``inner_steps`` optimizer steps
-            (:mod:`graphpass.diloco`); not one process's training. Plain data parallelism only.
+            (:mod:`graphpass.diloco`); not one process's training. Plain data parallelism, or
+            HSDP (``dp_shard`` with ``zero`` 1-3): each shard group a worker, synchronous inside,
+            the outer step across the replicas.
         dp_shares: uneven data-parallel shares for unlike devices: one positive weight per dp
             rank (``(3, 3, 1, 1)``: the first two ranks take 3/8 of the batch each); the samples
             are cut in proportion and the loss weighted so training stays one process's (exact).
@@ -588,8 +590,9 @@ class Plan:
             :attr:`TensorPlan.table`), applied to the rows each step touches.
         grad_compression: the data-parallel gradient buckets go compressed with error feedback
             (:class:`graphpass.GradCompression`; inexact); None: exact all-reduces.
-        diloco: the data-parallel ranks are DiLoCo workers (:class:`graphpass.DiLoCo`; inexact):
-            no gradient buckets, an outer step every ``inner_steps`` optimizer steps.
+        diloco: the data-parallel ranks (under HSDP, the shard groups) are DiLoCo workers
+            (:class:`graphpass.DiLoCo`; inexact): no gradient sync across workers, an outer step
+            every ``inner_steps`` optimizer steps.
         dp_shares: uneven data-parallel shares: how many of the global batch's samples each dp
             rank takes (summing to the batch; ``compile`` turns ``Strategy.dp_shares``' weights
             into these); None: equal shares.
@@ -697,14 +700,19 @@ class Plan:
         used = [name for name in ("grad_compression", "diloco") if getattr(self, name) is not None]
         if not used:
             return
+        # DiLoCo's workers may be HSDP's shard groups: ZeRO inside each, the outer step across
+        workers = self.diloco is not None and diloco_lib.worker_axis(self.mesh) is not None
         beyond = [f"{axis}={self.mesh[axis]}" for axis in ("pp", "tp", "ep", "dp_shard")
-                  if axis in self.mesh and self.mesh[axis] > 1 and not (axis == "dp_shard" and self.mesh[axis] == self.mesh.dp)]
-        beyond += [f"ZeRO-{stage} parameters" for stage in sorted({t.zero for t in self.tensors.values() if t.zero})]
+                  if axis in self.mesh and self.mesh[axis] > 1
+                  and not (axis == "dp_shard" and (self.mesh[axis] == self.mesh.dp or workers))]
+        beyond += [] if workers else [f"ZeRO-{stage} parameters"
+                                      for stage in sorted({t.zero for t in self.tensors.values() if t.zero})]
         beyond += ["sharded embedding tables"] if tables else []
         beyond += ["both grad_compression and diloco"] if len(used) > 1 else []
         beyond += ["uneven dp_shares"] if self.diloco is not None and self.dp_shares is not None else []
         if beyond:
-            raise NotImplementedError(f"Plan.{used[0]} runs on plain data parallelism only; this plan has "
+            raise NotImplementedError(f"Plan.{used[0]} runs on plain data parallelism only (diloco: or HSDP, its "
+                                      f"shard groups the workers); this plan has "
                                       f"{', '.join(beyond)}: not built yet")
 
     def _check_tensors(self) -> None:
@@ -1003,8 +1011,11 @@ class Plan:
             lines.append(f"uneven data-parallel shares: {'/'.join(map(str, self.dp_shares))} samples of "
                          f"{sum(self.dp_shares)} (the loss weighted by share: exact)")
         if self.diloco is not None:
-            lines.append(f"{self.diloco}: each dp rank a worker, no gradient sync in the step (INEXACT: does not "
-                         "train as one process does)")
+            workers = diloco_lib.worker_axis(self.mesh)
+            lines.append(f"{self.diloco}: " + (
+                f"each group of {workers}={self.mesh.size(workers)} ranks a worker (gradients synchronous inside it), "
+                f"the outer step over {diloco_lib.outer_axis(self.mesh)}" if workers else
+                "each dp rank a worker, no gradient sync in the step") + " (INEXACT: does not train as one process does)")
         lines.extend(self.report.lines())
         return "\n".join(lines)
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from graphpass import meta
 from graphpass.compression import matrix_of
+from graphpass.diloco import worker_axis
 from graphpass.mesh import EDP, EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
@@ -84,10 +85,16 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
         return gm
     # Pipeline stages: each stage's parameters are bucketed on their own (the cut follows).
     stage_of = stage_index(gm, plan.stages) if len(plan.stages) > 1 else None
-    if plan.diloco is not None and batch is not None:  # DiLoCo's workers keep their gradients (runtime/diloco.py)
-        log.info("%s: DiLoCo: no gradient buckets over %r (an outer step every %d inner steps instead)", NAME, batch,
-                 plan.diloco.inner_steps)
-        by_axes.pop(batch, None)  # (Plan refuses diloco beside tp or ep: no partial sums are left)
+    # DiLoCo's workers keep their gradients (runtime/diloco.py): a worker is one rank, or under
+    # HSDP one shard group, whose replicated parameters' gradients are averaged inside it
+    worker = worker_axis(plan.mesh) if plan.diloco is not None else None
+    if plan.diloco is not None and batch is not None:
+        log.info("%s: DiLoCo: no gradient buckets across its workers (an outer step every %d inner steps instead)",
+                 NAME, plan.diloco.inner_steps)
+        params = by_axes.pop(batch, None)  # (Plan refuses diloco beside tp or ep: no partial sums are left)
+        if worker is not None and params:
+            by_axes[worker] = params
+        dp = plan.mesh.size(worker) if worker is not None else 1
     compression = plan.grad_compression
     if compression is not None and compression.kind == "powersgd" and batch in by_axes:
         shapes = [tuple(meta.get(n, meta.VAL).shape) for n in by_axes[batch]]
@@ -104,12 +111,14 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
                                                    stage_of=stage_of,
                                                    compression=compression if axis == batch else None)
         log.info("%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis)
-    if batch is not None and plan.diloco is None:  # a DiLoCo worker reports its own loss: no collective a step
+    # the reported loss: the global batch's mean; a DiLoCo worker's own (one rank's: no collective)
+    reported_over = worker if plan.diloco is not None else batch
+    if batch is not None and reported_over is not None:
         output = gm.graph.find_nodes(op="output")[0]
         roles = dict(meta.get(output, meta.ROLE))
         values = list(output.args[0])
         loss = values[roles["loss"]]
-        report = collectives.emit_all_reduce(gm, loss, batch, "avg", NAME)
+        report = collectives.emit_all_reduce(gm, loss, reported_over, "avg", NAME)
         roles["loss_report"] = len(values)
         output.args = (tuple(values) + (report,),)
         output.meta[meta.ROLE] = roles

@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from graphpass import meta
 from graphpass.layout import TensorLayout
+from graphpass.diloco import worker_axis
 from graphpass.mesh import EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
@@ -114,12 +115,15 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
         assert before.local_shape == tuple(full.shape), (node.name, before, tuple(full.shape))
         node.meta[meta.LAYOUT] = layout_of[node.target] = before.with_zero(axis, plan.mesh.size(axis), stage)
         by_stage.setdefault((axis, stage), []).append(node)
+    # DiLoCo's workers as HSDP's shard groups: each averages inside itself, nothing across
+    workers = plan.diloco is not None and worker_axis(plan.mesh) is not None
     for (axis, stage), nodes in sorted(by_stage.items(), key=lambda item: (item[0][0] != AXIS, item[0])):
         # Gradients are averaged over all of dp: expert weights' hold their whole ep group's
         # share, and HSDP's shard groups are one replica of several.
         groups = collectives.emit_param_all_gather(
             gm, nodes, axis, stage, plan.bucket_cap_bytes, created_by=NAME,
-            divisor=plan.mesh.dp if axis != AXIS else None, replicate=plan.mesh.replicate_axis(axis),
+            divisor=plan.mesh.dp if axis != AXIS and not workers else None,
+            replicate=None if workers else plan.mesh.replicate_axis(axis),
         )
         log.info("%s: %d parameters at ZeRO stage %d over %s in %d gather groups", NAME, len(nodes), stage, axis,
                  len(groups))

@@ -34,6 +34,7 @@ from graphpass.runtime.layout import HeldPieces, gather_full, layout_of
 from graphpass.runtime.loss_count import LossCounts
 from graphpass.runtime import disk
 from graphpass.runtime.disk import DiskStore, check_offload_dir
+from graphpass import diloco as diloco_lib
 from graphpass.runtime.diloco import OuterSync
 from graphpass.runtime.link_emulator import LinkEmulator
 from graphpass.runtime.offload import OffloadedParams
@@ -123,8 +124,10 @@ class DistributedModule(nn.Module):
             [graph_module], self._roles["loss"], self._report, accumulation_schedule(self.num_microbatches)
         ) if pipeline is None else None
         # the loss's global count sums over the ranks holding the other shares (a DiLoCo worker's, its own)
-        self._loss_counts = LossCounts(graph_module, [a for a in self._batch_axes
-                                                      if not (a == "dp" and plan.diloco is not None)], process_mesh)
+        worker = diloco_lib.worker_axis(plan.mesh) if plan.diloco is not None else None
+        self._loss_counts = LossCounts(graph_module, [
+            (worker if a == "dp" and plan.diloco is not None else a) for a in self._batch_axes
+            if not (a == "dp" and plan.diloco is not None and worker is None)], process_mesh)
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
         self._extra_state = {
@@ -168,8 +171,9 @@ class DistributedModule(nn.Module):
         if self._pipeline is not None:  # their stages' gradients are summed after the schedule
             self._offload.hold_gradients(target for target, _ in self._pipeline.shared)
         # DiLoCo: after every inner_steps train steps, the workers' outer step
-        self.outer_sync = (OuterSync([p for _, p in self.named_parameters()], plan.diloco, process_mesh.group("dp"),
-                                     link_emulator) if plan.diloco is not None else None)
+        self.outer_sync = (OuterSync([p for _, p in self.named_parameters()], plan.diloco,
+                                     process_mesh.group(diloco_lib.outer_axis(plan.mesh)), link_emulator)
+                           if plan.diloco is not None else None)
 
     # ------------------------------------------------------------------ parameters
 

@@ -256,3 +256,17 @@ def test_the_planner_gives_unlike_sites_data_parallel_shares_by_speed():
     assert plan.report.predicted_step_time_s * 1e3 < even
     assert "dp shares follow the devices' speeds" in plan.explain()
     assert gp.plan(model, "h100-80g:1x8+h100-80g:1x8@wan-100g", (idx, idx)).dp_shares is None
+
+
+@pytest.mark.timeout(300)
+def test_diloco_across_two_emulated_sites_with_zero_inside_each_crosses_only_at_its_outer_step(rank_pool):
+    """Each site one DiLoCo worker (HSDP: ZeRO-3 inside it, every 2 steps an outer step across):
+    in 3 train steps the only collective across the link is the one outer all-reduce, of each
+    rank's shard between the two sites' ranks holding it; every gather, reduce-scatter and loss
+    all-reduce stays inside a site."""
+    strategy = {"zero": 3, "dp_shard": 2, "diloco": gp.DiLoCo(2)}
+    for rank, (_, _, crossings, _, seen) in enumerate(rank_pool(4).run(_train_on_emulated_sites, strategy,
+                                                                       timeout_s=240)):
+        crossing = [ranks for ranks, _ in seen if {r // 2 for r in ranks} == {0, 1}]
+        assert crossings == 1 and [list(ranks) for ranks in crossing] == [[rank % 2, rank % 2 + 2]], (rank, crossing)
+        assert len(seen) > 10 and all(len({r // 2 for r in ranks}) == 1 for ranks, _ in seen if ranks not in crossing)

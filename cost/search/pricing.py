@@ -307,14 +307,15 @@ def _offload_choices(block: BlockCost, whole: Sequence[Choice], costing: Costing
 
 
 def _moved_s(entry: Transition, weight_bytes: float, grad_bytes: float, m: int, comms: _Collectives,
-             axis: str = "dp", reduce_axis: str | None = None) -> float:
+             axis: str = "dp", reduce_axis: str | None = None, across: bool = True) -> float:
     """Time of a data-parallel table entry's movements in one step of ``m`` microbatches over
     ``axis`` (``dp``, HSDP's ``dp_shard``, or ``edp`` for experts): its all-gathers move the
     weights, its reductions the gradients (over ``reduce_axis`` when given: ZeRO-1 under HSDP
     all-reduces over all of dp); where the mesh has replicas of the shards (HSDP), the entry's
-    movements across them too, on this rank's shard."""
+    movements across them too, on this rank's shard (not ``across``: DiLoCo's workers, each a
+    shard group)."""
     total = 0.0
-    replicate = comms.mesh.replicate_axis(axis)
+    replicate = comms.mesh.replicate_axis(axis) if across else None
     n = comms.mesh.size(axis)
     for move in entry.moves(replicas=replicate is not None):
         size = move.size(weight_bytes if move.kind == "all_gather" else grad_bytes, n)
@@ -388,6 +389,13 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     # A bucket is filled from autograd's gradients, which live until it is: once more its size.
     out.bucket = entry.transient * out.grads if bucketed else 0.0
     outer_s = 0.0
+    # DiLoCo's workers as HSDP's shard groups: ZeRO inside each, no hop across the replicas but
+    # the outer step's, on this rank's shard (its start and momentum kept beside it)
+    replicate = layout.mesh.replicate_axis(axis) if zero else None
+    workers = costing.diloco is not None and replicate is not None
+    if workers:
+        out.state += 2 * p_bytes / n
+        outer_s = comms.time(replicate, "all_reduce", p_bytes / n, blocking=True) / costing.diloco.inner_steps
     if plain_dp and costing.diloco is not None:
         out.bucket = 0.0  # no buckets: each worker keeps its own gradients (accumulated over microbatches)
         out.held = out.grads if m > 1 else 0.0
@@ -403,18 +411,18 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
         out.dp_comm = max(0.0, _moved_s(entry, p_bytes, g_bytes, m, comms, axis) - comms.latency(axis, "all_reduce"))
     elif zero < 3:
         # ZeRO-1 under HSDP all-reduces over the shard group and its replicas at once
-        replicate = layout.mesh.replicate_axis(axis)
-        joint = f"{axis},{replicate}" if zero == 1 and replicate else None
-        out.dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms, axis, joint)
+        joint = f"{axis},{replicate}" if zero == 1 and replicate and not workers else None
+        out.dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms, axis, joint, across=not workers)
     else:
         split_bytes, split_count, k = split
         rest = p_bytes - (split_bytes if k > 1 else 0.0)
         slices = split_count * k if k > 1 else 0
         # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
         split_grads = g_bytes * split_bytes / p_bytes if slices and p_bytes else 0.0
-        out.dp_comm = _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis)
+        out.dp_comm = _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis, across=not workers)
         if slices:
-            out.dp_comm += slices * _moved_s(entry, split_bytes / slices, split_grads / slices, m, comms, axis)
+            out.dp_comm += slices * _moved_s(entry, split_bytes / slices, split_grads / slices, m, comms, axis,
+                                             across=not workers)
         largest = rest + (split_bytes / slices if slices else 0.0)
         out.transient = entry.transient * largest * (1.0 if p_bytes else 0.0)
     # Optimizer step on this rank's share: measured per element, else its memory traffic (reads

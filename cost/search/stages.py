@@ -73,6 +73,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from graphpass.cluster import Cluster
+from graphpass.diloco import worker_axis
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice
 from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
@@ -348,7 +349,7 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
         indices = [i for s in held for i in stages[s]]
         # The end of backward waits for every asynchronous data-parallel collective at once.
         comm = sum(priced[i].dp_comm_s - priced[i].window_s / speeds[r] for i in indices) + _bucket_latency(
-            blocks, indices, choices, layout, costing, comms) + (comms.sync("dp") if costing.diloco is None else 0.0)
+            blocks, indices, choices, layout, costing, comms) + _loss_sync(layout, costing, comms)
         # Offload's copies to and from host memory, on their own link, hide behind the compute.
         host = max(0.0, sum(priced[i].host_link_s - priced[i].host_window_s / speeds[r] for i in indices))
         tails.append(max(0.0, comm) + host + sum(priced[i].optimizer_s for i in indices))
@@ -381,6 +382,15 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
         peaks = [p + table_bytes for p in peaks]
     return Candidate(layout, stages, list(choices), list(priced), stage_times, peaks, step, max(exposed), optimal, gap, how,
                      tail_s=max(tails), tables=tables, stage_rooms=stage_rooms(costing.cluster, layout.mesh))
+
+
+def _loss_sync(layout: Parallelism, costing: Costing, comms: _Collectives) -> float:
+    """The step's blocking all-reduce of the reported loss: over dp, or a DiLoCo worker's ranks
+    (none where a worker is one rank)."""
+    if costing.diloco is None:
+        return comms.sync("dp")
+    workers = worker_axis(layout.mesh)
+    return comms.sync(workers) if workers else 0.0
 
 
 def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float,

@@ -575,7 +575,7 @@ class Planner:
         budget, _ = self._with_budget(memory_budget)
         world = self.cluster.world_size
         priced = []
-        for label, fields in INEXACT_SYNCS:
+        for label, fields in INEXACT_SYNCS + self._site_workers():
             try:
                 candidate = self.price(Strategy(dp=world, **fields), memory_budget)
             except (ValueError, NotImplementedError) as exc:
@@ -593,6 +593,16 @@ class Planner:
         line = (f"allow_inexact_sync: {label} taken, {step_s * 1e3:.1f} ms a step predicted against the exact plan's "
                 f"{exact_s * 1e3:.1f} ms ({dict(exact.mesh)}); it does NOT train as one process does (tried: {tried})")
         return replace(chosen, report=replace(chosen.report, reasons=(line,) + chosen.report.reasons))
+
+    def _site_workers(self) -> tuple[tuple[str, dict], ...]:
+        """DiLoCo across the sites with each site one worker (HSDP: ZeRO-1 or -3 inside it,
+        synchronous over its fast links), as INEXACT_SYNCS' entries; none unless the cluster
+        joins sites of equal size, more than one rank each."""
+        sizes = {s.world_size for s in self.cluster.sites}
+        if len(sizes) != 1 or (size := sizes.pop()) < 2:
+            return ()
+        return tuple((f"DiLoCo every {h} steps across the sites, ZeRO-{z} inside each",
+                      {"diloco": DiLoCo(h), "dp_shard": size, "zero": z}) for h in (8, 32) for z in (1, 3))
 
     def _auto(self, time_limit_s: float | None, memory_budget: int | float | str | None,
               per_operator: bool) -> Plan:
