@@ -88,6 +88,9 @@ class BlockCost:
         param_shapes: the shapes of the block's dense trainable parameters (whole, before
             tensor parallelism): what a compressed gradient bucket sends follows them
             (:func:`graphpass.compression.bucket_parts`).
+        frozen_bytes: the bytes of the block's frozen parameters (``requires_grad=False``: a
+            model's base under adapters) and buffers on one rank: held all step on every rank,
+            with no gradient, optimizer state or collective.
     """
 
     name: str
@@ -115,3 +118,4 @@ class BlockCost:
     exchanges: tuple[tuple[str, float], ...] = ()
     ops: tuple[OpParams, ...] = ()
     param_shapes: tuple[tuple[int, ...], ...] = ()
+    frozen_bytes: float = 0.0

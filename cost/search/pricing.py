@@ -607,7 +607,7 @@ def price(block: BlockCost, choice: Choice, layout: Parallelism, costing: Costin
     # The data-parallel collectives' local copies, per microbatch.
     time_s += sum(g.copied for g in groups) / bandwidth / m
     return Priced(time_s, sum(g.optimizer_s for g in groups), sum(g.dp_comm for g in groups),
-                  costing.overlap * window, sum(g.state for g in groups), act, transient,
+                  costing.overlap * window, sum(g.state for g in groups) + block.frozen_bytes, act, transient,
                   tp_forward * (2 if choice.recompute else 1) + tp_backward, grad_bytes=sum(g.grads for g in groups),
                   held_bytes=sum(g.held for g in groups), bucket_bytes=sum(g.bucket for g in groups),
                   start_bytes=block.backward_bytes * scale if block.backward_starts_here else 0.0,

@@ -166,14 +166,13 @@ def _check_together(cluster: Cluster, measure_ops: bool) -> None:
             + "; call it on every rank under torchrun or graphpass.launch, or drop measure_together")
 
 
-#: the inexact synchronisations ``allow_inexact_sync`` prices, on plain data parallelism over
-#: every device: (label, Strategy fields)
-INEXACT_SYNCS = (
-    ("PowerSGD rank 4", {"grad_compression": GradCompression("powersgd", rank=4)}),
-    ("int8 with error feedback", {"grad_compression": GradCompression("int8")}),
-    ("DiLoCo every 8 steps", {"diloco": DiLoCo(8)}),
-    ("DiLoCo every 32 steps", {"diloco": DiLoCo(32)}),
-)
+#: what ``allow_inexact_sync`` searches: DiLoCo's sync intervals and PowerSGD's ranks, each
+#: family's settings priced and the most faithful (the most frequent sync, the largest rank)
+#: taken whose step is at most ``SYNC_SLACK`` slower than the family's cheapest setting's
+SYNC_INTERVALS = (4, 8, 16, 32, 64, 128, 256)
+POWERSGD_RANKS = (32, 16, 8, 4, 2, 1)
+SYNC_SLACK = 0.10
+
 
 #: at most this many of the tables' choices (from fastest to smallest, evenly spaced) are offered
 #: to the stage ILP, which takes one of them beside the dense part's choices
@@ -560,9 +559,11 @@ class Planner:
         :attr:`graphpass.plan.Choice.large_ops`), and tensor parallelism may shard the
         projections Megatron's pattern leaves replicated, as the op-level solver places them
         (:meth:`op_layouts`); ``False`` gives the per-block plan, a subset of the same options.
-        ``allow_inexact_sync``: the plain data-parallel plans that do not train as one process
-        does (:data:`INEXACT_SYNCS`: PowerSGD, int8, DiLoCo) are priced too, and the fastest
-        taken where it beats the exact plan; ``explain()`` says so (never without it).
+        ``allow_inexact_sync``: the data-parallel plans that do not train as one process does
+        (:meth:`_sync_families`: PowerSGD by rank, int8, DiLoCo by sync interval, and DiLoCo
+        with each site one worker) are priced too, each family at its most faithful setting
+        within ``SYNC_SLACK`` of its cheapest, and the fastest taken where it beats the exact
+        plan; ``explain()`` says so (never without it).
 
         Raises:
             graphpass.cost.search.NoPlanError: nothing fits the budget.
@@ -571,38 +572,61 @@ class Planner:
         return self._inexact(exact, memory_budget) if allow_inexact_sync else exact
 
     def _inexact(self, exact: Plan, memory_budget: int | float | str | None) -> Plan:
-        """The fastest of ``exact`` and the inexact syncs on plain data parallelism that fit."""
+        """The fastest of ``exact`` and each inexact sync family's setting (:meth:`_sync_families`,
+        ``SYNC_SLACK``) on data parallelism over every device that fits."""
         budget, _ = self._with_budget(memory_budget)
         world = self.cluster.world_size
-        priced = []
-        for label, fields in INEXACT_SYNCS + self._site_workers():
-            try:
-                candidate = self.price(Strategy(dp=world, **fields), memory_budget)
-            except (ValueError, NotImplementedError) as exc:
-                log.info("allow_inexact_sync: %s not priced: %s", label, exc)
+        picks, notes = [], []
+        for family, settings in self._sync_families():
+            priced = []
+            for label, fields in settings:
+                try:
+                    candidate = self.price(Strategy(dp=world, **fields), memory_budget)
+                except (ValueError, NotImplementedError) as exc:
+                    log.info("allow_inexact_sync: %s not priced: %s", label, exc)
+                    continue
+                if candidate.report.predicted_peak_memory_bytes <= budget:
+                    priced.append((candidate.report.predicted_step_time_s, label, candidate))
+            if not priced:
                 continue
-            if candidate.report.predicted_peak_memory_bytes <= budget:
-                priced.append((candidate.report.predicted_step_time_s, label, candidate))
+            cheapest = min(s for s, _, _ in priced)
+            pick = next(p for p in priced if p[0] <= cheapest * (1 + SYNC_SLACK))  # settings: most faithful first
+            picks.append(pick)
+            if len(priced) > 1:
+                least = min(priced, key=lambda p: p[0])
+                notes.append(f"{pick[1]}" + (" (its family's cheapest)" if least is pick else
+                                             f" (cheapest: {least[1]}, {least[0] * 1e3:.1f} ms)"))
         exact_s = exact.report.predicted_step_time_s
-        tried = ", ".join(f"{label} {s * 1e3:.1f} ms" for s, label, _ in sorted(priced, key=lambda x: x[0]))
-        if not priced or min(priced, key=lambda x: x[0])[0] >= exact_s:
+        tried = ", ".join(f"{label} {s * 1e3:.1f} ms" for s, label, _ in sorted(picks, key=lambda x: x[0]))
+        how = (f"; each family at its most faithful setting within {SYNC_SLACK:.0%} of its cheapest: {'; '.join(notes)}"
+               if notes else "")
+        if not picks or min(picks, key=lambda x: x[0])[0] >= exact_s:
             line = (f"allow_inexact_sync: no inexact synchronisation beats the exact plan's {exact_s * 1e3:.1f} ms "
-                    f"a step ({tried or 'none fits'})")
+                    f"a step ({tried or 'none fits'}){how}")
             return replace(exact, report=replace(exact.report, reasons=exact.report.reasons + (line,)))
-        step_s, label, chosen = min(priced, key=lambda x: x[0])
+        step_s, label, chosen = min(picks, key=lambda x: x[0])
         line = (f"allow_inexact_sync: {label} taken, {step_s * 1e3:.1f} ms a step predicted against the exact plan's "
-                f"{exact_s * 1e3:.1f} ms ({dict(exact.mesh)}); it does NOT train as one process does (tried: {tried})")
+                f"{exact_s * 1e3:.1f} ms ({dict(exact.mesh)}); it does NOT train as one process does (tried: {tried})"
+                f"{how}")
         return replace(chosen, report=replace(chosen.report, reasons=(line,) + chosen.report.reasons))
 
-    def _site_workers(self) -> tuple[tuple[str, dict], ...]:
-        """DiLoCo across the sites with each site one worker (HSDP: ZeRO-1 or -3 inside it,
-        synchronous over its fast links), as INEXACT_SYNCS' entries; none unless the cluster
-        joins sites of equal size, more than one rank each."""
+    def _sync_families(self) -> list[tuple[str, list[tuple[str, dict]]]]:
+        """The inexact synchronisations ``allow_inexact_sync`` prices, by family, each family's
+        settings most faithful first: PowerSGD by rank, int8, DiLoCo by sync interval over every
+        rank, and where the cluster joins sites of equal size (more than one rank each) DiLoCo
+        with each site one worker (HSDP: ZeRO-1 or -3 inside it, synchronous over its links)."""
+        families = [
+            ("PowerSGD", [(f"PowerSGD rank {r}", {"grad_compression": GradCompression("powersgd", rank=r)})
+                          for r in POWERSGD_RANKS]),
+            ("int8", [("int8 with error feedback", {"grad_compression": GradCompression("int8")})]),
+            ("DiLoCo", [(f"DiLoCo every {h} steps", {"diloco": DiLoCo(h)}) for h in SYNC_INTERVALS]),
+        ]
         sizes = {s.world_size for s in self.cluster.sites}
-        if len(sizes) != 1 or (size := sizes.pop()) < 2:
-            return ()
-        return tuple((f"DiLoCo every {h} steps across the sites, ZeRO-{z} inside each",
-                      {"diloco": DiLoCo(h), "dp_shard": size, "zero": z}) for h in (8, 32) for z in (1, 3))
+        if len(sizes) == 1 and (size := sizes.pop()) > 1:
+            families += [(f"DiLoCo across the sites, ZeRO-{z} inside", [
+                (f"DiLoCo every {h} steps across the sites, ZeRO-{z} inside each",
+                 {"diloco": DiLoCo(h), "dp_shard": size, "zero": z}) for h in SYNC_INTERVALS]) for z in (1, 3)]
+        return families
 
     def _auto(self, time_limit_s: float | None, memory_budget: int | float | str | None,
               per_operator: bool) -> Plan:
@@ -778,9 +802,10 @@ def plan(
             profile; default the example batch. More batches see more of the rare ids, so the
             predicted hit shares come closer (one batch's profile gives an upper bound).
         allow_inexact_sync: with ``strategy="auto"``, also price synchronisations that do not
-            train as one process does (PowerSGD, int8 with error feedback, DiLoCo; on plain data
-            parallelism over every device) and take the fastest where it beats the exact plan,
-            saying so in ``explain()``. Default False: only exact plans.
+            train as one process does (PowerSGD by rank, int8 with error feedback, DiLoCo by sync
+            interval, over every device or with each site one worker: :meth:`Planner.auto`) and
+            take the fastest where it beats the exact plan, saying so in ``explain()``. Default
+            False: only exact plans.
 
     Returns:
         a :class:`Plan` with ``predicted_step_time_s``, ``predicted_peak_memory_bytes``, a

@@ -552,8 +552,14 @@ class GraphProfile:
             params = param_bytes = split_bytes = expert_params = expert_bytes = 0.0
             split_count = tensors = 0
             shapes = []
+            # frozen parameters and the buffers the block reads: held, never synchronised
+            frozen = sum(_tensor_bytes(b.meta.get(meta.VAL)) for b in {
+                a for n in block.nodes for a in n.all_input_nodes
+                if a.op == "get_attr" and meta.get(a, meta.ATTR_KIND, None) == "buffer"})
             for p in block.params:
                 tensor = self.tensors[p.name]
+                if not tensor.requires_grad and p.name not in self.sparse_tables:
+                    frozen += tensor.numel() * tensor.element_size() / tp_share(p)
                 if not tensor.requires_grad or p.name in self.sparse_tables:
                     continue
                 tensors += 1
@@ -608,7 +614,7 @@ class GraphProfile:
                 backward_bytes=working, tensors=tensors, backward_starts_here=block is self.blocks[-1],
                 weight_grad_bytes=weight_grad, expert_params=expert_params, expert_param_bytes=expert_bytes,
                 num_experts=min((r.num_experts for r in regions), default=0), expert_times=expert_times,
-                exchanges=exchanges, ops=ops, param_shapes=tuple(shapes),
+                exchanges=exchanges, ops=ops, param_shapes=tuple(shapes), frozen_bytes=frozen,
             ))
         return out
 
