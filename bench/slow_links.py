@@ -16,8 +16,12 @@ loss far down) from the same weights:
 * ``gp hierarchical``: ``Strategy(dp=4, zero=2, dp_shard=2)``: gradients reduce-scattered inside
   each site, the half shards all-reduced across the link (HSDP);
 * ``gp PowerSGD r=4`` / ``gp int8``: ``Strategy(dp=4, grad_compression=...)``, error feedback;
+* ``gp int8/site``: ``Strategy(dp=4, zero=2, dp_shard=2, grad_compression=GradCompression("int8"))``:
+  HSDP's reduce-scatter exact inside each site, only the hop across the link in int8;
 * ``gp DiLoCo H=8``: ``Strategy(dp=4, diloco=gp.DiLoCo(8))``, AdamW inside as every row (its
   ``train_step`` reports its worker's loss: no collective in the step; the loss column is rank 0's);
+* ``gp DiLoCo/site H=8``: ``Strategy(dp=4, dp_shard=2, zero=1, diloco=gp.DiLoCo(8))``: each site one
+  worker, ZeRO-1 inside it every step, only the outer step across the link;
 * ``planned exact`` / ``planned inexact``: the planner's own choice on the same emulated cluster,
   ``gp.plan(model, cluster, batch)`` and ``gp.plan(..., allow_inexact_sync=True)``, trained as
   planned (the plan made once, in the parent; its mesh or sync named under the table).
@@ -30,7 +34,7 @@ the inexact ones drift); and the planner's predicted step time for that strategy
 cluster (``Planner.price``; the cluster's sites are this machine's profile if one was written,
 ``graphpass profile --world-size 4``, else default figures), with its ratio to the measured one.
 
-    python bench/slow_links.py                  # about 6 minutes here
+    python bench/slow_links.py                  # about 8 minutes here
     python bench/slow_links.py --rates "1 Gbit/s" --steps 20
 """
 
@@ -51,15 +55,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import graphpass as gp  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
-ROWS = ("torch DDP", "gp dp", "gp hierarchical", "gp PowerSGD r=4", "gp int8", "gp DiLoCo H=8", "planned exact",
-        "planned inexact")
+ROWS = ("torch DDP", "gp dp", "gp hierarchical", "gp PowerSGD r=4", "gp int8", "gp int8/site", "gp DiLoCo H=8",
+        "gp DiLoCo/site H=8", "planned exact", "planned inexact")
 PLANNED = {"planned exact": False, "planned inexact": True}  # the row: gp.plan's allow_inexact_sync
 STRATEGIES = {
     "gp dp": {},
     "gp hierarchical": {"zero": 2, "dp_shard": 2},
     "gp PowerSGD r=4": {"grad_compression": gp.GradCompression("powersgd", rank=4)},
     "gp int8": {"grad_compression": gp.GradCompression("int8")},
+    "gp int8/site": {"grad_compression": gp.GradCompression("int8"), "zero": 2, "dp_shard": 2},
     "gp DiLoCo H=8": {"diloco": gp.DiLoCo(8)},
+    "gp DiLoCo/site H=8": {"diloco": gp.DiLoCo(8), "zero": 1, "dp_shard": 2},
 }
 
 

@@ -130,6 +130,15 @@ def bucket_parts(compression: GradCompression, shapes: Sequence[Sequence[int]], 
     return parts
 
 
+def replica_parts(shard_numel: int, replicas: int, itemsize: int = 4) -> dict[str, float]:
+    """``S`` of the table's "zero replicas int8" for a reduced gradient shard of ``shard_numel``
+    elements sent across ``replicas`` replicas (every part on the shard)."""
+    padded = int8_padded(shard_numel, replicas)
+    wire = int8_bytes(shard_numel, replicas)
+    return {"shard": float(shard_numel * itemsize), "wire": wire, "wire server": wire / replicas,
+            "padded": 4.0 * padded, "server": 4.0 * padded / replicas}
+
+
 def beyond_plain_data_parallel(strategy: Any, also: Sequence[str] = ()) -> list[str]:
     """The fields of ``strategy`` (``name=value``) that go beyond plain data parallelism (ZeRO,
     tp, ep, HSDP, sharded tables, and ``also``), which the inexact synchronisations do not
@@ -139,19 +148,34 @@ def beyond_plain_data_parallel(strategy: Any, also: Sequence[str] = ()) -> list[
             if getattr(strategy, name) != plain[name]]
 
 
+def across_replicas(compression: Any, zero: int) -> bool:
+    """Whether ``compression`` under HSDP at ZeRO stage ``zero`` compresses only the hop across
+    the replicas (int8 at stages 2/3; the table's "zero replicas int8")."""
+    return compression is not None and compression.kind == "int8" and zero in (2, 3)
+
+
 def check_strategy(strategy: Any) -> None:
-    """A Strategy's ``grad_compression``: a :class:`GradCompression` on plain data parallelism."""
+    """A Strategy's ``grad_compression``: a :class:`GradCompression` on plain data parallelism,
+    or int8 on HSDP's hop across the replicas (``dp_shard`` with ZeRO-2/3)."""
     compression = strategy.grad_compression
     if compression is None:
         return
     if not isinstance(compression, GradCompression):
         raise ValueError(f"Strategy.grad_compression must be a graphpass.GradCompression or None, got {compression!r}")
-    unsupported = beyond_plain_data_parallel(strategy)
+    if strategy.dp_shard is not None:
+        if not across_replicas(compression, strategy.zero):
+            raise NotImplementedError(
+                f"Strategy.grad_compression={compression!r} with dp_shard={strategy.dp_shard}, zero={strategy.zero}: "
+                "under HSDP only int8 at zero=2 or 3 is built (it compresses the hop across the replicas, each "
+                "rank's reduced shard: flat, so no matrix for PowerSGD; ZeRO-1 all-reduces over all of dp at once)")
+        unsupported = [f for f in beyond_plain_data_parallel(strategy) if f.split("=")[0] not in ("zero", "dp_shard")]
+    else:
+        unsupported = beyond_plain_data_parallel(strategy)
     if unsupported:
         raise NotImplementedError(
             f"Strategy.grad_compression={compression!r} compresses plain data parallelism's gradient buckets; "
             f"with {', '.join(unsupported)} it is not built yet (drop those, or grad_compression)")
 
 
-__all__ = ["GradCompression", "INT8_BLOCK", "KINDS", "beyond_plain_data_parallel", "bucket_parts", "check_strategy", "int8_bytes", "int8_padded", "matrix_of",
+__all__ = ["GradCompression", "INT8_BLOCK", "KINDS", "across_replicas", "beyond_plain_data_parallel", "replica_parts", "bucket_parts", "check_strategy", "int8_bytes", "int8_padded", "matrix_of",
            "powersgd_parts"]

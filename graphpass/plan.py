@@ -700,8 +700,12 @@ class Plan:
         used = [name for name in ("grad_compression", "diloco") if getattr(self, name) is not None]
         if not used:
             return
-        # DiLoCo's workers may be HSDP's shard groups: ZeRO inside each, the outer step across
-        workers = self.diloco is not None and diloco_lib.worker_axis(self.mesh) is not None
+        # DiLoCo's workers may be HSDP's shard groups: ZeRO inside each, the outer step across;
+        # int8 may compress HSDP's hop across the replicas of ZeRO-2/3 groups
+        stages = {t.zero for t in self.tensors.values() if t.zero}
+        workers = self.diloco is not None and diloco_lib.worker_axis(self.mesh) is not None or (
+            self.diloco is None and "dp_shard" in self.mesh and stages
+            and all(compression_lib.across_replicas(self.grad_compression, z) for z in stages))
         beyond = [f"{axis}={self.mesh[axis]}" for axis in ("pp", "tp", "ep", "dp_shard")
                   if axis in self.mesh and self.mesh[axis] > 1
                   and not (axis == "dp_shard" and (self.mesh[axis] == self.mesh.dp or workers))]

@@ -79,8 +79,9 @@ class Movement:
     part: str = ""
 
     def size(self, size_bytes: float | Mapping[str, float], n: int) -> float:
-        """The bytes this movement's collective runs on, for an op of ``size_bytes`` on ``n`` ranks."""
-        return self.factor * _part(size_bytes, self.part) / (n if self.across == REPLICAS else 1)
+        """The bytes this movement's collective runs on, for an op of ``size_bytes`` on ``n`` ranks
+        (a part of an entry sized by parts is its bytes as they are: already on the shard)."""
+        return self.factor * _part(size_bytes, self.part) / (n if self.across == REPLICAS and not self.part else 1)
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,23 @@ TABLE: Mapping[str, Transition] = _entries(
                # gathered weights until the layer is done (re-gathered in backward), then the
                # full gradient until it is reduce-scattered
                transient=2.0, across_replicas=(Movement(_B, "all_reduce", blocking=_ASYNC, across=REPLICAS),)),
+    # HSDP's hop across the replicas of a ZeRO-2/3 group sent as int8 blocks with error feedback
+    # (GradCompression("int8") with dp_shard: the one hop that crosses sites when the shard
+    # groups are sites), in place of the groups' all-reduce there: the two hops of "dp gradient
+    # bucket int8" on this rank's reduced shard, every microbatch (S in parts from
+    # compression.replica_parts, every part already on the shard: "shard" its float32 bytes,
+    # "wire" one int8 hop over the replicas, "padded" the shard padded to whole blocks of every
+    # replica's part, "server" that over the replicas). Its errors stay between steps.
+    Transition("zero replicas int8", "all_gather_params", "dp", "Partial()", "Replicate()",
+               "this rank's reduced gradient shard and its int8 blocks", (),
+               across_replicas=(Movement(_B, "all_to_all", blocking=_ASYNC, across=REPLICAS, part="wire"),
+                                Movement(_B, "all_gather", blocking=_ASYNC, across=REPLICAS, part="wire")),
+               # the shard copied into the padded float32 buffer and the mean back; the int8
+               # work's own as the bucket's (its padded, server and wire coefficients)
+               copies=(Copy(_B, full=2.0, part="shard"), Copy(_B, full=4.75 + 3 / 512, part="padded"),
+                       Copy(_B, full=2.25 + 1 / 512, part="server"), Copy(_B, full=1.0, part="wire"),
+                       Copy(_B, full=1.0, part="wire server")),
+               size_of=PARTS, op_kwargs=(("compression", "int8"),)),
     # ---- tensor parallel (tensor_parallel) ----
     # An all-reduce clones its input (it reduces in place); a gather or reduce-scatter along a
     # dimension other than 0 lays the tensor out rank-major or back (S), a slice of one keeps

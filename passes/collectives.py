@@ -226,14 +226,16 @@ def emit_param_all_gather(
     created_by: str,
     divisor: int | None = None,
     replicate: str | None = None,
+    compression: str | None = None,
 ) -> list[fx.Node]:
     """Make ZeRO-sharded parameters (``Shard(0)`` on ``axis``) Replicate where they are used.
 
     One ``all_gather_params`` node per gather group (:func:`gather_groups`), right before the
     group's first use. Its backward reduce-scatters (stage 2/3) or all-reduces (stage 1) the
     gradients through the graph's ``grad_sync_begin(axis)``, divided by ``divisor`` (default:
-    the axis size), then all-reduced over ``replicate`` (HSDP's replicas), if given. Returns the
-    gather nodes.
+    the axis size), then all-reduced over ``replicate`` (HSDP's replicas), if given: as int8
+    blocks with error feedback where ``compression`` is ``"int8"`` (the table's "zero replicas
+    int8"). Returns the gather nodes.
     """
     if not params:
         return []
@@ -250,6 +252,8 @@ def emit_param_all_gather(
             kwargs["divisor"] = divisor
         if replicate is not None:
             kwargs["replicate"] = replicate
+            if compression is not None:
+                kwargs.update(TABLE[f"zero replicas {compression}"].op_kwargs)
         nodes.append(_insert_group(gm, transition("all_gather_params", stage=stage), group, (begin,), kwargs, axis, "Shard(0)", created_by))
     return nodes
 

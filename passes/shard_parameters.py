@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from graphpass import meta
 from graphpass.layout import TensorLayout
+from graphpass.compression import across_replicas
 from graphpass.diloco import worker_axis
 from graphpass.mesh import EP
 from graphpass.pass_manager import PassContext, graph_pass
@@ -120,10 +121,12 @@ def shard_parameters(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
     for (axis, stage), nodes in sorted(by_stage.items(), key=lambda item: (item[0][0] != AXIS, item[0])):
         # Gradients are averaged over all of dp: expert weights' hold their whole ep group's
         # share, and HSDP's shard groups are one replica of several.
+        replicate = None if workers else plan.mesh.replicate_axis(axis)
+        compressed = replicate is not None and across_replicas(plan.grad_compression, stage)
         groups = collectives.emit_param_all_gather(
             gm, nodes, axis, stage, plan.bucket_cap_bytes, created_by=NAME,
             divisor=plan.mesh.dp if axis != AXIS and not workers else None,
-            replicate=None if workers else plan.mesh.replicate_axis(axis),
+            replicate=replicate, compression=plan.grad_compression.kind if compressed else None,
         )
         log.info("%s: %d parameters at ZeRO stage %d over %s in %d gather groups", NAME, len(nodes), stage, axis,
                  len(groups))

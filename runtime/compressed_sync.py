@@ -258,6 +258,15 @@ def forget(params: Any) -> None:
         _STATES.pop(p, None)
 
 
+def replica_compressor(shards: tuple[torch.Tensor, ...], kind: str) -> _Int8:
+    """The compressor of a ZeRO-2/3 group's hop across HSDP's replicas (``kind`` ``"int8"``):
+    its reduced shard sent as int8 blocks with error feedback, every microbatch; kept between
+    steps as a bucket's is (keyed by the group's shards)."""
+    if kind != "int8":
+        raise NotImplementedError(f"compression {kind!r} across HSDP's replicas: only int8 is built")
+    return _state(tuple(shards), ("int8 replicas",), _Int8)
+
+
 def all_reduce_grads_int8(sync: GradSync, *params: torch.Tensor, bucket: int = 0,
                           scale: float | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`~graphpass.runtime.grad_sync.all_reduce_grads` with the bucket sent as int8 blocks
@@ -273,4 +282,4 @@ def all_reduce_grads_powersgd(sync: GradSync, *params: torch.Tensor, bucket: int
     return bucket_grads(sync, params, bucket, scale, state)
 
 
-__all__ = ["all_reduce_grads_int8", "all_reduce_grads_powersgd", "forget", "orthogonalize"]
+__all__ = ["all_reduce_grads_int8", "all_reduce_grads_powersgd", "forget", "orthogonalize", "replica_compressor"]

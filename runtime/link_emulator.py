@@ -10,7 +10,11 @@ an asynchronous one when it is waited for, a blocking one before it returns. Col
 a site run at loopback speed. Every figure measured this way is an emulation, and says so.
 
 It wraps ``torch.distributed``'s collectives for the duration, and the runtime modules' own
-references to them (``_all_gather_flat`` and the like), found by identity.
+references to them (``_all_gather_flat`` and the like), found by identity; and the pipeline
+engine's point-to-point batches (``torch.distributed.pipelining.schedules._batch_p2p``): a
+receive from a rank of another site completes no sooner than the link's time for the message
+after it was posted, or after it arrived where the wait had to block for it (the sender's bytes
+counted as crossing; its send completes as the real one does, buffered).
 """
 
 from __future__ import annotations
@@ -48,6 +52,45 @@ class _Delayed:
 
     def is_completed(self) -> bool:
         return self.work.is_completed() and time.perf_counter() >= self.due
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+#: the pipeline engine's one entry point for its sends and receives (module, function)
+_P2P = ("torch.distributed.pipelining.schedules", "_batch_p2p")
+
+
+class _LateBatch:
+    """One point-to-point batch whose receives from another site take ``delay`` seconds of the
+    link: due once, after it was posted, or after its message arrived where a wait blocked."""
+
+    def __init__(self, posted: float, delay: float, emulator: "LinkEmulator"):
+        self.posted, self.delay, self.emulator = posted, delay, emulator
+        self.due: float | None = None
+
+    def waited(self, blocked_until: float | None) -> None:
+        if self.due is None:
+            start = max(self.posted, blocked_until or self.posted)
+            self.due = self.emulator.charge(self.delay, 0, start)
+        self.emulator.sleep_until(self.due)
+
+
+class _ReceivedLate:
+    """A work of a :class:`_LateBatch`."""
+
+    def __init__(self, work: Any, batch: _LateBatch):
+        self.work, self.batch = work, batch
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        before = time.perf_counter()
+        out = self.work.wait(*args, **kwargs)
+        after = time.perf_counter()
+        self.batch.waited(after if after - before > 1e-4 else None)
+        return out
+
+    def is_completed(self) -> bool:
+        return False  # known only by waiting (the arrival time decides)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
@@ -126,6 +169,30 @@ class LinkEmulator:
         emulated.__wrapped__ = real  # type: ignore[attr-defined]
         return emulated
 
+    def _wrap_p2p(self, real: Callable) -> Callable:
+        """The pipeline engine's ``_batch_p2p(ops, desc=None)``: receives from another site late."""
+        me = dist.get_rank()
+
+        def emulated(p2p_ops: list, *args: Any, **kwargs: Any) -> Any:
+            posted = time.perf_counter()
+            delay = 0.0
+            for op in p2p_ops:
+                ranks = (me, op.peer)
+                size = op.tensor.numel() * op.tensor.element_size()
+                if self.cluster.site_of(me) == self.cluster.site_of(op.peer):
+                    continue
+                if op.op is dist.isend:  # the bytes this rank hands to the link
+                    self.crossed_bytes += size
+                else:
+                    delay += self.time_of("send_recv", size, list(ranks))
+            works = real(p2p_ops, *args, **kwargs)
+            if delay <= 0:
+                return works
+            batch = _LateBatch(posted, delay, self)
+            return [_ReceivedLate(w, batch) for w in works]
+        emulated.__wrapped__ = real  # type: ignore[attr-defined]
+        return emulated
+
     @contextlib.contextmanager
     def active(self) -> Iterator["LinkEmulator"]:
         """Delay every crossing collective while in this context (re-entrant)."""
@@ -148,6 +215,11 @@ class LinkEmulator:
                     patched.append((module, attr, value))
         for owner, attr, real in patched:
             setattr(owner, attr, by_id[id(real)])
+        schedules = sys.modules.get(_P2P[0])
+        if schedules is not None:  # the pipeline engine's sends and receives
+            real = getattr(schedules, _P2P[1])
+            setattr(schedules, _P2P[1], self._wrap_p2p(real))
+            patched.append((schedules, _P2P[1], real))
         self._depth = 1
         try:
             yield self

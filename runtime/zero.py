@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from graphpass.layout import shard_rows
+from graphpass.runtime import compressed_sync
 from graphpass.runtime import mesh as mesh_lib
 from graphpass.runtime import offload
 from graphpass.runtime import rank_progress
@@ -250,17 +251,26 @@ class _ThenAllReduce:
     :meth:`wait` finishes both.
     """
 
-    __slots__ = ("work", "out", "group", "index", "all_reduce")
+    __slots__ = ("work", "out", "group", "index", "all_reduce", "compressor")
 
-    def __init__(self, work: Any, out: torch.Tensor, group: Any, index: int):
+    def __init__(self, work: Any, out: torch.Tensor, group: Any, index: int, compressor: Any = None):
         self.work, self.out, self.group, self.index = work, out, group, index
         self.all_reduce = None
+        self.compressor = compressor  # int8 across the replicas: its error feedback between steps
 
     def advance(self, block: bool = False) -> None:
-        if self.work is None or not (block or self.work.is_completed()):
+        if self.work is None:
+            if self.compressor is not None and self.all_reduce is not None:
+                self.all_reduce.advance(block)  # the int8 reduction's second hop, once the first is done
+            return
+        if not (block or self.work.is_completed()):
             return
         self.work.wait()
         self.work = None
+        if self.compressor is not None:
+            rank_progress.enter("int8 all_reduce across replicas of all_gather_params group", self.index)
+            self.all_reduce = self.compressor.start(self.out, (), self.group)
+            return
         rank_progress.enter("all_reduce across replicas of all_gather_params group", self.index)
         self.all_reduce = dist.all_reduce(self.out, group=self.group, async_op=True)
 
@@ -273,13 +283,13 @@ class _ThenAllReduce:
 
 class _AllGatherParams(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token, sync: GradSync, shapes, stage: int, partial, divisor, index: int, replicate,
+    def forward(ctx, token, sync: GradSync, shapes, stage: int, partial, divisor, index: int, replicate, compression,
                 *shards: torch.Tensor):
         mesh = mesh_lib.current()
         group = mesh.group(sync.axis)
         num = mesh.axis_size(sync.axis)
         ctx.sync, ctx.shapes, ctx.stage, ctx.num, ctx.partial = sync, shapes, stage, num, partial
-        ctx.divisor, ctx.index, ctx.replicate = divisor, index, replicate
+        ctx.divisor, ctx.index, ctx.replicate, ctx.compression = divisor, index, replicate, compression
         ctx.shards = shards  # leaves: referencing them keeps nothing extra alive
         accumulation = sync.accumulation
         kept = accumulation.gathered.get(id(shards[0])) if stage < 3 else None
@@ -300,7 +310,7 @@ class _AllGatherParams(torch.autograd.Function):
         group = mesh.group(sync.axis)
         grads = _sum_partial_grads(grads, ctx.partial, mesh)
         buffer = _rank_major_grads(grads, shards, ctx.shapes, num, ctx.divisor)
-        done = (torch.zeros(()), None, None, None, None, None, None, None) + (None,) * len(shards)
+        done = (torch.zeros(()), None, None, None, None, None, None, None, None) + (None,) * len(shards)
         if ctx.stage == 1:
             accumulation = sync.accumulation
             held = accumulation.held(shards[0])
@@ -323,7 +333,8 @@ class _AllGatherParams(torch.autograd.Function):
             rank_progress.enter("reduce_scatter of all_gather_params group", ctx.index)
             work = _reduce_scatter_flat(out, buffer.view(-1), group=group, async_op=True)
             if ctx.replicate and mesh.group(ctx.replicate) is not None:
-                work = _ThenAllReduce(work, out, mesh.group(ctx.replicate), ctx.index)
+                compressor = compressed_sync.replica_compressor(shards, ctx.compression) if ctx.compression else None
+                work = _ThenAllReduce(work, out, mesh.group(ctx.replicate), ctx.index, compressor)
         sync.add(work, out, shards)
         return done
 
@@ -359,6 +370,7 @@ def all_gather_params(
     partial: Sequence[str | None] | None = None,
     divisor: int | None = None,
     replicate: str | None = None,
+    compression: str | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Full parameters from their ZeRO shards over ``axis`` (see the module docstring).
 
@@ -377,6 +389,9 @@ def all_gather_params(
         replicate: HSDP's ``dp_replicate`` axis, over which the shards are replicas: at stages
             2/3 each rank's reduced gradient shard is all-reduced there after the reduce-scatter;
             stage 1 all-reduces over the shard group and its replicas at once (all of ``dp``).
+        compression: ``"int8"``: at stages 2/3 that all-reduce across the replicas goes as int8
+            blocks with error feedback (:mod:`graphpass.runtime.compressed_sync`), the only hop
+            that crosses sites when the shard groups are sites.
     """
     if any(is_fake(s) for s in shards):
         return tuple(s.new_empty(tuple(shape)) for s, shape in zip(shards, shapes))
@@ -384,7 +399,7 @@ def all_gather_params(
         return tuple(gather_full_parameters(shards, shapes, axis))
     partial = tuple(partial) if partial else None
     full = _AllGatherParams.apply(sync.token, sync, tuple(map(tuple, shapes)), stage, partial, divisor, group,
-                                  replicate, *shards)
+                                  replicate, compression, *shards)
     if stage == 3 and regather.active():
         regather.register(full, functools.partial(_regathered, tuple(shards), tuple(map(tuple, shapes)), axis,
                                                   mesh_lib.current(), group))

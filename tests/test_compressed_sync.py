@@ -146,6 +146,12 @@ def test_a_compression_is_checked_and_refused_where_it_is_not_built():
         gp.Strategy(dp=2, tp=2, grad_compression=gp.GradCompression("powersgd"))
     with pytest.raises(ValueError, match=r"Strategy.grad_compression must be a graphpass.GradCompression"):
         gp.Strategy(dp=2, grad_compression="powersgd")
+    # under HSDP: int8 on the hop across the replicas at ZeRO-2/3 only
+    with pytest.raises(NotImplementedError, match=r"under HSDP only int8 at zero=2 or 3 is built .*no matrix for PowerSGD"):
+        gp.Strategy(dp=4, dp_shard=2, zero=3, grad_compression=gp.GradCompression("powersgd"))
+    with pytest.raises(NotImplementedError, match=r"dp_shard=2, zero=1: under HSDP only int8 at zero=2 or 3"):
+        gp.Strategy(dp=4, dp_shard=2, zero=1, grad_compression=gp.GradCompression("int8"))
+    gp.Strategy(dp=4, dp_shard=2, zero=2, grad_compression=gp.GradCompression("int8"))  # built
 
 
 # ------------------------------------------------------------------ training a small LM
@@ -220,3 +226,84 @@ def test_a_powersgd_rank_that_compresses_nothing_is_refused_on_every_rank(rank_p
     for message in rank_pool(2).run(_compile_error, 64, timeout_s=120):
         assert "GradCompression(kind='powersgd', rank=64) compresses no gradient of this model: its widest matrix " \
                "is" in message and "whose rank-64 factors are no smaller than it" in message, message
+
+
+# ------------------------------------------------- int8 on HSDP's hop across the replicas
+
+
+def _hsdp_int8_on_ranks(stage: int) -> list[torch.Tensor]:
+    """Each step's reduced gradient shards on this rank (flat), under HSDP on 4 ranks: ZeRO over
+    pairs of ranks, the pairs' reduced shards sent across them as int8 with error feedback."""
+    from graphpass.runtime.zero import all_gather_params, make_shard
+
+    rank = dist.get_rank()
+    shards = [torch.nn.Parameter(make_shard(torch.zeros(shape), 2, rank % 2)) for shape in SHAPES]
+    out = []
+    with mesh_lib.active(mesh_lib.ProcessMesh({"dp": 4, "dp_shard": 2})):
+        for step in range(STEPS):
+            sync = grad_sync_begin("dp_shard")
+            full = all_gather_params(sync, *shards, axis="dp_shard", shapes=SHAPES, stage=stage, divisor=4,
+                                     replicate="dp_replicate", compression="int8")
+            loss = sum((v * g).sum() for v, g in zip(full, _local_grads(rank, step)))
+            loss.backward()
+            out.append(torch.cat([s.grad.reshape(-1) for s in shards]))
+            for s in shards:
+                s.grad = None
+    return out
+
+
+def _shard_rows(g: torch.Tensor, index: int) -> torch.Tensor:
+    """Rows ``index`` of 2 of ``g`` along dim 0, zero-padded to equal halves (ZeRO's layout)."""
+    rows = -(-g.shape[0] // 2)
+    padded = torch.zeros((2 * rows, *g.shape[1:]))
+    padded[: g.shape[0]] = g
+    return padded[index * rows:(index + 1) * rows].reshape(-1)
+
+
+def _hsdp_int8_reference() -> dict[int, list[torch.Tensor]]:
+    """The same, written out: shard j of each pair is the pair's sum of its ranks' rows j over
+    all of dp (4); the two pairs' shard j then take the int8 all-reduce's two hops (worker
+    error, a per-block rounding, the sum of each half, server error, rounding again)."""
+    shard_numel = sum(_shard_rows(torch.zeros(s), 0).numel() for s in SHAPES)
+    padded = -(-shard_numel // (2 * INT8_BLOCK)) * 2 * INT8_BLOCK
+    half = padded // 2
+    worker = {r: torch.zeros(padded) for r in range(4)}
+    server = {r: torch.zeros(half) for r in range(4)}
+    out: dict[int, list[torch.Tensor]] = {r: [] for r in range(4)}
+    for step in range(STEPS):
+        grads = {r: _local_grads(r, step) for r in range(4)}
+        for j in range(2):  # the shard index; its replicas are ranks j (pair 0) and j + 2 (pair 1)
+            replicas = [j, j + 2]
+            sent = {}
+            for r in replicas:
+                pair = (r // 2) * 2
+                reduced = sum(torch.cat([_shard_rows(g, j) for g in grads[q]]) for q in (pair, pair + 1)) / 4
+                x = torch.zeros(padded)
+                x[:shard_numel] = reduced
+                x += worker[r]
+                q = _quantize(x)
+                worker[r] = x - q
+                sent[r] = q
+            total = {}
+            for i, r in enumerate(replicas):  # replica i sums half i of both, rounds again
+                t = sum(sent[s][i * half:(i + 1) * half] for s in replicas) + server[r]
+                q = _quantize(t)
+                server[r] = t - q
+                total[i] = q
+            mean = torch.cat([total[0], total[1]])[:shard_numel]
+            for r in replicas:
+                out[r].append(mean)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_int8_across_hsdp_replicas_equals_the_equations_step_by_step(rank_pool, stage):
+    results = rank_pool(4).run(_hsdp_int8_on_ranks, stage, timeout_s=240)
+    reference = _hsdp_int8_reference()
+    for rank, steps in enumerate(results):
+        for step, (got, want) in enumerate(zip(steps, reference[rank])):
+            # the reduce-scatter sums a pair in gloo's order (2 terms: exact), the rest is the same
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} step {step}")
+            exact = sum(torch.cat([_shard_rows(g, rank % 2) for g in _local_grads(q, step)]) for q in range(4)) / 4
+            assert not torch.allclose(got, exact, rtol=1e-3, atol=1e-4)  # and it is a compression

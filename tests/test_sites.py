@@ -330,3 +330,45 @@ def test_with_a_frozen_base_only_the_trainable_parameters_cross_the_link_and_it_
     trainable = sum(p.numel() for p in _gpt_with_frozen_base().parameters() if p.requires_grad)
     total = sum(p.numel() for p in zoo.build("gpt").parameters())
     assert frozen_sync < full_sync * (trainable / total + 0.1), (frozen_sync, full_sync, trainable / total)
+
+
+def _pipeline_on_emulated_sites() -> tuple:
+    cluster = gp.Cluster.local().split(2, gp.Link(_FAST_WAN, "5 ms"))
+    data = zoo.batches("gpt", 3, batch=8)
+    dmodel = gp.compile(zoo.build("gpt"), cluster, example_inputs=data[0],
+                        strategy=gp.Strategy(pp=2, dp=2, microbatches=2))
+    losses = zoo.train_compiled(dmodel, data)
+    emulator = dmodel.link_emulator
+    return losses, dmodel.full_state_dict(), emulator.crossings, emulator.delayed_s, emulator.crossed_bytes
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_across_two_emulated_sites_trains_as_one_process_and_its_sends_take_the_links_time(rank_pool):
+    """pp=2 across the emulated link (stage 0 on site 0, stage 1 on site 1), dp=2 inside each
+    site: the pipeline engine's activations and their gradients cross it, each receive taking at
+    least the link's 5 ms (2 microbatches x 3 steps: 6 crossing receives a rank), and training
+    matches one process (tolerances as the parity tests')."""
+    ref_losses, ref_state, _ = zoo.train_reference("gpt", steps=3, batch=8)
+    for rank, (losses, state, crossings, delayed_s, crossed) in enumerate(
+            rank_pool(4).run(_pipeline_on_emulated_sites, timeout_s=240)):
+        zoo.assert_matches_reference(f"pp across sites, rank {rank}", losses, state, ref_losses, ref_state,
+                                     rtol=1e-5, atol=1e-6)
+        assert crossings >= 6 and delayed_s >= 6 * 5e-3, (rank, crossings, delayed_s)
+        assert crossed > 0, rank  # activations (stage 0) or their gradients (stage 1) sent across
+
+
+@pytest.mark.timeout(300)
+def test_int8_on_the_hop_across_two_emulated_sites_trains_close_to_one_process(rank_pool):
+    """HSDP with int8 on the hop across the sites (ZeRO-2 inside each, gloo's exact
+    reduce-scatter there): 3 steps end within int8's rounding of one process (each block's
+    error at most max|x| / 254, fed back), not equal to it; only that hop crosses the link."""
+    strategy = {"zero": 2, "dp_shard": 2, "grad_compression": gp.GradCompression("int8")}
+    ref_losses, ref_state, _ = zoo.train_reference("gpt", steps=3, batch=8)
+    for rank, (losses, state, crossings, _, seen) in enumerate(
+            rank_pool(4).run(_train_on_emulated_sites, strategy, timeout_s=240)):
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=0)
+        drift = max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state)
+        assert 0 < drift < 2e-3, drift
+        crossing = [ranks for ranks, _ in seen if {r // 2 for r in ranks} == {0, 1}]
+        # per step: the int8 hops of each gather group across the pair, and the reported loss
+        assert crossings == len(crossing) and all(len(ranks) in (2, 4) for ranks in crossing), crossing

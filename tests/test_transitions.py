@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphpass import meta
-from graphpass.compression import GradCompression, bucket_parts
+from graphpass.compression import GradCompression, bucket_parts, replica_parts
 from graphpass.layout import TensorLayout
 from graphpass.passes import collectives as emit
 from graphpass.runtime import collectives as ops
@@ -261,12 +261,18 @@ def _emit(name: str, gm: fx.GraphModule, x: fx.Node, prod: fx.Node, loss: fx.Nod
         emit.ensure_grad_sync(gm, axis, "test")
         return 0.0
     if entry.op == "all_gather_params":
+        compressed = name == "zero replicas int8"  # ZeRO-2 with this hop across the replicas
+        stage = 2 if compressed else int(name[4])
         for node in params:
             full = getattr(gm, node.target).detach()
             setattr(gm, node.target, nn.Parameter(zero_runtime.make_shard(full, n, dist.get_rank() % n)))
-            node.meta[meta.LAYOUT] = TensorLayout.whole(full.shape).with_zero(axis, n, int(name[4]))
-        emit.emit_param_all_gather(gm, params, axis, int(name[4]), 2**30, "test",
-                                   divisor=dist.get_world_size() if replicate else None, replicate=replicate)
+            node.meta[meta.LAYOUT] = TensorLayout.whole(full.shape).with_zero(axis, n, stage)
+        emit.emit_param_all_gather(gm, params, axis, stage, 2**30, "test",
+                                   divisor=dist.get_world_size() if replicate else None, replicate=replicate,
+                                   compression="int8" if compressed else None)
+        if compressed:  # the reduced shard of the group across dp / n replicas
+            shard_numel = sum(p.numel() for p in gm.parameters())
+            return local_bytes, replica_parts(shard_numel, dist.get_world_size() // n)
         return local_bytes
     x_bytes = 4 * 8 * 12  # x is [8, 12] float32 locally, see _run_entry
     if name == "tp vocabulary-parallel loss":
@@ -319,6 +325,18 @@ def _run_entry(name: str, hsdp: bool = False) -> tuple[tuple, tuple]:
     size = _emit(name, gm, x, prod, loss, shards, "dp_shard" if hsdp else axis, "dp_replicate" if hsdp else None)
     gm.graph.lint()
     gm.recompile()
+    ran = _step(gm, mesh)
+    if name == "zero replicas int8":  # ZeRO-2 inside the pairs, this entry's hop across them
+        return _replica_hop(name, size, shards), ran
+    expected = []
+    for move in TABLE[name].moves(replicas=replicas):
+        expected += [(move.phase, move.kind, move.size(size, shards), move.blocking)] * (1 if move.per == PER_STEP else 2)
+    return (sorted(expected), _expected_copies(name, size, shards, 2)), ran
+
+
+def _step(gm: fx.GraphModule, mesh) -> tuple[list, dict[str, float]]:
+    """One step of 2 microbatches of ``gm`` on ``mesh``: the collectives it launched and the
+    bytes its copies wrote per phase."""
     log, phase = [], ["forward"]
     accumulation = Accumulation(2)
     inputs = [torch.randn(8, 12, requires_grad=True) for _ in range(2)]
@@ -333,11 +351,22 @@ def _run_entry(name: str, hsdp: bool = False) -> tuple[tuple, tuple]:
             accumulation.last_backward = i == 1
             phase[0] = "backward"
             outputs[0].backward()
+    return sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}
+
+
+def _replica_hop(name: str, size: tuple, shards: int) -> tuple[list, dict[str, float]]:
+    """What ZeRO-2 over pairs with the hop across them in int8 moves and copies in a step of 2
+    microbatches: "zero2 weights" without replicas, and this entry on this rank's shard
+    (``size``: the tensor's bytes, this entry's parts)."""
+    tensor, parts = size
     expected = []
-    for move in TABLE[name].moves(replicas=replicas):
-        expected += [(move.phase, move.kind, move.size(size, shards), move.blocking)] * (1 if move.per == PER_STEP else 2)
-    return ((sorted(expected), _expected_copies(name, size, shards, 2)),
-            (sorted((p, k, float(b), w) for p, k, b, w in log), {p: float(b) for p, b in copies.written.items()}))
+    for entry, replicas, s in ((TABLE["zero2 weights"], False, tensor), (TABLE[name], True, parts)):
+        for move in entry.moves(replicas=replicas):
+            expected += [(move.phase, move.kind, move.size(s, shards), move.blocking)] * (1 if move.per == PER_STEP else 2)
+    want = _expected_copies("zero2 weights", tensor, shards, 2)
+    for phase_name, nbytes in _expected_copies(name, parts, shards, 2).items():
+        want[phase_name] = want.get(phase_name, 0.0) + nbytes
+    return sorted(expected), want
 
 
 def _run_vocab(mesh, n: int) -> tuple[tuple, tuple]:
@@ -431,7 +460,8 @@ def _run_table_lookup(name: str, n: int) -> tuple[tuple, tuple]:
 
 
 def _run_all() -> dict:
-    out = {name: _run_entry(name) for name in TABLE}
+    # "zero replicas int8" is HSDP's hop across replicas: on 4 ranks only, where there are some
+    out = {name: _run_entry(name) for name in TABLE if name != "zero replicas int8"}
     if dist.get_world_size() >= 4:  # HSDP: ZeRO inside pairs, all-reduced across them
         out.update((f"{name} under HSDP", _run_entry(name, hsdp=True)) for name in TABLE
                    if TABLE[name].op == "all_gather_params")

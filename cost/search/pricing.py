@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from graphpass.cluster import Cluster
-from graphpass.compression import GradCompression, bucket_parts
+from graphpass.compression import GradCompression, across_replicas, bucket_parts, replica_parts
 from graphpass.diloco import DiLoCo
 from graphpass.layout import Tiers
 from graphpass.plan import Choice
@@ -393,6 +393,14 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     # the outer step's, on this rank's shard (its start and momentum kept beside it)
     replicate = layout.mesh.replicate_axis(axis) if zero else None
     workers = costing.diloco is not None and replicate is not None
+    # int8 on HSDP's hop across the replicas (the table's "zero replicas int8"), in place of it
+    hop = TABLE["zero replicas int8"] if replicate and across_replicas(costing.grad_compression, zero) else None
+    if hop is not None:
+        r = layout.mesh.size(replicate)
+        hop_parts = replica_parts(max(1, round(params / n)), r, round(costing.grad_bytes_per_param))
+        out.state += hop_parts["padded"] + hop_parts["server"]  # the two errors, kept between steps
+        out.dp_comm += m * sum(comms.time(replicate, move.kind, size, move.blocking)
+                               for move, size in hop.movements(hop_parts, n, replicas=True))
     if workers:
         out.state += 2 * p_bytes / n
         outer_s = comms.time(replicate, "all_reduce", p_bytes / n, blocking=True) / costing.diloco.inner_steps
@@ -412,17 +420,18 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     elif zero < 3:
         # ZeRO-1 under HSDP all-reduces over the shard group and its replicas at once
         joint = f"{axis},{replicate}" if zero == 1 and replicate and not workers else None
-        out.dp_comm = _moved_s(entry, p_bytes, g_bytes, m, comms, axis, joint, across=not workers)
+        out.dp_comm += _moved_s(entry, p_bytes, g_bytes, m, comms, axis, joint, across=not workers and hop is None)
     else:
         split_bytes, split_count, k = split
         rest = p_bytes - (split_bytes if k > 1 else 0.0)
         slices = split_count * k if k > 1 else 0
         # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
         split_grads = g_bytes * split_bytes / p_bytes if slices and p_bytes else 0.0
-        out.dp_comm = _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis, across=not workers)
+        out.dp_comm += _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis,
+                                across=not workers and hop is None)
         if slices:
             out.dp_comm += slices * _moved_s(entry, split_bytes / slices, split_grads / slices, m, comms, axis,
-                                             across=not workers)
+                                             across=not workers and hop is None)
         largest = rest + (split_bytes / slices if slices else 0.0)
         out.transient = entry.transient * largest * (1.0 if p_bytes else 0.0)
     # Optimizer step on this rank's share: measured per element, else its memory traffic (reads
@@ -438,6 +447,8 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
         out.copied = sum(2 * nbytes * (m if per == PER_MICROBATCH else 1) for _, nbytes, per in entry.copied(parts, n))
     else:
         out.copied = _copied_bytes(entry, p_bytes, g_bytes, n, m) if synced else 0.0
+    if hop is not None:
+        out.copied += sum(2 * nbytes * (m if per == PER_MICROBATCH else 1) for _, nbytes, per in hop.copied(hop_parts, n))
     if tiers.offloaded:
         _offload_terms(out, tiers, p_bytes / n if zero else p_bytes, o_bytes / n if zero >= 1 else o_bytes,
                        share * g_bytes, zero, m, costing)

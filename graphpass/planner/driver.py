@@ -614,7 +614,8 @@ class Planner:
         """The inexact synchronisations ``allow_inexact_sync`` prices, by family, each family's
         settings most faithful first: PowerSGD by rank, int8, DiLoCo by sync interval over every
         rank, and where the cluster joins sites of equal size (more than one rank each) DiLoCo
-        with each site one worker (HSDP: ZeRO-1 or -3 inside it, synchronous over its links)."""
+        with each site one worker (HSDP: ZeRO-1 or -3 inside it, synchronous over its links)
+        and int8 on HSDP's hop across the sites (ZeRO-2 or -3 inside each, exact there)."""
         families = [
             ("PowerSGD", [(f"PowerSGD rank {r}", {"grad_compression": GradCompression("powersgd", rank=r)})
                           for r in POWERSGD_RANKS]),
@@ -626,6 +627,9 @@ class Planner:
             families += [(f"DiLoCo across the sites, ZeRO-{z} inside", [
                 (f"DiLoCo every {h} steps across the sites, ZeRO-{z} inside each",
                  {"diloco": DiLoCo(h), "dp_shard": size, "zero": z}) for h in SYNC_INTERVALS]) for z in (1, 3)]
+            families += [(f"int8 across the sites, ZeRO-{z} inside", [
+                (f"int8 with error feedback across the sites, ZeRO-{z} inside each (HSDP)",
+                 {"grad_compression": GradCompression("int8"), "dp_shard": size, "zero": z})]) for z in (2, 3)]
         return families
 
     def _auto(self, time_limit_s: float | None, memory_budget: int | float | str | None,
