@@ -27,9 +27,10 @@ loss far down) from the same weights:
   planned (the plan made once, in the parent; its mesh or sync named under the table).
 
 Columns: the mean step time (after ``--warmup`` steps; a mean, not a median, so that DiLoCo's
-outer step every 8th step counts), its ratio to DDP's; the bytes a rank hands
+outer step counts: a DiLoCo row runs past its first outer step, ``H + warmup + 1`` steps where
+that is more than ``--steps``), its ratio to DDP's; the bytes a rank hands
 to collectives that cross the link per step (the emulator's count; DDP's buckets alike); the
-mean loss of the last 5 steps (the same tokens for every row; exact rows agree to rounding,
+mean loss of the 5 steps up to ``--steps`` (the same tokens for every row; exact rows agree to rounding,
 the inexact ones drift); and the planner's predicted step time for that strategy on the same
 cluster (``Planner.price``; the cluster's sites are this machine's profile if one was written,
 ``graphpass profile --world-size 4``, else default figures), with its ratio to the measured one.
@@ -89,10 +90,10 @@ def _config(args) -> GPTConfig:
                      n_embd=args.n_embd)
 
 
-def _batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(args, steps: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     out = []
-    for _ in range(args.steps):
+    for _ in range(steps or args.steps):
         seq = torch.empty(args.batch, args.block_size + 1, dtype=torch.long)
         seq[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g)
         for i in range(args.block_size):
@@ -131,7 +132,10 @@ def _run_rank(args, row: str, rate: str, plan_json: str | None = None) -> dict:
     cluster = _cluster(rate, args.latency)
     torch.manual_seed(0)
     model = GPT(_config(args))
-    data = _batches(args)
+    strategy = gp.Plan.from_json(plan_json) if plan_json else None
+    diloco = strategy.diloco if strategy is not None else STRATEGIES.get(row, {}).get("diloco")
+    # a DiLoCo row runs past its first outer step, so that its mean step pays for one
+    data = _batches(args, max(args.steps, diloco.inner_steps + args.warmup + 1) if diloco else args.steps)
     world, rank = dist.get_world_size(), dist.get_rank()
     if row == "torch DDP":
         emulator = LinkEmulator(cluster, lambda kind, size, ranks: collective_time(kind, size, ranks, cluster,
@@ -150,7 +154,7 @@ def _run_rank(args, row: str, rate: str, plan_json: str | None = None) -> dict:
                 dist.all_reduce(reported)
             return float(reported) / world
     else:
-        strategy = gp.Plan.from_json(plan_json) if plan_json else gp.Strategy(dp=world, **STRATEGIES[row])
+        strategy = strategy or gp.Strategy(dp=world, **STRATEGIES[row])
         dmodel = gp.compile(model, cluster, example_inputs=data[0], strategy=strategy)
         emulator = dmodel.link_emulator
         opt = torch.optim.AdamW(dmodel.parameters(), lr=3e-3)
@@ -169,7 +173,7 @@ def _run_rank(args, row: str, rate: str, plan_json: str | None = None) -> dict:
         losses.append(step(batch))
         times.append(time.perf_counter() - t0)
     return {"times": times[args.warmup:], "losses": losses,
-            "crossed": emulator.crossed_bytes / (args.steps - args.warmup)}
+            "crossed": emulator.crossed_bytes / (len(data) - args.warmup)}
 
 
 def _planner(args, rate: str):
@@ -216,7 +220,7 @@ def main(argv=None) -> None:
             steps = [max(r["times"][i] for r in results) for i in range(len(results[0]["times"]))]
             step = statistics.mean(steps)  # the mean: DiLoCo's outer step comes every 8th step
             reference = reference or step
-            loss = statistics.mean(results[0]["losses"][-5:])
+            loss = statistics.mean(results[0]["losses"][args.steps - 5:args.steps])  # after the same tokens
             predicted = plan.report.predicted_step_time_s if plan is not None else _predicted(args, row, rate)
             print(f"  {row:<18} {step * 1e3:12.1f} {step / reference:7.3f} {results[0]['crossed'] / 2**20:14.3f} "
                   f"{loss:14.4f} {predicted * 1e3:13.1f} {predicted / step:12.2f}")

@@ -76,6 +76,7 @@ from graphpass.cluster import Cluster
 from graphpass.diloco import worker_axis
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice
+from graphpass.transitions import TABLE
 from graphpass.cost.memory import ZERO_BUBBLE_SHARE, deferred_weight_gradients, in_flight_microbatches
 from graphpass.cost.search.blocks import LAYER, POST, BlockCost
 from graphpass.cost.search.layouts import Parallelism, local_batch
@@ -349,7 +350,7 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
         indices = [i for s in held for i in stages[s]]
         # The end of backward waits for every asynchronous data-parallel collective at once.
         comm = sum(priced[i].dp_comm_s - priced[i].window_s / speeds[r] for i in indices) + _bucket_latency(
-            blocks, indices, choices, layout, costing, comms) + _loss_sync(layout, costing, comms)
+            blocks, indices, choices, layout, costing, comms) + _loss_report(layout, costing, comms)
         # Offload's copies to and from host memory, on their own link, hide behind the compute.
         host = max(0.0, sum(priced[i].host_link_s - priced[i].host_window_s / speeds[r] for i in indices))
         tails.append(max(0.0, comm) + host + sum(priced[i].optimizer_s for i in indices))
@@ -384,13 +385,22 @@ def compose(blocks: Sequence[BlockCost], layout: Parallelism, stages: list[list[
                      tail_s=max(tails), tables=tables, stage_rooms=stage_rooms(costing.cluster, layout.mesh))
 
 
-def _loss_sync(layout: Parallelism, costing: Costing, comms: _Collectives) -> float:
-    """The step's blocking all-reduce of the reported loss: over dp, or a DiLoCo worker's ranks
-    (none where a worker is one rank)."""
-    if costing.diloco is None:
-        return comms.sync("dp")
-    workers = worker_axis(layout.mesh)
-    return comms.sync(workers) if workers else 0.0
+def _loss_report(layout: Parallelism, costing: Costing, comms: _Collectives) -> float:
+    """The step's all-reduce of the reported loss (the table's "dp reported loss": launched after
+    forward, waited for at the step's end, so backward may hide it) and its synchronisation: over
+    dp, or a DiLoCo worker's ranks (none where a worker is one rank); and under a pipeline its
+    broadcast from the last stage. Across a slow link its latency alone can be a step's worth (a
+    ring of 4 over 20 ms: 120 ms)."""
+    # a pipeline's last stage then broadcasts it over pp (runtime/pipeline.py), blocking: priced
+    # as a tree of ceil(log2 pp) hops on the pipeline's slowest neighbour link
+    pp = layout.mesh.pp
+    broadcast = comms.time("pp", "send_recv", 4.0, blocking=True) * math.ceil(math.log2(pp)) if pp > 1 else 0.0
+    axis = "dp" if costing.diloco is None else worker_axis(layout.mesh)
+    if axis is None:
+        return broadcast
+    n = layout.mesh.size(axis)
+    return broadcast + comms.sync(axis) + sum(comms.time(axis, move.kind, size, move.blocking)
+                                              for move, size in TABLE["dp reported loss"].movements(4.0, n))
 
 
 def _shared_host_step(path: float, pp: int, units: int, contention: float, oversubscription: float,
