@@ -156,12 +156,13 @@ def _train_on_emulated_sites(strategy: dict) -> tuple:
 @pytest.mark.timeout(600)
 def test_hierarchical_data_parallelism_across_two_emulated_sites_trains_as_one_process(rank_pool):
     """4 ranks as 2 sites x 2 behind an emulated link: ZeRO-3 sharded inside each site, replicas
-    across (HSDP, the site-local sharding of hierarchical dp), and plain dp; both match one
-    process (tolerances as tests/test_hsdp.py's), and only collectives over groups that span
-    the sites are delayed, each by the cost model's time for it on the link."""
+    across (HSDP, the site-local sharding of hierarchical dp), plain dp, and plain dp with the
+    first site's ranks taking 3 samples to the second's 1 (uneven shares for unlike devices);
+    each matches one process (tolerances as tests/test_hsdp.py's), and only collectives over
+    groups that span the sites are delayed, each by the cost model's time for it on the link."""
     pool = rank_pool(4)
     ref_losses, ref_state, _ = zoo.train_reference("gpt", steps=3, batch=8)
-    for strategy in ({"zero": 3, "dp_shard": 2}, {}):
+    for strategy in ({"zero": 3, "dp_shard": 2}, {}, {"dp_shares": (3, 3, 1, 1)}):
         for rank, (losses, state, crossings, delayed_s, seen) in enumerate(
                 pool.run(_train_on_emulated_sites, strategy, timeout_s=300)):
             zoo.assert_matches_reference(f"{strategy} rank {rank}", losses, state, ref_losses, ref_state,
@@ -171,7 +172,7 @@ def test_hierarchical_data_parallelism_across_two_emulated_sites_trains_as_one_p
             assert crossing and all(delay > 0 for _, delay in crossing), (strategy, crossing)
             assert all(delay == 0 for _, delay in inside), inside
             assert crossings == len(crossing) and delayed_s == pytest.approx(sum(d for _, d in crossing))
-            if strategy:  # HSDP: ZeRO's gathers inside each site, the replicas' all-reduces across
+            if "dp_shard" in strategy:  # HSDP: ZeRO's gathers inside each site, the replicas' all-reduces across
                 # (the reported loss is averaged over all four)
                 assert inside and any(len(ranks) == 2 for ranks, _ in crossing), seen
 
