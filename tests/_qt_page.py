@@ -30,6 +30,8 @@ from PyQt6.QtWebEngineWidgets import QWebEngineView  # noqa: E402
 from PyQt6.QtWidgets import QApplication  # noqa: E402
 
 LIMIT_MS = 60_000
+#: grabs, 200 ms apart, until the first frame has painted (20 s at most)
+PAINT_TRIES = 100
 #: the window size of the Chromium screenshot in test_plan_html.py
 WIDTH, HEIGHT = 1280, 2400
 
@@ -43,6 +45,13 @@ class _Page(QWebEnginePage):
         self.console.append(f"{level.name}: {message} (line {line})")
 
 
+def _blank(image) -> bool:
+    """Whether every pixel of ``image`` has the first one's colour (nothing painted yet)."""
+    data = image.constBits().asstring(image.sizeInBytes())
+    size = max(1, image.depth() // 8)
+    return data == data[:size] * (len(data) // size)
+
+
 def main(page_path: str, shot_path: str) -> int:
     app = QApplication(sys.argv[:1])
     result: dict = {"loaded": False, "dom": "", "console": []}
@@ -52,13 +61,20 @@ def main(page_path: str, shot_path: str) -> int:
     view.resize(WIDTH, HEIGHT)
     view.show()
 
-    def shoot() -> None:
-        view.grab().save(shot_path)
+    def shoot(tries: int) -> None:
+        # the first frame paints when the machine gets to it: grab again until the view holds
+        # more than its background (a busy CI machine takes seconds); a page that paints
+        # nothing (a failing script's) is saved blank after PAINT_TRIES
+        image = view.grab().toImage()
+        if _blank(image) and tries > 1:
+            QTimer.singleShot(200, lambda: shoot(tries - 1))
+            return
+        image.save(shot_path)
         app.exit(0)
 
     def got_dom(dom: str) -> None:
         result["dom"] = dom or ""
-        QTimer.singleShot(300, shoot)  # let the first frame paint
+        QTimer.singleShot(100, lambda: shoot(PAINT_TRIES))
 
     def loaded(ok: bool) -> None:
         result["loaded"] = ok
