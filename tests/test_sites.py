@@ -373,3 +373,38 @@ def test_int8_on_the_hop_across_two_emulated_sites_trains_close_to_one_process(r
         crossing = [ranks for ranks, _ in seen if {r // 2 for r in ranks} == {0, 1}]
         # per step: the int8 hops of each gather group across the pair, and the reported loss
         assert crossings == len(crossing) and all(len(ranks) in (2, 4) for ranks in crossing), crossing
+
+
+def test_the_planner_holds_each_buffer_once_in_the_block_that_reads_it_first():
+    """A mask buffer every layer reads is held once (the first reader's block), a layer's own
+    frozen weight in its block: the peak's frozen bytes are the model's, not a multiple."""
+    import torch.nn as nn
+
+    from graphpass.cost.search.layouts import Parallelism
+    from graphpass.planner import Planner
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x, mask):
+            return torch.relu(self.lin(x)) * mask
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer() for _ in range(3)])
+            self.register_buffer("mask", torch.ones(64))
+
+        def forward(self, x, y):
+            for layer in self.layers:
+                x = layer(x, self.mask)
+            return (x - y).pow(2).mean()
+
+    model = Model()
+    model.layers[1].lin.weight.requires_grad_(False)
+    x = torch.randn(8, 64)
+    blocks = Planner(model, "h100-80g:1x2", (x, x)).blocks(Parallelism(Mesh.of(dp=2), 1))
+    assert [b.frozen_bytes for b in blocks if b.kind == "layer"] == [64 * 4, 64 * 64 * 4, 0.0]
+    assert sum(b.frozen_bytes for b in blocks) == 64 * 4 + 64 * 64 * 4

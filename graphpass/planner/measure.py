@@ -529,6 +529,7 @@ class GraphProfile:
                 name = self.owner.get(anchor, self.blocks[0]).name
                 added[b][name] = (added[b][name][0] + f, added[b][name][1] + bw)
         out = []
+        held_buffers: set[str] = set()  # a buffer several blocks read is held once, by the first
         for block in self.blocks:
             times = {}
             split_nodes = {n.name: (tp if runs_sharded(n) else 1) for n in block.nodes}
@@ -552,10 +553,12 @@ class GraphProfile:
             params = param_bytes = split_bytes = expert_params = expert_bytes = 0.0
             split_count = tensors = 0
             shapes = []
-            # frozen parameters and the buffers the block reads: held, never synchronised
-            frozen = sum(_tensor_bytes(b.meta.get(meta.VAL)) for b in {
-                a for n in block.nodes for a in n.all_input_nodes
-                if a.op == "get_attr" and meta.get(a, meta.ATTR_KIND, None) == "buffer"})
+            # frozen parameters and the buffers the block reads first: held, never synchronised
+            buffers = {a.target: a for n in block.nodes for a in n.all_input_nodes
+                       if a.op == "get_attr" and meta.get(a, meta.ATTR_KIND, None) == "buffer"
+                       and a.target not in held_buffers}
+            held_buffers.update(buffers)
+            frozen = sum(_tensor_bytes(b.meta.get(meta.VAL)) for b in buffers.values())
             for p in block.params:
                 tensor = self.tensors[p.name]
                 if not tensor.requires_grad and p.name not in self.sparse_tables:
