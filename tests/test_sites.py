@@ -354,7 +354,9 @@ def test_a_pipeline_across_two_emulated_sites_trains_as_one_process_and_its_send
             rank_pool(4).run(_pipeline_on_emulated_sites, timeout_s=240)):
         zoo.assert_matches_reference(f"pp across sites, rank {rank}", losses, state, ref_losses, ref_state,
                                      rtol=1e-5, atol=1e-6)
-        assert crossings >= 6 and delayed_s >= 6 * 5e-3, (rank, crossings, delayed_s)
+        # delayed_s sums the cost model's link times the emulator booked (no clock is read): each
+        # crossing receive books at least the link's 5 ms latency
+        assert crossings >= 6 and delayed_s >= crossings * 5e-3, (rank, crossings, delayed_s)
         assert crossed > 0, rank  # activations (stage 0) or their gradients (stage 1) sent across
 
 
