@@ -139,13 +139,13 @@ def replica_parts(shard_numel: int, replicas: int, itemsize: int = 4) -> dict[st
             "padded": 4.0 * padded, "server": 4.0 * padded / replicas}
 
 
-def beyond_plain_data_parallel(strategy: Any, also: Sequence[str] = ()) -> list[str]:
+def beyond_plain_data_parallel(strategy: Any, also: Sequence[str] = (), hsdp: bool = False) -> list[str]:
     """The fields of ``strategy`` (``name=value``) that go beyond plain data parallelism (ZeRO,
     tp, ep, HSDP, sharded tables, and ``also``), which the inexact synchronisations do not
-    combine with yet."""
+    combine with yet; ``hsdp``: HSDP's ``zero`` and ``dp_shard`` are built for (they are left out)."""
     plain = {"zero": 0, "tp": 1, "ep": 1, "dp_shard": None, "embeddings": None, "grad_compression": None}
-    return [f"{name}={getattr(strategy, name)}" for name in ("zero", "tp", "ep", "dp_shard", "embeddings", *also)
-            if getattr(strategy, name) != plain[name]]
+    names = ("tp", "ep", "embeddings") if hsdp else ("zero", "tp", "ep", "dp_shard", "embeddings")
+    return [f"{name}={getattr(strategy, name)}" for name in (*names, *also) if getattr(strategy, name) != plain[name]]
 
 
 def across_replicas(compression: Any, zero: int) -> bool:
@@ -168,9 +168,7 @@ def check_strategy(strategy: Any) -> None:
                 f"Strategy.grad_compression={compression!r} with dp_shard={strategy.dp_shard}, zero={strategy.zero}: "
                 "under HSDP only int8 at zero=2 or 3 is built (it compresses the hop across the replicas, each "
                 "rank's reduced shard: flat, so no matrix for PowerSGD; ZeRO-1 all-reduces over all of dp at once)")
-        unsupported = [f for f in beyond_plain_data_parallel(strategy) if f.split("=")[0] not in ("zero", "dp_shard")]
-    else:
-        unsupported = beyond_plain_data_parallel(strategy)
+    unsupported = beyond_plain_data_parallel(strategy, hsdp=strategy.dp_shard is not None)
     if unsupported:
         raise NotImplementedError(
             f"Strategy.grad_compression={compression!r} compresses plain data parallelism's gradient buckets; "

@@ -79,6 +79,12 @@ def worker_axis(mesh: Any) -> str | None:
     return DP_SHARD if DP_SHARD in mesh and mesh.size(DP_REPLICATE) > 1 else None
 
 
+def step_axis(mesh: Any, diloco: DiLoCo | None) -> str | None:
+    """The axis each step averages gradients and reports the loss over: all of ``dp`` without
+    DiLoCo; under it a worker's ranks (:func:`worker_axis`), or None where a worker is one rank."""
+    return "dp" if diloco is None else worker_axis(mesh)
+
+
 def outer_axis(mesh: Any) -> str:
     """The mesh axis DiLoCo's outer step averages over: across the workers."""
     return DP_REPLICATE if worker_axis(mesh) else "dp"
@@ -95,9 +101,8 @@ def check_strategy(strategy: Any) -> None:
     if strategy.pp > 1:
         raise ValueError(f"Strategy.diloco with pp={strategy.pp}: DiLoCo's workers each train a whole model between "
                          "outer steps, and a pipeline's stages are one model split over ranks; use pp=1 with diloco")
-    hsdp = strategy.dp_shard is not None  # workers are shard groups (zero > 0 inside each)
-    unsupported = [field for field in beyond_plain_data_parallel(strategy, also=("grad_compression",))
-                   if not (hsdp and field.split("=")[0] in ("zero", "dp_shard"))]
+    # under HSDP the workers are shard groups (zero > 0 inside each)
+    unsupported = beyond_plain_data_parallel(strategy, also=("grad_compression",), hsdp=strategy.dp_shard is not None)
     if unsupported:
         raise NotImplementedError(
             f"Strategy.diloco={diloco!r} runs each data-parallel rank (or HSDP's shard group, with dp_shard=) as a "
@@ -106,4 +111,4 @@ def check_strategy(strategy: Any) -> None:
                if any(field.startswith("zero=") for field in unsupported) else " (drop those, or diloco)"))
 
 
-__all__ = ["DiLoCo", "check_strategy", "outer_axis", "worker_axis"]
+__all__ = ["DiLoCo", "check_strategy", "outer_axis", "step_axis", "worker_axis"]

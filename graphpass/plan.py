@@ -703,14 +703,13 @@ class Plan:
         # DiLoCo's workers may be HSDP's shard groups: ZeRO inside each, the outer step across;
         # int8 may compress HSDP's hop across the replicas of ZeRO-2/3 groups
         stages = {t.zero for t in self.tensors.values() if t.zero}
-        workers = self.diloco is not None and diloco_lib.worker_axis(self.mesh) is not None or (
+        on_hsdp = self.diloco is not None and diloco_lib.worker_axis(self.mesh) is not None or (
             self.diloco is None and "dp_shard" in self.mesh and stages
             and all(compression_lib.across_replicas(self.grad_compression, z) for z in stages))
         beyond = [f"{axis}={self.mesh[axis]}" for axis in ("pp", "tp", "ep", "dp_shard")
                   if axis in self.mesh and self.mesh[axis] > 1
-                  and not (axis == "dp_shard" and (self.mesh[axis] == self.mesh.dp or workers))]
-        beyond += [] if workers else [f"ZeRO-{stage} parameters"
-                                      for stage in sorted({t.zero for t in self.tensors.values() if t.zero})]
+                  and not (axis == "dp_shard" and (self.mesh[axis] == self.mesh.dp or on_hsdp))]
+        beyond += [] if on_hsdp else [f"ZeRO-{stage} parameters" for stage in sorted(stages)]
         beyond += ["sharded embedding tables"] if tables else []
         beyond += ["both grad_compression and diloco"] if len(used) > 1 else []
         beyond += ["uneven dp_shares"] if self.diloco is not None and self.dp_shares is not None else []

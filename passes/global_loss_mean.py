@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 
 from graphpass import meta
-from graphpass.diloco import worker_axis
+from graphpass.diloco import step_axis
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.plan import Plan
 
@@ -258,8 +258,8 @@ def global_loss_mean(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.Gra
     """Make each mean loss a mean over the global batch (see the module docstring)."""
     # DiLoCo's workers train on their own shares: the mean over a worker's (its ranks' under
     # HSDP) microbatches only
-    worker = worker_axis(plan.mesh) if plan.diloco is not None else None
-    pieces = (plan.mesh.dp if plan.diloco is None else plan.mesh.size(worker) if worker else 1) * plan.microbatches
+    axis = step_axis(plan.mesh, plan.diloco)
+    pieces = (plan.mesh.size(axis) if axis else 1) * plan.microbatches
     if pieces == 1:
         log.info("%s: the batch is not split; nothing to do", NAME)
         return gm

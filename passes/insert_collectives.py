@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from graphpass import meta
 from graphpass.compression import matrix_of
-from graphpass.diloco import worker_axis
+from graphpass.diloco import step_axis
 from graphpass.mesh import EDP, EP
 from graphpass.pass_manager import PassContext, graph_pass
 from graphpass.passes import collectives
@@ -87,14 +87,14 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
     stage_of = stage_index(gm, plan.stages) if len(plan.stages) > 1 else None
     # DiLoCo's workers keep their gradients (runtime/diloco.py): a worker is one rank, or under
     # HSDP one shard group, whose replicated parameters' gradients are averaged inside it
-    worker = worker_axis(plan.mesh) if plan.diloco is not None else None
+    step = step_axis(plan.mesh, plan.diloco)
     if plan.diloco is not None and batch is not None:
         log.info("%s: DiLoCo: no gradient buckets across its workers (an outer step every %d inner steps instead)",
                  NAME, plan.diloco.inner_steps)
         params = by_axes.pop(batch, None)  # (Plan refuses diloco beside tp or ep: no partial sums are left)
-        if worker is not None and params:
-            by_axes[worker] = params
-        dp = plan.mesh.size(worker) if worker is not None else 1
+        if step is not None and params:
+            by_axes[step] = params
+        dp = plan.mesh.size(step) if step is not None else 1
     compression = plan.grad_compression
     if compression is not None and compression.kind == "powersgd" and batch in by_axes:
         shapes = [tuple(meta.get(n, meta.VAL).shape) for n in by_axes[batch]]
@@ -112,7 +112,7 @@ def insert_collectives(gm: fx.GraphModule, plan: Plan, ctx: PassContext) -> fx.G
                                                    compression=compression if axis == batch else None)
         log.info("%s: %d parameters in %d gradient buckets over %r", NAME, len(params), len(buckets), axis)
     # the reported loss: the global batch's mean; a DiLoCo worker's own (one rank's: no collective)
-    reported_over = worker if plan.diloco is not None else batch
+    reported_over = batch if plan.diloco is None else step
     if batch is not None and reported_over is not None:
         output = gm.graph.find_nodes(op="output")[0]
         roles = dict(meta.get(output, meta.ROLE))

@@ -124,10 +124,9 @@ class DistributedModule(nn.Module):
             [graph_module], self._roles["loss"], self._report, accumulation_schedule(self.num_microbatches)
         ) if pipeline is None else None
         # the loss's global count sums over the ranks holding the other shares (a DiLoCo worker's, its own)
-        worker = diloco_lib.worker_axis(plan.mesh) if plan.diloco is not None else None
-        self._loss_counts = LossCounts(graph_module, [
-            (worker if a == "dp" and plan.diloco is not None else a) for a in self._batch_axes
-            if not (a == "dp" and plan.diloco is not None and worker is None)], process_mesh)
+        step = diloco_lib.step_axis(plan.mesh, plan.diloco)
+        self._loss_counts = LossCounts(graph_module, [step if a == "dp" else a for a in self._batch_axes
+                                                      if not (a == "dp" and step is None)], process_mesh)
         # The original module's state_dict order and the tensors the graph does not use.
         self._state_keys = list(state_dict_source.state_dict(keep_vars=True).keys())
         self._extra_state = {

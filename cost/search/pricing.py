@@ -395,6 +395,7 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     workers = costing.diloco is not None and replicate is not None
     # int8 on HSDP's hop across the replicas (the table's "zero replicas int8"), in place of it
     hop = TABLE["zero replicas int8"] if replicate and across_replicas(costing.grad_compression, zero) else None
+    across = not workers and hop is None  # the entry's own all-reduce across the replicas
     if hop is not None:
         r = layout.mesh.size(replicate)
         hop_parts = replica_parts(max(1, round(params / n)), r, round(costing.grad_bytes_per_param))
@@ -420,18 +421,17 @@ def _param_terms(params: float, p_bytes: float, tensors: int, zero: int, n: int,
     elif zero < 3:
         # ZeRO-1 under HSDP all-reduces over the shard group and its replicas at once
         joint = f"{axis},{replicate}" if zero == 1 and replicate and not workers else None
-        out.dp_comm += _moved_s(entry, p_bytes, g_bytes, m, comms, axis, joint, across=not workers and hop is None)
+        out.dp_comm += _moved_s(entry, p_bytes, g_bytes, m, comms, axis, joint, across=across)
     else:
         split_bytes, split_count, k = split
         rest = p_bytes - (split_bytes if k > 1 else 0.0)
         slices = split_count * k if k > 1 else 0
         # Each slice is its own gather group, so it also reduce-scatters its gradient alone.
         split_grads = g_bytes * split_bytes / p_bytes if slices and p_bytes else 0.0
-        out.dp_comm += _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis,
-                                across=not workers and hop is None)
+        out.dp_comm += _moved_s(entry, rest, g_bytes - split_grads, m, comms, axis, across=across)
         if slices:
             out.dp_comm += slices * _moved_s(entry, split_bytes / slices, split_grads / slices, m, comms, axis,
-                                             across=not workers and hop is None)
+                                             across=across)
         largest = rest + (split_bytes / slices if slices else 0.0)
         out.transient = entry.transient * largest * (1.0 if p_bytes else 0.0)
     # Optimizer step on this rank's share: measured per element, else its memory traffic (reads

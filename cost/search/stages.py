@@ -73,7 +73,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from graphpass.cluster import Cluster
-from graphpass.diloco import worker_axis
+from graphpass.diloco import step_axis
 from graphpass.mesh import Mesh
 from graphpass.plan import Choice
 from graphpass.transitions import TABLE
@@ -395,7 +395,7 @@ def _loss_report(layout: Parallelism, costing: Costing, comms: _Collectives) -> 
     # as a tree of ceil(log2 pp) hops on the pipeline's slowest neighbour link
     pp = layout.mesh.pp
     broadcast = comms.time("pp", "send_recv", 4.0, blocking=True) * math.ceil(math.log2(pp)) if pp > 1 else 0.0
-    axis = "dp" if costing.diloco is None else worker_axis(layout.mesh)
+    axis = step_axis(layout.mesh, costing.diloco)
     if axis is None:
         return broadcast
     n = layout.mesh.size(axis)
